@@ -1,0 +1,158 @@
+"""Configuration: frozen, validated dataclasses, and the one place defaults live.
+
+``TrainConfig`` holds everything a run needs, grouped by concern. Each class
+validates itself on construction and names the bad value and what would be
+valid. Runtime objects (models, devices, streams) never go in here: they are
+built from a config, not stored in it. ``TrainConfig.to_dict`` gives the
+effective configuration as plain data, saved with every run.
+
+Test: ``pytest tests/test_config.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from slidekit.errors import ConfigError
+
+#: Learning rates used when ``OptimConfig.lr`` is None.
+DEMO_LR = 2e-3
+DEFAULT_LR = 2e-5
+
+__all__ = [
+    "DEFAULT_LR",
+    "DEMO_LR",
+    "DataConfig",
+    "EngineConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PluginConfig",
+    "TrainConfig",
+]
+
+_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def _positive(owner: str, name: str, value: float, *, allow_zero: bool = False) -> None:
+    ok = value >= 0 if allow_zero else value > 0
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{owner}.{name} must be {bound}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    """Which model to fine-tune."""
+
+    source: str = "demo"  # "demo" (embedded tiny Llama-style model) or a local Hugging Face model directory
+    random_init: bool = False  # start from random weights instead of the directory's safetensors
+    init_seed: int = 0  # seed of the random initialisation
+    overrides: Mapping[str, Any] = field(default_factory=dict)  # config.json fields to override
+
+    def __post_init__(self) -> None:
+        if not self.source:
+            raise ConfigError("model.source is empty; give a model directory or 'demo'")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    """Training data: JSONL records packed into fixed-length rows."""
+
+    path: str | None = None  # JSONL file with a "text" field per line; None = the embedded sample corpus
+    seq_len: int = 128  # tokens per row
+    batch_size: int = 8  # rows per step
+    seed: int = 0  # shuffling seed
+
+    def __post_init__(self) -> None:
+        _positive("data", "seq_len", self.seq_len)
+        _positive("data", "batch_size", self.batch_size)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimConfig:
+    """The optimizer and its hyper-parameters."""
+
+    name: str = "layer_adam"  # optimizer driver
+    lr: float | None = None  # learning rate (constant); None: 2e-3 for the demo model, 2e-5 otherwise
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0  # decoupled (AdamW) weight decay
+    no_decay: tuple[str, ...] = ("norm.weight", "bias")  # parameter-name suffixes exempt from decay
+    threads: int | None = None  # CPU threads for updates; None keeps torch's setting
+
+    def __post_init__(self) -> None:
+        if self.lr is not None:
+            _positive("optim", "lr", self.lr)
+        _positive("optim", "eps", self.eps)
+        _positive("optim", "weight_decay", self.weight_decay, allow_zero=True)
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.threads is not None:
+            _positive("optim", "threads", self.threads)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    """How the engine runs: device, precision, drivers, window and buffers."""
+
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:N"
+    compute_dtype: str = "auto"  # "auto" (bfloat16 on GPU, float32 on CPU), "float32", "bfloat16"
+    kernels: str = "auto"  # kernel-set driver, or "auto" for the best available
+    state_tier: str = "ram"  # storage tier holding optimizer state
+    activation_tier: str = "device"  # "device" keeps boundary activations where computed, else a tier name
+    offload_dir: str | None = None  # directory for file-backed tiers
+    window: int = 3  # cache units that take turns on the device (a tied embedding adds one)
+    grad_buffers: int = 2  # shared host gradient buffers
+    loss_chunk: int | None = None  # tokens per chunk of the fused linear + cross-entropy; None = auto
+    timeout_s: float = 600.0  # no pipeline wait lasts longer; a stuck run fails instead of hanging
+
+    def __post_init__(self) -> None:
+        if self.compute_dtype not in _DTYPES:
+            raise ConfigError(f"engine.compute_dtype must be one of {_DTYPES}, got {self.compute_dtype!r}")
+        if self.window < 2:
+            raise ConfigError(
+                f"engine.window must be >= 2 (one unit computing, one loading), got {self.window}"
+            )
+        _positive("engine", "grad_buffers", self.grad_buffers)
+        _positive("engine", "timeout_s", self.timeout_s)
+        if self.loss_chunk is not None:
+            _positive("engine", "loss_chunk", self.loss_chunk)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PluginConfig:
+    """Which plugins load."""
+
+    entry_points: bool = True  # load plugins from entry-point group "slidekit"
+    block: tuple[str, ...] = ()  # plugin names never to load (added to $SLIDEKIT_BLOCK_PLUGINS)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """A whole fine-tuning run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    plugins: PluginConfig = field(default_factory=PluginConfig)
+    steps: int = 150  # optimizer steps
+    seed: int = 0  # seeds the data order (model.init_seed seeds random weights)
+
+    def __post_init__(self) -> None:
+        _positive("train", "steps", self.steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The configuration as plain data (JSON/TOML-serialisable)."""
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value

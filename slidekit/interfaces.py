@@ -1,0 +1,257 @@
+"""What a driver must implement, and the descriptors plugins use to offer one.
+
+The core talks to storage tiers, optimizers, kernel sets and model adapters only
+through the Protocols below. A plugin offers a driver by yielding a frozen
+descriptor from the matching hook (see ``slidekit.hookspecs``); the core
+collects the descriptors, rejects duplicate names and builds a driver through
+the descriptor's ``factory`` once a run selects it by name.
+
+The Protocols are deliberately narrow: they are the whole surface the engine
+uses. ``isinstance`` against them only checks names; the conformance suites in
+``slidekit.testing`` do the real checking.
+
+Test: ``pytest tests/test_plugins.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+__all__ = [
+    "Availability",
+    "DriverDescriptor",
+    "KernelSet",
+    "KernelSetDescriptor",
+    "ModelAdapterDescriptor",
+    "OptimizerDescriptor",
+    "OptimizerHyper",
+    "ParamGroupRange",
+    "StorageTier",
+    "TierContext",
+    "TierDescriptor",
+    "TierStats",
+    "UnitOptimizer",
+    "always_available",
+]
+
+#: ``(available, reason)``: the reason says why not, or how it runs (e.g. "pinned host memory").
+Availability = tuple[bool, str]
+
+
+def always_available() -> Availability:
+    """The availability check of a driver that runs anywhere."""
+    return True, "runs anywhere"
+
+
+# --------------------------------------------------------------------------- descriptors
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DriverDescriptor:
+    """What every driver descriptor carries.
+
+    Fields:
+        name: the name users select the driver by; unique within its family.
+        factory: builds the driver; its arguments depend on the family.
+        available: cheap, side-effect free check: ``(ok, reason)``. Called lazily.
+        priority: automatic selection takes the available driver with the highest priority.
+        devices: device types the driver serves ("cpu", "cuda", "rocm").
+        description: one line for ``slidekit plugins``.
+    """
+
+    name: str
+    factory: Callable[..., Any]
+    available: Callable[[], Availability] = always_available
+    priority: int = 0
+    devices: tuple[str, ...] = ("cpu", "cuda", "rocm")
+    description: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"driver name {self.name!r} is not valid: use letters, digits, '_' and '-' only")
+        if not callable(self.factory):
+            raise TypeError(f"driver {self.name!r}: factory must be callable, got {self.factory!r}")
+        unknown = set(self.devices) - {"cpu", "cuda", "rocm"}
+        if unknown:
+            raise ValueError(
+                f"driver {self.name!r}: unknown device types {sorted(unknown)}; valid: cpu, cuda, rocm"
+            )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TierDescriptor(DriverDescriptor):
+    """A storage tier. ``factory(ctx: TierContext) -> StorageTier``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerDescriptor(DriverDescriptor):
+    """A per-unit optimizer. ``factory(hyper: OptimizerHyper) -> UnitOptimizer``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KernelSetDescriptor(DriverDescriptor):
+    """A kernel set. ``factory() -> KernelSet``."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelAdapterDescriptor(DriverDescriptor):
+    """An architecture adapter. ``factory(hf_config) -> slidekit.models.ArchSpec``.
+
+    ``model_types`` lists the Hugging Face ``config.model_type`` values it serves.
+    """
+
+    model_types: tuple[str, ...] = ()
+
+
+# --------------------------------------------------------------------------- storage tiers
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TierStats:
+    """Counters a tier reports. Bytes are cumulative since the tier was built."""
+
+    bytes_written: int
+    bytes_read: int
+    bytes_allocated: int
+    capacity: int | None  # bytes the tier can still hold; None when unknown
+    detail: str = ""  # how it runs, e.g. "pinned host memory"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TierContext:
+    """What the engine hands a tier factory. Runtime objects, not configuration."""
+
+    device: torch.device  # the compute device; tiers may read into / write from its tensors
+    directory: str | None = None  # where file-backed tiers keep their files
+    io_threads: int = 2  # worker threads for tiers that do blocking I/O
+    options: Mapping[str, Any] = field(default_factory=dict)  # tier-specific settings
+
+
+@runtime_checkable
+class StorageTier(Protocol):
+    """Moves bytes between tensors and the tier's own storage; never computes.
+
+    Regions are named, fixed-size byte ranges. ``write`` and ``read`` return
+    futures that complete once the bytes have arrived; the caller keeps ``src``
+    alive and unchanged, and does not touch ``dst``, until then. Sources and
+    destinations are contiguous tensors of any dtype on the host or on the
+    compute device; a source on the device must be ready on the current stream
+    when ``write`` is called. Because a tier only moves bytes, results of
+    training never depend on which tier holds what.
+
+    ``map`` may return a host tensor aliasing the region (memory tiers): the
+    engine then updates state in place instead of staging it. Tiers whose
+    storage is not addressable return None.
+    """
+
+    name: str
+
+    def allocate(self, key: str, nbytes: int) -> None: ...
+
+    def write(self, key: str, src: Tensor, offset: int = 0) -> Future[None]: ...
+
+    def read(self, key: str, dst: Tensor, offset: int = 0) -> Future[None]: ...
+
+    def map(self, key: str) -> Tensor | None: ...
+
+    def free(self, key: str) -> None: ...
+
+    def stats(self) -> TierStats: ...
+
+    def close(self) -> None: ...
+
+
+# --------------------------------------------------------------------------- optimizers
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerHyper:
+    """Hyper-parameters every optimizer receives (the learning rate comes per step)."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    threads: int | None = None  # intra-op threads for the update; None keeps torch's setting
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParamGroupRange:
+    """A contiguous range of a unit's flat vector that shares optimizer settings."""
+
+    start: int
+    stop: int
+    weight_decay: float
+
+
+@runtime_checkable
+class UnitOptimizer(Protocol):
+    """Updates one unit's flat FP32 master from its gradient, on the CPU.
+
+    ``state_layout(numel)`` names the state buffers a unit of ``numel``
+    parameters needs, with their dtypes and element counts; the engine
+    allocates them (on whatever tier the plan chose) and passes them back
+    zero-initialised to ``step``. ``step`` updates ``master`` and ``state`` in
+    place from ``grad`` (FP32 or BF16) and, when ``lowp_out`` is given, writes the
+    updated parameters cast to its dtype there. ``count`` is the 1-based number
+    of updates this unit has received, for bias correction.
+    """
+
+    name: str
+
+    def state_layout(self, numel: int) -> Mapping[str, tuple[torch.dtype, int]]: ...
+
+    def step(
+        self,
+        master: Tensor,
+        grad: Tensor,
+        state: Mapping[str, Tensor],
+        *,
+        lr: float,
+        count: int,
+        groups: Sequence[ParamGroupRange],
+        lowp_out: Tensor | None = None,
+    ) -> None: ...
+
+
+# --------------------------------------------------------------------------- kernel sets
+
+
+@runtime_checkable
+class KernelSet(Protocol):
+    """The fused operations a decoder layer and the head are built from.
+
+    Each is differentiable through autograd. Shapes: ``x`` (..., H);
+    ``q``/``k`` (B, heads, T, D); ``cos``/``sin`` (T, D); ``hidden`` (N, H);
+    ``weight`` (V, H); ``labels`` (N,), with ``ignore_index`` marking tokens
+    that carry no loss.
+    """
+
+    name: str
+
+    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor: ...
+
+    def rope(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def swiglu(self, gate: Tensor, up: Tensor) -> Tensor: ...
+
+    def attention(
+        self, q: Tensor, k: Tensor, v: Tensor, *, scale: float, window: int | None = None
+    ) -> Tensor: ...
+
+    def linear_cross_entropy(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        *,
+        ignore_index: int = -100,
+        chunk_size: int | None = None,
+        reduction: str = "sum",
+    ) -> Tensor: ...
