@@ -1,0 +1,98 @@
+"""Pure planning: the visit schedule of a step and the memory it needs. No devices, no files.
+
+A step visits units in this order (L decoder layers; unit 0 is the
+embedding, L+1 the head)::
+
+    fwd 0, fwd 1, ..., fwd L, head L+1, bwd L, ..., bwd 1, bwd 0
+
+``head`` computes the loss and its gradients at once (the fused linear +
+cross-entropy never keeps the logits), so the head's backward needs no second
+visit. ``bwd 0`` needs only a gradient buffer, not the embedding's weights,
+unless the LM head is tied to it: then the embedding stays resident in a
+pinned cache unit for the whole step, because the head needs its weights and
+both ends add to its gradient.
+
+The engine executes this schedule; ``MemoryPlan`` sizes the cache units and
+host buffers it needs. Test: ``pytest tests/test_plan.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["MemoryPlan", "Visit", "plan_memory", "schedule"]
+
+FWD, HEAD, BWD = "fwd", "head", "bwd"
+
+
+@dataclass(frozen=True, slots=True)
+class Visit:
+    """One unit's turn on the compute device."""
+
+    unit: int
+    phase: str  # "fwd", "head" or "bwd"
+    needs_params: bool  # must the unit's weights be in a cache unit?
+
+
+def schedule(num_layers: int, tied: bool) -> tuple[Visit, ...]:
+    """The visits of one training step, in order."""
+    if num_layers < 1:
+        raise ValueError(f"a model needs at least one decoder layer, got {num_layers}")
+    head = num_layers + 1
+    visits = [Visit(0, FWD, True)]
+    visits += [Visit(i, FWD, True) for i in range(1, head)]
+    visits.append(Visit(head, HEAD, True))
+    visits += [Visit(i, BWD, True) for i in range(num_layers, 0, -1)]
+    visits.append(Visit(0, BWD, tied))
+    return tuple(visits)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryPlan:
+    """Buffer sizes the engine allocates, and what they cost."""
+
+    slot_numel: int  # elements of one cache unit (parameters; gradients are the same size)
+    window: int  # cache units on the compute device, the pinned tied embedding included
+    grad_buffers: int  # shared host gradient buffers
+    device_bytes: int  # cache units: parameters + gradients
+    host_master_bytes: int  # FP32 masters
+    host_state_bytes: int  # optimizer state, wherever its tier keeps it
+    host_ring_bytes: int  # shared gradient buffers
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host_master_bytes + self.host_state_bytes + self.host_ring_bytes
+
+
+def plan_memory(
+    unit_numels: Sequence[int],
+    *,
+    compute_itemsize: int,
+    state_bytes_per_param: float,
+    window: int,
+    grad_buffers: int,
+    tied: bool,
+) -> MemoryPlan:
+    """Size the cache units and host buffers for units of the given lengths.
+
+    ``window`` counts the cache units that take turns; a tied embedding adds
+    one pinned unit on top. At least two must take turns, so the next unit can
+    load while the current one computes.
+    """
+    if window < 2:
+        raise ValueError(f"window must be at least 2 cache units (one computing, one loading), got {window}")
+    if grad_buffers < 1:
+        raise ValueError(f"grad_buffers must be at least 1, got {grad_buffers}")
+    slot = max(unit_numels)
+    slots = window + (1 if tied else 0)
+    total = sum(unit_numels)
+    return MemoryPlan(
+        slot_numel=slot,
+        window=slots,
+        grad_buffers=grad_buffers,
+        device_bytes=2 * slots * slot * compute_itemsize,
+        host_master_bytes=4 * total,
+        host_state_bytes=int(state_bytes_per_param * total),
+        host_ring_bytes=grad_buffers * slot * compute_itemsize,
+    )
