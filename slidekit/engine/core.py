@@ -1,0 +1,334 @@
+"""The sliding engine: executes the visit schedule of ``slidekit.plan`` for one step at a time.
+
+One step, for a model of L layers (units 0..L+1)::
+
+    forward   embed, layer 1..L   (no autograd; each layer's input saved)
+    head      final norm + fused linear/cross-entropy: loss AND its gradients
+    backward  layer L..1          (recompute from the saved input, backprop)
+              embed               (scatter-add of the input gradient)
+
+While the device computes visit k, the upload thread loads the parameters
+of the next visits into free cache units. After a unit's backward, the
+download thread copies its gradients into a shared host buffer and the
+optimizer thread updates the unit's FP32 master from it, while the device
+moves on to the next unit. The next step's upload of a unit waits for that
+unit's update, so every forward sees fully updated weights (ordinary AdamW
+semantics, no staleness).
+
+On CUDA the three activities run on three streams ordered by events; on the
+CPU the same threads run the same schedule with synchronous copies.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slidekit.engine.activations import ActivationStore
+from slidekit.engine.host import HostStore
+from slidekit.engine.runtime import Pipeline, Streams
+from slidekit.engine.window import Slot, Window
+from slidekit.interfaces import KernelSet, ParamGroupRange, UnitOptimizer
+from slidekit.models.base import ArchSpec, UnitKind
+from slidekit.models.decoder import RopeTables, embed_backward, embed_forward, head_loss, layer_forward
+from slidekit.plan import BWD, FWD, HEAD, MemoryPlan, Visit, schedule
+
+__all__ = ["Engine", "StepResult"]
+
+#: Elements per chunk when FP32 masters are uploaded and cast on the device.
+UPLOAD_CHUNK = 1 << 24
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    loss: float  # mean cross-entropy over the labelled tokens
+    tokens: int  # tokens processed (labelled or not)
+    labelled: int  # tokens that carried a label
+    seconds: float
+
+
+class Engine:
+    """Runs training steps over a model whose units live on the host and slide through a window."""
+
+    def __init__(
+        self,
+        spec: ArchSpec,
+        *,
+        kernels: KernelSet,
+        optimizer: UnitOptimizer,
+        host: HostStore,
+        window: Window,
+        activations: ActivationStore,
+        pipeline: Pipeline,
+        streams: Streams,
+        plan: MemoryPlan,
+        groups: Sequence[Sequence[ParamGroupRange]],
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        loss_chunk: int | None,
+        prefetch: int,
+    ) -> None:
+        self.spec = spec
+        self.kernels = kernels
+        self.optimizer = optimizer
+        self.host = host
+        self.window = window
+        self.acts = activations
+        self.pipeline = pipeline
+        self.streams = streams
+        self.plan = plan
+        self.groups = groups
+        self.device = device
+        self.dtype = compute_dtype
+        self.loss_chunk = loss_chunk
+        self.prefetch_depth = prefetch
+        self.visits = schedule(spec.num_layers, spec.tie_embeddings)
+        self.rope = RopeTables(spec)
+        n = len(spec.units)
+        self.version = [0] * n  # bumped when an optimizer update of the unit is queued
+        self.updated: list[Future[None] | None] = [None] * n  # the latest update of each unit
+        self.steps_done = 0
+        self._loads: dict[int, tuple[Slot, Future[Any] | None]] = {}  # visit index -> slot, upload
+        self._tied_slot: Slot | None = None
+        self._stage: torch.Tensor | None = None  # FP32 staging on the device for casting uploads
+
+    # ================================================================== uploads
+
+    def _request(self, k: int) -> None:
+        """Make sure visit ``k``'s parameters are (being) loaded into a slot."""
+        if k >= len(self.visits) or k in self._loads:
+            return
+        visit = self.visits[k]
+        if not visit.needs_params:
+            return
+        if self._is_tied_embed(visit.unit) and self._tied_slot is not None:
+            self._loads[k] = (self._tied_slot, None)
+            return
+        version = self.version[visit.unit]
+        slot = self.window.lookup(visit.unit, version)
+        if slot is not None:  # still resident from an earlier visit
+            self._loads[k] = (slot, None)
+            return
+        slot = self.window.claim(visit.unit, version, pinned=self._is_tied_embed(visit.unit))
+        if slot.pinned:
+            self._tied_slot = slot
+        fut = self.pipeline.submit(
+            "h2d", self._upload, slot, visit.unit, self.updated[visit.unit], slot.free_event
+        )
+        self._loads[k] = (slot, fut)
+
+    def _upload(self, slot: Slot, unit: int, update: Future[None] | None, free_event: Any) -> Any:
+        """Upload thread: wait for the unit's update, then copy its master into the slot."""
+        if update is not None:
+            self.pipeline.result(update, f"the optimizer update of unit {unit}")
+        master = self.host.masters[unit]
+        n = master.numel()
+        if not self.streams.cuda:
+            slot.params[:n].copy_(master)
+            return None
+        s = self.streams
+        with s.use(s.h2d):
+            s.wait(s.h2d, free_event)  # the slot's previous contents are no longer read
+            if self.dtype == torch.float32:
+                slot.params[:n].copy_(master, non_blocking=True)
+            else:  # FP32 over the bus, cast on the device: no host-side BF16 copy to keep
+                stage = self._staging()
+                for a in range(0, n, UPLOAD_CHUNK):
+                    b = min(a + UPLOAD_CHUNK, n)
+                    stage[: b - a].copy_(master[a:b], non_blocking=True)
+                    slot.params[a:b].copy_(stage[: b - a])
+            return s.record(s.h2d)
+
+    def _staging(self) -> torch.Tensor:
+        if self._stage is None:
+            self._stage = torch.empty(UPLOAD_CHUNK, dtype=torch.float32, device=self.device)
+        return self._stage
+
+    def _acquire(self, k: int) -> Slot:
+        """The slot holding visit ``k``'s parameters, ready for compute on the compute stream."""
+        self._request(k)
+        slot, fut = self._loads.pop(k)
+        if fut is not None:
+            event = self.pipeline.result(fut, f"the upload of unit {self.visits[k].unit}")
+            self.streams.wait(self.streams.compute, event)
+        for j in range(k + 1, k + 1 + self.prefetch_depth):
+            self._request(j)
+        return slot
+
+    def _is_tied_embed(self, unit: int) -> bool:
+        return unit == 0 and self.spec.tie_embeddings
+
+    # ================================================================== gradients and updates
+
+    def _finish_unit(self, unit: int, slot: Slot, lr: float) -> None:
+        """After a unit's backward: copy its gradients down, then update it on the optimizer thread."""
+        done = self.streams.record(self.streams.compute)
+        # Bump the version now, on this thread: from here on no slot holding the old
+        # parameters can be mistaken for current, and every upload waits for the update.
+        self.version[unit] += 1
+        download = self.pipeline.submit("d2h", self._download, unit, slot, done)
+        self.updated[unit] = self.pipeline.submit(
+            "optim", self._update, unit, download, lr, self.steps_done + 1
+        )
+
+    def _download(self, unit: int, slot: Slot, computed: Any) -> int:
+        """Download thread: gradients of ``unit`` from its slot into a free host buffer."""
+        ring = self.host.ring
+        index = ring.acquire()
+        n = self.host.masters[unit].numel()
+        dst = ring.buffers[index][:n]
+        s = self.streams
+        if s.cuda:
+            with s.use(s.d2h):
+                s.wait(s.d2h, computed)
+                dst.copy_(slot.grads[:n], non_blocking=True)
+                copied = s.record(s.d2h)
+            s.synchronize(copied)
+            self.window.release(slot, copied)
+        else:
+            dst.copy_(slot.grads[:n])
+            self.window.release(slot, None)
+        return index
+
+    def _update(self, unit: int, download: Future[int], lr: float, count: int) -> None:
+        """Optimizer thread: update ``unit``'s master from its gradients, in submission order."""
+        index = self.pipeline.result(download, f"the gradient download of unit {unit}")
+        master = self.host.masters[unit]
+        grad = self.host.ring.buffers[index][: master.numel()]
+
+        def step(state: Mapping[str, torch.Tensor]) -> None:
+            self.optimizer.step(master, grad, state, lr=lr, count=count, groups=self.groups[unit])
+
+        try:
+            self.host.with_state(unit, step)
+        finally:
+            self.host.ring.release(index)
+
+    # ================================================================== the step
+
+    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, lr: float) -> StepResult:
+        """One optimizer step on a batch: ``input_ids`` and ``labels`` (B, T), -100 where unlabelled."""
+        t0 = time.perf_counter()
+        self.pipeline.check()
+        labelled = int((labels != -100).sum())
+        if labelled == 0:
+            raise ValueError("the batch has no labelled token (every label is -100); nothing to learn from")
+        ids = input_ids.to(self.device, non_blocking=True)
+        tgt = labels.to(self.device, non_blocking=True)
+        cos, sin = self.rope.get(ids.shape[1], self.device, self.dtype)
+        run: dict[str, Callable[..., Any]] = {FWD: self._forward, HEAD: self._head, BWD: self._backward}
+        carry: dict[str, Any] = {
+            "ids": ids,
+            "labels": tgt,
+            "cos": cos,
+            "sin": sin,
+            "lr": lr,
+            "labelled": labelled,
+        }
+        self._request(0)
+        for k, visit in enumerate(self.visits):
+            run[visit.phase](k, visit, carry)
+        loss_sum = float(carry["loss_sum"])  # waits for the device, not for the optimizer
+        self.steps_done += 1
+        return StepResult(
+            loss=loss_sum / labelled,
+            tokens=ids.numel(),
+            labelled=labelled,
+            seconds=time.perf_counter() - t0,
+        )
+
+    def _forward(self, k: int, visit: Visit, c: dict[str, Any]) -> None:
+        slot = self._acquire(k)
+        unit = self.spec.units[visit.unit]
+        w = slot.weights(unit, trainable=False)
+        with torch.no_grad():
+            if unit.kind == UnitKind.EMBED:
+                c["x"] = embed_forward(w, c["ids"]).to(self.dtype)
+            else:
+                self.acts.save(visit.unit, c["x"])
+                c["x"] = layer_forward(self.spec, w, c["x"], c["cos"], c["sin"], self.kernels)
+        if not slot.pinned:
+            self.window.release(slot, self.streams.record(self.streams.compute))
+
+    def _head(self, k: int, visit: Visit, c: dict[str, Any]) -> None:
+        slot = self._acquire(k)
+        unit = self.spec.units[visit.unit]
+        n = unit.numel
+        slot.grads[:n].zero_()
+        w = slot.weights(unit, trainable=True)
+        if self.spec.tie_embeddings:
+            assert self._tied_slot is not None
+            embed = self.spec.embed
+            self._tied_slot.grads[: embed.numel].zero_()
+            lm_weight = self._tied_slot.weights(embed, trainable=True)["embed_tokens.weight"]
+        else:
+            lm_weight = w["lm_head.weight"]
+        x = c.pop("x").detach().requires_grad_(True)
+        with torch.enable_grad():
+            loss_sum = head_loss(self.spec, w, lm_weight, x, c["labels"], self.kernels, self.loss_chunk)
+            (loss_sum / c["labelled"]).backward()
+        c["loss_sum"] = loss_sum.detach()
+        c["dx"] = x.grad
+        self._finish_unit(visit.unit, slot, c["lr"])
+
+    def _backward(self, k: int, visit: Visit, c: dict[str, Any]) -> None:
+        unit = self.spec.units[visit.unit]
+        if unit.kind == UnitKind.EMBED:
+            self._embed_backward(k, visit, c)
+            return
+        if visit.unit > 1:
+            self.acts.prefetch(visit.unit - 1)  # read the next input back while this layer computes
+        slot = self._acquire(k)
+        slot.grads[: unit.numel].zero_()
+        w = slot.weights(unit, trainable=True)
+        x = self.acts.load(visit.unit).detach().requires_grad_(True)
+        with torch.enable_grad():
+            y = layer_forward(self.spec, w, x, c["cos"], c["sin"], self.kernels)
+            torch.autograd.backward(y, c["dx"])
+        c["dx"] = x.grad
+        self._finish_unit(visit.unit, slot, c["lr"])
+
+    def _embed_backward(self, k: int, visit: Visit, c: dict[str, Any]) -> None:
+        embed = self.spec.embed
+        if self._tied_slot is not None:
+            slot = self._tied_slot
+            self._loads.pop(k, None)
+            self.window.unpin(slot)  # its last use this step: the next step uploads it afresh
+            self._tied_slot = None
+        else:
+            # Only a gradient buffer is needed: claim a slot without loading any weights.
+            slot = self.window.claim(-1, -1)
+            self.window.invalidate(slot)
+            slot.grads[: embed.numel].zero_()
+        grad = embed.views(slot.grads)["embed_tokens.weight"]
+        embed_backward(grad, c["ids"], c.pop("dx"))
+        self._finish_unit(0, slot, c["lr"])
+
+    # ================================================================== state
+
+    def wait_updates(self) -> None:
+        """Block until every queued optimizer update has been applied."""
+        for unit, fut in enumerate(self.updated):
+            if fut is not None:
+                self.pipeline.result(fut, f"the optimizer update of unit {unit}")
+
+    def master_state(self) -> dict[str, torch.Tensor]:
+        """Hugging Face name -> FP32 master view (after all updates). Tied heads appear under both names."""
+        self.wait_updates()
+        out: dict[str, torch.Tensor] = {}
+        for unit, master in zip(self.spec.units, self.host.masters, strict=True):
+            for e in unit.entries:
+                out[e.name] = master[e.offset : e.stop].view(e.shape)
+        if self.spec.tie_embeddings:
+            out["lm_head.weight"] = out["model.embed_tokens.weight"]
+        return out
+
+    def close(self) -> None:
+        self.pipeline.close()
+        self.acts.close()
+        self.host.close()

@@ -1,0 +1,289 @@
+"""The Python API: ``Trainer(config).fit()``.
+
+Building a Trainer resolves the device and precision, loads the plugins,
+selects every driver (explicit names must work; "auto" says what it chose),
+loads the model's config and weights into FP32 masters on the host, and
+builds the engine. ``fit`` runs the steps and returns the losses.
+
+    from slidekit import Trainer, TrainConfig
+    with Trainer(TrainConfig(steps=50)) as trainer:
+        result = trainer.fit()
+    print(result.losses[0], "->", result.losses[-1])
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slidekit.config import DEFAULT_LR, DEMO_LR, TrainConfig
+from slidekit.data import Batch, PackedRows, load_tokenizer, read_texts
+from slidekit.devices import device_family, resolve_device
+from slidekit.engine import (
+    ActivationStore,
+    DeviceActivations,
+    Engine,
+    HostStore,
+    Pipeline,
+    Streams,
+    TierActivations,
+    Window,
+)
+from slidekit.errors import ConfigError, ModelLoadError
+from slidekit.interfaces import OptimizerHyper, ParamGroupRange, StorageTier, TierContext
+from slidekit.models.base import ArchSpec, UnitLayout
+from slidekit.models.loading import (
+    DEMO_MODEL,
+    demo_dir,
+    init_unit,
+    load_hf_config,
+    load_unit_weights,
+    weight_files,
+)
+from slidekit.plan import plan_memory
+from slidekit.plugins import Plugins, Selection
+from slidekit.telemetry import Progress
+
+__all__ = ["FitResult", "Trainer", "param_groups"]
+
+
+@dataclass(frozen=True, slots=True)
+class FitResult:
+    """What ``fit`` returns."""
+
+    losses: list[float]
+    tokens: int
+    seconds: float
+    step_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def param_groups(unit: UnitLayout, weight_decay: float, no_decay: Sequence[str]) -> list[ParamGroupRange]:
+    """Weight-decay ranges of a unit's flat vector: decay unless the name ends with a ``no_decay`` suffix."""
+    groups: list[ParamGroupRange] = []
+    for e in unit.entries:
+        wd = 0.0 if any(e.name.endswith(s) for s in no_decay) else weight_decay
+        if groups and groups[-1].weight_decay == wd:
+            groups[-1] = ParamGroupRange(start=groups[-1].start, stop=e.stop, weight_decay=wd)
+        else:
+            groups.append(ParamGroupRange(start=e.offset, stop=e.stop, weight_decay=wd))
+    return groups
+
+
+class Trainer:
+    """Fine-tunes every parameter of a model with the sliding engine."""
+
+    def __init__(
+        self, config: TrainConfig, *, plugins: Plugins | None = None, progress: bool = False
+    ) -> None:
+        self.config = config
+        self.progress = progress
+        self.plugins = plugins or Plugins(
+            entry_points=config.plugins.entry_points, block=config.plugins.block
+        )
+        ec = config.engine
+        self.device = resolve_device(ec.device)
+        family = device_family(self.device)
+        self.compute_dtype = self._dtype(ec.compute_dtype)
+        self.hf_config, self.model_dir = load_hf_config(config.model.source, config.model.overrides)
+        adapter = self.plugins.adapter_for(self.hf_config.model_type)
+        self.spec: ArchSpec = adapter.descriptor.factory(self.hf_config)
+
+        self.selections: dict[str, Selection] = {
+            "kernels": self.plugins.select("kernels", ec.kernels, family),
+            "optimizer": self.plugins.select("optimizer", config.optim.name, family),
+            "state_tier": self.plugins.select("tier", ec.state_tier, family),
+        }
+        if ec.activation_tier != "device":
+            self.selections["activation_tier"] = self.plugins.select("tier", ec.activation_tier, family)
+        self.notes = [s.reason for s in self.selections.values() if s.automatic]
+        default_lr = DEMO_LR if config.model.source == DEMO_MODEL else DEFAULT_LR
+        self.lr: float = config.optim.lr if config.optim.lr is not None else default_lr
+        if config.optim.lr is None:
+            self.notes.append(f"learning rate {self.lr:g} (the default for this model; set optim.lr / --lr)")
+
+        self._tiers: dict[str, StorageTier] = {}
+        self._engine: Engine | None = None
+        try:
+            self._engine = self._build_engine()
+            self._load_weights()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ building
+
+    def _dtype(self, name: str) -> torch.dtype:
+        if name == "auto":
+            return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+    def _tier(self, sel: Selection) -> StorageTier:
+        if sel.name not in self._tiers:
+            ctx = TierContext(device=self.device, directory=self.config.engine.offload_dir)
+            self._tiers[sel.name] = sel.descriptor.factory(ctx)
+        return self._tiers[sel.name]
+
+    def _build_engine(self) -> Engine:
+        ec, oc = self.config.engine, self.config.optim
+        kernels = self.selections["kernels"].descriptor.factory()
+        optimizer = self.selections["optimizer"].descriptor.factory(
+            OptimizerHyper(betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay, threads=oc.threads)
+        )
+        units = self.spec.units
+        itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
+        state_per_param = sum(
+            n * torch.empty((), dtype=dt).element_size() for dt, n in optimizer.state_layout(1).values()
+        )
+        plan = plan_memory(
+            [u.numel for u in units],
+            compute_itemsize=itemsize,
+            state_bytes_per_param=state_per_param,
+            window=ec.window,
+            grad_buffers=ec.grad_buffers,
+            tied=self.spec.tie_embeddings,
+        )
+        pipeline = Pipeline(ec.timeout_s)
+        host = HostStore(
+            units,
+            optimizer=optimizer,
+            state_tier=self._tier(self.selections["state_tier"]),
+            pin=self.device.type == "cuda",
+            grad_dtype=self.compute_dtype,
+            grad_buffers=ec.grad_buffers,
+            pipeline=pipeline,
+        )
+        window = Window(plan.window, plan.slot_numel, self.compute_dtype, self.device, pipeline)
+        acts: ActivationStore = DeviceActivations()
+        if "activation_tier" in self.selections:
+            acts = TierActivations(self._tier(self.selections["activation_tier"]), self.device, pipeline)
+        return Engine(
+            self.spec,
+            kernels=kernels,
+            optimizer=optimizer,
+            host=host,
+            window=window,
+            activations=acts,
+            pipeline=pipeline,
+            streams=Streams(self.device),
+            plan=plan,
+            groups=[param_groups(u, oc.weight_decay, oc.no_decay) for u in units],
+            device=self.device,
+            compute_dtype=self.compute_dtype,
+            loss_chunk=ec.loss_chunk,
+            prefetch=ec.window - 1,
+        )
+
+    def _load_weights(self) -> None:
+        mc = self.config.model
+        assert self._engine is not None
+        masters = self._engine.host.masters
+        files = {} if mc.random_init or mc.source == DEMO_MODEL else weight_files(self.model_dir)
+        if not files and not (mc.random_init or mc.source == DEMO_MODEL):
+            raise ModelLoadError(
+                f"{str(self.model_dir)!r} has no model.safetensors or model.safetensors.index.json; "
+                "set model.random_init (CLI: --random-init) to start from random weights"
+            )
+        for unit, master in zip(self.spec.units, masters, strict=True):
+            if files:
+                load_unit_weights(unit, files, master)
+            else:
+                init_unit(self.spec, unit, master, mc.init_seed)
+
+    # ------------------------------------------------------------------ data
+
+    def default_batches(self) -> Iterator[Batch]:
+        """Batches from ``config.data`` (the embedded sample corpus when no path is set)."""
+        dc = self.config.data
+        tok_dir = demo_dir() / "tokenizer" if self.config.model.source == DEMO_MODEL else self.model_dir
+        tokenizer = load_tokenizer(tok_dir)
+        path = Path(dc.path) if dc.path else demo_dir() / "corpus.jsonl"
+        rows = PackedRows.from_texts(read_texts(path), tokenizer, dc.seq_len)
+        too_big = int(rows.rows.max())
+        if too_big >= self.spec.vocab_size:
+            raise ConfigError(
+                f"the tokenizer produced id {too_big}, but the model's vocabulary has {self.spec.vocab_size} "
+                "entries; use the tokenizer that belongs to the model"
+            )
+        return rows.batches(dc.batch_size, dc.seed + self.config.seed)
+
+    # ------------------------------------------------------------------ training
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("the trainer is closed")
+        return self._engine
+
+    def fit(self, batches: Iterable[Batch] | None = None, *, steps: int | None = None) -> FitResult:
+        """Train ``steps`` steps (default ``config.steps``) on ``batches`` (default: ``config.data``)."""
+        engine = self.engine
+        steps = self.config.steps if steps is None else steps
+        data = iter(batches) if batches is not None else self.default_batches()
+        drivers = {k: s.name for k, s in self.selections.items()}
+        self.plugins.hook.slidekit_fit_start(config=self.config, drivers=drivers)
+        bar = Progress(steps, enabled=self.progress)
+        for note in self.notes:
+            bar.write(note)
+        losses: list[float] = []
+        seconds: list[float] = []
+        tokens = 0
+        done = 0
+        t0 = time.perf_counter()
+        try:
+            for step in range(1, steps + 1):
+                try:
+                    batch = next(data)
+                except StopIteration:
+                    break
+                res = engine.train_step(batch.input_ids, batch.labels, self.lr)
+                losses.append(res.loss)
+                seconds.append(res.seconds)
+                tokens += res.tokens
+                done = step
+                metrics = {
+                    "loss": res.loss,
+                    "tokens": float(res.tokens),
+                    "seconds": res.seconds,
+                    "tokens_per_s": res.tokens / res.seconds if res.seconds else 0.0,
+                }
+                self.plugins.hook.slidekit_step_end(step=step, metrics=metrics)
+                bar.update(metrics)
+            engine.wait_updates()
+        except BaseException as exc:
+            bar.close()
+            self.plugins.hook.slidekit_fit_end(steps=done, error=exc)
+            self.close()  # the pipeline is in an unknown state: release everything
+            raise
+        bar.close()
+        self.plugins.hook.slidekit_fit_end(steps=done, error=None)
+        return FitResult(losses, tokens, time.perf_counter() - t0, seconds)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Hugging Face name -> FP32 parameter (a copy), once every update has been applied."""
+        return {k: v.clone() for k, v in self.engine.master_state().items()}
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """Stop the threads and release device memory, host buffers and tier storage. Idempotent."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+        for tier in self._tiers.values():
+            tier.close()
+        self._tiers.clear()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
