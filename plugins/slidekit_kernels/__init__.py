@@ -1,0 +1,1 @@
+"""Bundled kernel-set plugins for slidekit: ``torch_ref`` (plain PyTorch, runs anywhere)."""

@@ -1,0 +1,5 @@
+"""Bundled storage-tier plugins for slidekit: ``ram`` (host memory).
+
+Each module is a plugin registered through an entry point in group
+``slidekit``, written exactly as a third-party tier would be.
+"""
