@@ -1,0 +1,99 @@
+"""An example slidekit plugin: the ``crc32_ram`` storage tier.
+
+A plugin is a module with ``@hookimpl`` functions named after slidekit's hook
+specs, registered through an entry point in group ``slidekit``. This one
+implements ``slidekit_storage_tiers`` and yields one ``TierDescriptor``.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from slidekit.hookspecs import hookimpl
+from slidekit.interfaces import TierContext, TierDescriptor, TierStats
+
+__all__ = ["CorruptRegionError", "Crc32RamTier"]
+
+
+class CorruptRegionError(RuntimeError):
+    """A region's bytes no longer match the CRC-32 recorded when they were written."""
+
+
+class Crc32RamTier:
+    """Host-memory regions, each guarded by a CRC-32 over its bytes."""
+
+    name = "crc32_ram"
+
+    def __init__(self, ctx: TierContext) -> None:
+        self._regions: dict[str, torch.Tensor] = {}
+        self._crc: dict[str, int] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="crc32-ram")
+        self._lock = threading.Lock()
+        self._written = self._read = 0
+
+    def allocate(self, key: str, nbytes: int) -> None:
+        if key in self._regions:
+            raise KeyError(f"region {key!r} already exists")
+        region = torch.zeros(nbytes, dtype=torch.uint8)
+        self._regions[key] = region
+        self._crc[key] = zlib.crc32(region.numpy())
+
+    def map(self, key: str) -> torch.Tensor | None:
+        return None  # every access goes through write/read, so every read is checked
+
+    def free(self, key: str) -> None:
+        self._regions.pop(key, None)
+        self._crc.pop(key, None)
+
+    def write(self, key: str, src: torch.Tensor, offset: int = 0) -> Future[None]:
+        region = self._regions[key]
+        data = src.detach().reshape(-1).view(torch.uint8)
+
+        def run() -> None:
+            region[offset : offset + data.numel()].copy_(data)  # from the GPU too: copy_ synchronises
+            with self._lock:
+                self._crc[key] = zlib.crc32(region.numpy())
+                self._written += data.numel()
+
+        return self._pool.submit(run)
+
+    def read(self, key: str, dst: torch.Tensor, offset: int = 0) -> Future[None]:
+        region = self._regions[key]
+        out = dst.reshape(-1).view(torch.uint8)
+
+        def run() -> None:
+            if zlib.crc32(region.numpy()) != self._crc[key]:
+                raise CorruptRegionError(f"region {key!r} failed its CRC-32 check")
+            out.copy_(region[offset : offset + out.numel()])
+            with self._lock:
+                self._read += out.numel()
+
+        return self._pool.submit(run)
+
+    def stats(self) -> TierStats:
+        return TierStats(
+            bytes_written=self._written,
+            bytes_read=self._read,
+            bytes_allocated=sum(r.numel() for r in self._regions.values()),
+            capacity=None,
+            detail="host memory, CRC-32 checked",
+        )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._regions.clear()
+
+
+@hookimpl
+def slidekit_storage_tiers() -> Iterator[TierDescriptor]:
+    yield TierDescriptor(
+        name="crc32_ram",
+        factory=Crc32RamTier,
+        priority=10,
+        description="host memory with a CRC-32 check on every read (example plugin)",
+    )

@@ -1,0 +1,1 @@
+"""Test helpers for slidekit and for plugin authors: the reference loop, tiny models, comparisons."""

@@ -1,0 +1,115 @@
+"""A plain PyTorch training loop: the reference slidekit's results are compared against.
+
+It trains the Hugging Face transformers implementation of the same model,
+on the same batches, with ``torch.optim.AdamW`` and the same parameter
+groups, entirely on one device and with no offloading, so any difference
+from slidekit is slidekit's.
+
+Two precisions:
+
+* ``"float32"``: parameters, compute and optimizer in FP32 (exact comparison);
+* ``"bfloat16"``: BF16 parameters for compute, FP32 master copies updated by
+  AdamW and copied back after each step: ordinary mixed precision, what
+  slidekit does with its masters on the host.
+
+Plugin authors: ``reference_run`` is public; compare your optimizer or
+kernel set by running slidekit with it and this loop on the same inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from slidekit.data import Batch
+
+__all__ = ["ReferenceResult", "build_hf_model", "reference_run"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReferenceResult:
+    losses: list[float]
+    state: dict[str, torch.Tensor]  # FP32 parameters after the last step, by Hugging Face name
+
+
+def build_hf_model(
+    hf_config: Any, state: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> Any:
+    """The transformers model for ``hf_config`` holding ``state`` (SDPA attention, no KV cache)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(dict(state), strict=False)
+    tied = getattr(hf_config, "tie_word_embeddings", False)
+    real_missing = [k for k in missing if not (tied and k == "lm_head.weight")]
+    if real_missing or unexpected:
+        raise ValueError(f"state does not fit the model: missing {real_missing}, unexpected {unexpected}")
+    model.config.use_cache = False
+    return model.to(device=device, dtype=dtype).train()
+
+
+def _groups(
+    named: Sequence[tuple[str, torch.nn.Parameter]], weight_decay: float, no_decay: Sequence[str]
+) -> list[dict[str, Any]]:
+    decay = [p for n, p in named if not any(n.endswith(s) for s in no_decay)]
+    rest = [p for n, p in named if any(n.endswith(s) for s in no_decay)]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def reference_run(
+    hf_config: Any,
+    init_state: Mapping[str, torch.Tensor],
+    batches: Iterable[Batch],
+    *,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    no_decay: Sequence[str] = ("norm.weight", "bias"),
+    precision: str = "float32",
+    device: torch.device | str = "cpu",
+) -> ReferenceResult:
+    """Train the transformers model on ``batches`` with ``torch.optim.AdamW``; return losses and final state.
+
+    The loss is the mean cross-entropy over labelled tokens (label -100 is ignored).
+    """
+    if precision not in ("float32", "bfloat16"):
+        raise ValueError(f"precision must be 'float32' or 'bfloat16', got {precision!r}")
+    device = torch.device(device)
+    dtype = torch.float32 if precision == "float32" else torch.bfloat16
+    model = build_hf_model(hf_config, init_state, dtype, device)
+    named = [(n, p) for n, p in model.named_parameters()]
+    if precision == "float32":
+        masters = [p for _, p in named]
+        master_named = named
+    else:  # FP32 masters beside the BF16 compute copy
+        masters = [torch.nn.Parameter(p.detach().float().clone()) for _, p in named]
+        master_named = [(n, m) for (n, _), m in zip(named, masters, strict=True)]
+    opt = torch.optim.AdamW(
+        _groups(master_named, weight_decay, no_decay), lr=lr, betas=betas, eps=eps, foreach=False
+    )
+    losses = []
+    for batch in batches:
+        ids, labels = batch.input_ids.to(device), batch.labels.to(device)
+        logits = model(input_ids=ids).logits
+        loss = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+        )
+        loss.backward()
+        losses.append(loss.item())
+        if precision != "float32":
+            for (_, p), m in zip(named, masters, strict=True):
+                m.grad = p.grad.float() if p.grad is not None else None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        if precision != "float32":
+            with torch.no_grad():
+                for (_, p), m in zip(named, masters, strict=True):
+                    p.copy_(m)
+    state = {n: m.detach().float().cpu().clone() for n, m in master_named}
+    return ReferenceResult(losses, state)

@@ -1,0 +1,101 @@
+"""Loading models: directories, sharded safetensors, random init, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from slidekit import EngineConfig, ModelConfig, TrainConfig, Trainer
+from slidekit.errors import ModelLoadError, UnknownDriverError
+from slidekit.testing.asserts import assert_states_equal
+from slidekit.testing.models import save_tiny_model, tiny_config
+
+
+def _trainer(source, **model) -> Trainer:
+    return Trainer(
+        TrainConfig(model=ModelConfig(source=str(source), **model), engine=EngineConfig(device="cpu"))
+    )
+
+
+def test_loads_exactly_the_saved_weights(tiny_model):
+    from safetensors.torch import load_file
+
+    model_dir = tiny_model("qwen3")
+    saved = load_file(str(model_dir / "model.safetensors"))
+    with _trainer(model_dir) as t:
+        state = t.state_dict()
+    for name, value in saved.items():
+        assert torch.equal(state[name], value.float()), name
+
+
+def test_sharded_checkpoint_loads_the_same(tmp_path, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    single = tiny_model("llama")
+    model = AutoModelForCausalLM.from_pretrained(single)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    with _trainer(single) as a, _trainer(tmp_path) as b:
+        assert_states_equal(b.state_dict(), a.state_dict())
+
+
+def test_random_init_is_reproducible_and_shaped_like_transformers(tmp_path):
+    tiny_config("mistral").save_pretrained(tmp_path)  # config only
+    with (
+        _trainer(tmp_path, random_init=True, init_seed=3) as a,
+        _trainer(tmp_path, random_init=True, init_seed=3) as b,
+    ):
+        sa, sb = a.state_dict(), b.state_dict()
+    assert_states_equal(sa, sb)
+    assert torch.all(sa["model.norm.weight"] == 1.0)
+    std = sa["model.layers.0.mlp.up_proj.weight"].std().item()
+    assert 0.015 < std < 0.025  # initializer_range 0.02
+    with _trainer(tmp_path, random_init=True, init_seed=4) as c:
+        assert not torch.equal(c.state_dict()["model.embed_tokens.weight"], sa["model.embed_tokens.weight"])
+
+
+def test_overrides_change_the_architecture(tiny_model):
+    with _trainer(tiny_model("llama"), random_init=True, overrides={"num_hidden_layers": 5}) as t:
+        assert t.spec.num_layers == 5 and len(t.spec.units) == 7
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        _trainer(tmp_path / "nope")
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ModelLoadError, match=r"has no config\.json"):
+        _trainer(tmp_path)
+
+
+def test_directory_without_weights_says_how_to_start_random(tmp_path):
+    tiny_config("llama").save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="--random-init"):
+        _trainer(tmp_path)
+
+
+def test_weights_that_do_not_fit_the_config(tmp_path):
+    save_tiny_model("llama", tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["intermediate_size"] = 100
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="has shape"):
+        _trainer(tmp_path)
+
+
+def test_unsupported_architecture_lists_the_supported(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=32, n_head=2).save_pretrained(tmp_path)
+    with pytest.raises(
+        UnknownDriverError, match=r"model_type 'gpt2'; supported: llama, mistral, qwen2, qwen3"
+    ):
+        _trainer(tmp_path, random_init=True)
+
+
+def test_unknown_override_is_refused(tiny_model):
+    with pytest.raises(ModelLoadError, match="no such fields"):
+        _trainer(tiny_model("llama"), overrides={"num_layerz": 2})

@@ -1,0 +1,68 @@
+"""Config validation names the bad value and what would be valid; the dataclasses are pinned."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from slidekit import DataConfig, EngineConfig, ModelConfig, OptimConfig, TrainConfig
+from slidekit.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: OptimConfig(lr=-1e-4), r"optim.lr must be > 0, got -0.0001"),
+        (lambda: OptimConfig(betas=(0.9, 1.0)), r"optim.betas must be two numbers in \[0, 1\)"),
+        (lambda: OptimConfig(weight_decay=-0.1), r"optim.weight_decay must be >= 0"),
+        (lambda: DataConfig(batch_size=0), r"data.batch_size must be > 0, got 0"),
+        (lambda: DataConfig(seq_len=-5), r"data.seq_len must be > 0"),
+        (lambda: EngineConfig(window=1), r"engine.window must be >= 2"),
+        (lambda: EngineConfig(compute_dtype="fp8"), r"engine.compute_dtype must be one of"),
+        (lambda: EngineConfig(grad_buffers=0), r"engine.grad_buffers must be > 0"),
+        (lambda: TrainConfig(steps=0), r"train.steps must be > 0"),
+        (lambda: ModelConfig(source=""), r"model.source is empty"),
+    ],
+)
+def test_invalid_values_are_named(build, match):
+    with pytest.raises(ConfigError, match=match):
+        build()
+
+
+def test_configs_are_frozen():
+    cfg = TrainConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.steps = 3  # type: ignore[misc]
+
+
+def test_to_dict_is_plain_data():
+    d = TrainConfig().to_dict()
+    assert d["optim"]["betas"] == [0.9, 0.999]
+    assert d["engine"]["state_tier"] == "ram"
+
+
+PINNED_FIELDS = {
+    "ModelConfig": ["source", "random_init", "init_seed", "overrides"],
+    "DataConfig": ["path", "seq_len", "batch_size", "seed"],
+    "OptimConfig": ["name", "lr", "betas", "eps", "weight_decay", "no_decay", "threads"],
+    "EngineConfig": [
+        "device",
+        "compute_dtype",
+        "kernels",
+        "state_tier",
+        "activation_tier",
+        "offload_dir",
+        "window",
+        "grad_buffers",
+        "loss_chunk",
+        "timeout_s",
+    ],
+    "TrainConfig": ["model", "data", "optim", "engine", "plugins", "steps", "seed"],
+}
+
+
+@pytest.mark.parametrize("cls", [ModelConfig, DataConfig, OptimConfig, EngineConfig, TrainConfig])
+def test_config_fields_are_pinned(cls):
+    """Ratchet: fields may be added (extend the table), never renamed or removed by accident."""
+    assert [f.name for f in dataclasses.fields(cls)] == PINNED_FIELDS[cls.__name__]

@@ -1,0 +1,96 @@
+"""The out-of-tree example plugin in docs/: installed with pip, discovered through its entry point, used.
+
+pip builds and installs docs/examples/slidekit-example-tier into a temporary
+directory put on sys.path, which is how an installed third-party distribution
+looks to importlib.metadata. slidekit must find it with no help, list it,
+and train with it to the same bits as the bundled ram tier.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slidekit import EngineConfig, ModelConfig, OptimConfig, Plugins, TrainConfig, Trainer
+from slidekit.testing.asserts import assert_states_equal
+from slidekit.testing.models import random_batches
+from slidekit.testing.tiers import check_tier
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "slidekit-example-tier"
+
+
+@pytest.fixture(scope="module")
+def installed_example(tmp_path_factory):
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--no-compile",
+            "--target",
+            str(target),
+            str(EXAMPLE),
+        ],
+        check=True,
+    )
+    sys.path.insert(0, str(target))
+    try:
+        yield target
+    finally:
+        sys.path.remove(str(target))
+        for name in [m for m in sys.modules if m.startswith("slidekit_example_tier")]:
+            del sys.modules[name]
+
+
+def test_discovered_through_its_entry_point(installed_example):
+    plugins = Plugins()
+    assert "example_tier" in plugins.plugin_names()
+    reg = plugins.get("tier", "crc32_ram")
+    assert reg.plugin == "example_tier"
+    assert any(r["name"] == "crc32_ram" and r["available"] for r in plugins.listing())
+
+
+def test_not_loaded_when_blocked_or_autoload_off(installed_example, monkeypatch):
+    assert "example_tier" not in Plugins(block=["example_tier"]).plugin_names()
+    monkeypatch.setenv("SLIDEKIT_BLOCK_PLUGINS", "example_tier")
+    assert "example_tier" not in Plugins().plugin_names()
+    monkeypatch.delenv("SLIDEKIT_BLOCK_PLUGINS")
+    monkeypatch.setenv("SLIDEKIT_DISABLE_PLUGIN_AUTOLOAD", "1")
+    assert Plugins().plugin_names() == ["slidekit.models"]
+
+
+def test_passes_the_tier_checks(installed_example):
+    from slidekit.interfaces import TierContext
+
+    desc = Plugins().get("tier", "crc32_ram").descriptor
+    import torch
+
+    check_tier(lambda: desc.factory(TierContext(device=torch.device("cpu"))))
+
+
+def test_training_with_it_matches_the_ram_tier_bitwise(installed_example, tiny_model):
+    model_dir = tiny_model("llama")
+    batches = random_batches(128, steps=3)
+
+    def run(tier: str):
+        cfg = TrainConfig(
+            model=ModelConfig(source=str(model_dir)),
+            optim=OptimConfig(lr=1e-3),
+            engine=EngineConfig(device="cpu", state_tier=tier, activation_tier=tier),
+        )
+        with Trainer(cfg) as t:
+            result = t.fit(batches)
+            return result.losses, t.state_dict()
+
+    ram_losses, ram_state = run("ram")
+    crc_losses, crc_state = run("crc32_ram")
+    assert crc_losses == ram_losses
+    assert_states_equal(crc_state, ram_state)
