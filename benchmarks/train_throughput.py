@@ -3,8 +3,9 @@
     python benchmarks/train_throughput.py --model qwen2.5-1.5b --batch 8 --seq 1024 --steps 6
     python benchmarks/train_throughput.py --model tiny --device cpu      # a smoke run anywhere
 
-Reports tokens/s, model TFLOPS, peak GPU memory and peak host RSS as one JSON
-line per run (and appends it to --out if given). Model FLOPs per step follow
+Reports tokens/s, model TFLOPS, peak GPU memory, peak host RSS and the median
+seconds each pipeline lane spent per step (fwd/head/bwd compute, h2d, d2h,
+update, stall = main thread waiting) as one JSON line per run (and appends it to --out if given). Model FLOPs per step follow
 the PaLM convention, recompute not counted: 6 * params * tokens for the
 weights plus 12 * layers * (heads * head_dim) * seq_len * tokens for attention.
 Synthetic uniform-random tokens; the first --warmup steps are not timed.
@@ -18,6 +19,7 @@ import resource
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import torch
@@ -157,6 +159,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if trainer.device.type == "cuda"
             else None,
             "peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+            "lanes_s": {lane: round(median([t.get(lane, 0.0) for t in result.timings]), 4)
+                        for lane in sorted({k for t in result.timings for k in t})},
             "losses": [round(x, 4) for x in result.losses],
         }
     return out

@@ -60,6 +60,7 @@ class FitResult:
     tokens: int
     seconds: float
     step_seconds: list[float] = field(default_factory=list)
+    timings: list[dict[str, float]] = field(default_factory=list)  # seconds per pipeline lane, per step
 
     @property
     def tokens_per_s(self) -> float:
@@ -235,6 +236,7 @@ class Trainer:
             bar.write(note)
         losses: list[float] = []
         seconds: list[float] = []
+        timings: list[dict[str, float]] = []
         tokens = 0
         done = 0
         t0 = time.perf_counter()
@@ -247,6 +249,7 @@ class Trainer:
                 res = engine.train_step(batch.input_ids, batch.labels, self.lr)
                 losses.append(res.loss)
                 seconds.append(res.seconds)
+                timings.append(res.timings)
                 tokens += res.tokens
                 done = step
                 metrics = {
@@ -254,6 +257,8 @@ class Trainer:
                     "tokens": float(res.tokens),
                     "seconds": res.seconds,
                     "tokens_per_s": res.tokens / res.seconds if res.seconds else 0.0,
+                    "eta": res.eta,
+                    **{f"t_{lane}": t for lane, t in res.timings.items()},
                 }
                 self.plugins.hook.slidekit_step_end(step=step, metrics=metrics)
                 bar.update(metrics)
@@ -265,7 +270,7 @@ class Trainer:
             raise
         bar.close()
         self.plugins.hook.slidekit_fit_end(steps=done, error=None)
-        return FitResult(losses, tokens, time.perf_counter() - t0, seconds)
+        return FitResult(losses, tokens, time.perf_counter() - t0, seconds, timings)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Hugging Face name -> FP32 parameter (a copy), once every update has been applied."""

@@ -9,6 +9,7 @@ are never kept: the backward pass recomputes them from the boundary.
 
 from __future__ import annotations
 
+from collections import deque
 from concurrent.futures import Future
 
 import torch
@@ -52,15 +53,23 @@ class DeviceActivations(ActivationStore):
 
 
 class TierActivations(ActivationStore):
-    """Write them to a storage tier in the forward pass; read them back ahead of use."""
+    """Write them to a storage tier in the forward pass; read them back ahead of use.
 
-    def __init__(self, tier: StorageTier, device: torch.device, pipeline: Pipeline) -> None:
+    A tensor being written stays referenced until its write completes; at most
+    ``max_pending`` writes are in flight (the oldest is waited for beyond
+    that), so device memory stays bounded however deep the model is.
+    """
+
+    def __init__(
+        self, tier: StorageTier, device: torch.device, pipeline: Pipeline, *, max_pending: int = 2
+    ) -> None:
         self.tier = tier
         self.device = device
         self._pipeline = pipeline
+        self._max_pending = max_pending
         self._regions: dict[int, int] = {}  # unit -> allocated bytes
         self._meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
-        self._writes: dict[int, tuple[torch.Tensor, Future[None]]] = {}
+        self._pending: deque[tuple[int, torch.Tensor, Future[None]]] = deque()
         self._reads: dict[int, tuple[torch.Tensor, Future[None]]] = {}
 
     @staticmethod
@@ -76,14 +85,20 @@ class TierActivations(ActivationStore):
             self.tier.allocate(self._key(unit), nbytes)
             self._regions[unit] = nbytes
         self._meta[unit] = (x.shape, x.dtype)
-        # x stays referenced until the write completes: its memory must not be reused before.
-        self._writes[unit] = (x, self.tier.write(self._key(unit), x))
+        self._pending.append((unit, x, self.tier.write(self._key(unit), x)))
+        while self._pending and (self._pending[0][2].done() or len(self._pending) > self._max_pending):
+            self._retire()
+
+    def _retire(self) -> None:
+        """Wait for the oldest write and drop its tensor (re-raises the tier's error)."""
+        unit, _, fut = self._pending.popleft()
+        self._pipeline.result(fut, f"writing the activation of unit {unit}")
 
     def prefetch(self, unit: int) -> None:
         if unit in self._reads or unit not in self._meta:
             return
-        _, write = self._writes.pop(unit)
-        self._pipeline.result(write, f"writing the activation of unit {unit}")
+        while any(u == unit for u, _, _ in self._pending):
+            self._retire()
         shape, dtype = self._meta[unit]
         dst = torch.empty(shape, dtype=dtype, device=self.device)
         self._reads[unit] = (dst, self.tier.read(self._key(unit), dst))
@@ -95,9 +110,11 @@ class TierActivations(ActivationStore):
         return dst
 
     def close(self) -> None:
-        for _, fut in list(self._writes.values()) + list(self._reads.values()):
+        for _, _, fut in self._pending:
             fut.cancel()
-        self._writes.clear()
+        for _, fut in self._reads.values():
+            fut.cancel()
+        self._pending.clear()
         self._reads.clear()
         for unit in self._regions:
             self.tier.free(self._key(unit))

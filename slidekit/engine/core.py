@@ -37,6 +37,7 @@ from slidekit.interfaces import KernelSet, ParamGroupRange, UnitOptimizer
 from slidekit.models.base import ArchSpec, UnitKind
 from slidekit.models.decoder import RopeTables, embed_backward, embed_forward, head_loss, layer_forward
 from slidekit.plan import BWD, FWD, HEAD, MemoryPlan, Visit, schedule
+from slidekit.telemetry import Timeline
 
 __all__ = ["Engine", "StepResult"]
 
@@ -50,6 +51,13 @@ class StepResult:
     tokens: int  # tokens processed (labelled or not)
     labelled: int  # tokens that carried a label
     seconds: float
+    timings: dict[str, float]  # seconds per pipeline lane (see Engine.train_step)
+
+    @property
+    def eta(self) -> float:
+        """Hiding factor T_bwd / (T_d2h + T_update): >= 1 means the CPU side keeps up with backward."""
+        cpu = self.timings.get("d2h", 0.0) + self.timings.get("update", 0.0)
+        return self.timings.get("bwd", 0.0) / cpu if cpu else float("inf")
 
 
 class Engine:
@@ -96,6 +104,7 @@ class Engine:
         self._loads: dict[int, tuple[Slot, Future[Any] | None]] = {}  # visit index -> slot, upload
         self._tied_slot: Slot | None = None
         self._stage: torch.Tensor | None = None  # FP32 staging on the device for casting uploads
+        self.timeline = Timeline(streams.cuda)
 
     # ================================================================== uploads
 
@@ -129,10 +138,11 @@ class Engine:
         master = self.host.masters[unit]
         n = master.numel()
         if not self.streams.cuda:
-            slot.params[:n].copy_(master)
+            with self.timeline.host("h2d", unit):
+                slot.params[:n].copy_(master)
             return None
         s = self.streams
-        with s.use(s.h2d):
+        with s.use(s.h2d), self.timeline.device("h2d", unit, s.h2d):
             s.wait(s.h2d, free_event)  # the slot's previous contents are no longer read
             if self.dtype == torch.float32:
                 slot.params[:n].copy_(master, non_blocking=True)
@@ -142,7 +152,7 @@ class Engine:
                     b = min(a + UPLOAD_CHUNK, n)
                     stage[: b - a].copy_(master[a:b], non_blocking=True)
                     slot.params[a:b].copy_(stage[: b - a])
-            return s.record(s.h2d)
+        return s.record(s.h2d)
 
     def _staging(self) -> torch.Tensor:
         if self._stage is None:
@@ -151,11 +161,13 @@ class Engine:
 
     def _acquire(self, k: int) -> Slot:
         """The slot holding visit ``k``'s parameters, ready for compute on the compute stream."""
-        self._request(k)
-        slot, fut = self._loads.pop(k)
-        if fut is not None:
-            event = self.pipeline.result(fut, f"the upload of unit {self.visits[k].unit}")
-            self.streams.wait(self.streams.compute, event)
+        unit = self.visits[k].unit
+        with self.timeline.host("stall", unit):  # the main thread waiting: uploads or cache units behind
+            self._request(k)
+            slot, fut = self._loads.pop(k)
+            if fut is not None:
+                event = self.pipeline.result(fut, f"the upload of unit {unit}")
+                self.streams.wait(self.streams.compute, event)
         for j in range(k + 1, k + 1 + self.prefetch_depth):
             self._request(j)
         return slot
@@ -179,20 +191,22 @@ class Engine:
     def _download(self, unit: int, slot: Slot, computed: Any) -> int:
         """Download thread: gradients of ``unit`` from its slot into a free host buffer."""
         ring = self.host.ring
-        index = ring.acquire()
+        with self.timeline.host("d2h_wait", unit):  # waiting for the optimizer to free a buffer
+            index = ring.acquire()
         n = self.host.masters[unit].numel()
         dst = ring.buffers[index][:n]
         s = self.streams
-        if s.cuda:
-            with s.use(s.d2h):
-                s.wait(s.d2h, computed)
-                dst.copy_(slot.grads[:n], non_blocking=True)
-                copied = s.record(s.d2h)
-            s.synchronize(copied)
-            self.window.release(slot, copied)
-        else:
-            dst.copy_(slot.grads[:n])
-            self.window.release(slot, None)
+        with self.timeline.host("d2h", unit):
+            if s.cuda:
+                with s.use(s.d2h):
+                    s.wait(s.d2h, computed)
+                    dst.copy_(slot.grads[:n], non_blocking=True)
+                    copied = s.record(s.d2h)
+                s.synchronize(copied)
+                self.window.release(slot, copied)
+            else:
+                dst.copy_(slot.grads[:n])
+                self.window.release(slot, None)
         return index
 
     def _update(self, unit: int, download: Future[int], lr: float, count: int) -> None:
@@ -205,7 +219,8 @@ class Engine:
             self.optimizer.step(master, grad, state, lr=lr, count=count, groups=self.groups[unit])
 
         try:
-            self.host.with_state(unit, step)
+            with self.timeline.host("update", unit):
+                self.host.with_state(unit, step)
         finally:
             self.host.ring.release(index)
 
@@ -240,13 +255,14 @@ class Engine:
             tokens=ids.numel(),
             labelled=labelled,
             seconds=time.perf_counter() - t0,
+            timings=self.timeline.finish(),
         )
 
     def _forward(self, k: int, visit: Visit, c: dict[str, Any]) -> None:
         slot = self._acquire(k)
         unit = self.spec.units[visit.unit]
         w = slot.weights(unit, trainable=False)
-        with torch.no_grad():
+        with torch.no_grad(), self.timeline.device("fwd", visit.unit, self.streams.compute):
             if unit.kind == UnitKind.EMBED:
                 c["x"] = embed_forward(w, c["ids"]).to(self.dtype)
             else:
@@ -269,7 +285,7 @@ class Engine:
         else:
             lm_weight = w["lm_head.weight"]
         x = c.pop("x").detach().requires_grad_(True)
-        with torch.enable_grad():
+        with torch.enable_grad(), self.timeline.device("head", visit.unit, self.streams.compute):
             loss_sum = head_loss(self.spec, w, lm_weight, x, c["labels"], self.kernels, self.loss_chunk)
             (loss_sum / c["labelled"]).backward()
         c["loss_sum"] = loss_sum.detach()
@@ -287,7 +303,7 @@ class Engine:
         slot.grads[: unit.numel].zero_()
         w = slot.weights(unit, trainable=True)
         x = self.acts.load(visit.unit).detach().requires_grad_(True)
-        with torch.enable_grad():
+        with torch.enable_grad(), self.timeline.device("bwd", visit.unit, self.streams.compute):
             y = layer_forward(self.spec, w, x, c["cos"], c["sin"], self.kernels)
             torch.autograd.backward(y, c["dx"])
         c["dx"] = x.grad
@@ -306,7 +322,8 @@ class Engine:
             self.window.invalidate(slot)
             slot.grads[: embed.numel].zero_()
         grad = embed.views(slot.grads)["embed_tokens.weight"]
-        embed_backward(grad, c["ids"], c.pop("dx"))
+        with self.timeline.device("bwd", 0, self.streams.compute):
+            embed_backward(grad, c["ids"], c.pop("dx"))
         self._finish_unit(0, slot, c["lr"])
 
     # ================================================================== state
