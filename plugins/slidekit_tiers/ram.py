@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from slidekit.hookspecs import hookimpl
+from slidekit.hostmem import HostBuffers
 from slidekit.interfaces import Availability, TierContext, TierDescriptor, TierStats
 
 __all__ = ["RamTier"]
@@ -50,6 +51,7 @@ class RamTier:
 
     def __init__(self, ctx: TierContext, *, pin: bool | None = None) -> None:
         self.pin = _pin_default() if pin is None else pin
+        self._memory = HostBuffers(pin=self.pin)  # exact-size page-locked buffers
         self._regions: dict[str, torch.Tensor] = {}
         self._pool = ThreadPoolExecutor(max(1, ctx.io_threads), thread_name_prefix="slidekit-ram")
         self._lock = threading.Lock()
@@ -64,13 +66,15 @@ class RamTier:
             raise ValueError(f"region {key!r}: size must be >= 0 bytes, got {nbytes}")
         if key in self._regions:
             raise KeyError(f"region {key!r} already exists; free it first")
-        self._regions[key] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        self._regions[key] = self._memory.empty(nbytes, torch.uint8)
 
     def map(self, key: str) -> torch.Tensor | None:
         return self._region(key)
 
     def free(self, key: str) -> None:
-        self._regions.pop(key, None)
+        region = self._regions.pop(key, None)
+        if region is not None:
+            self._memory.release(region)
 
     def _region(self, key: str) -> torch.Tensor:
         try:
@@ -146,6 +150,7 @@ class RamTier:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._regions.clear()
+        self._memory.close()
 
 
 @hookimpl

@@ -19,6 +19,7 @@ from concurrent.futures import Future
 import torch
 
 from slidekit.engine.runtime import Pipeline
+from slidekit.hostmem import HostBuffers
 from slidekit.interfaces import StorageTier, UnitOptimizer
 from slidekit.models.base import UnitLayout
 
@@ -29,15 +30,13 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _empty(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype, pin_memory=pin)
-
-
 class GradRing:
     """A few shared host buffers that gradients are copied into, handed out in turn."""
 
-    def __init__(self, count: int, numel: int, dtype: torch.dtype, pin: bool, pipeline: Pipeline) -> None:
-        self.buffers = [_empty(numel, dtype, pin) for _ in range(count)]
+    def __init__(
+        self, count: int, numel: int, dtype: torch.dtype, memory: HostBuffers, pipeline: Pipeline
+    ) -> None:
+        self.buffers = [memory.empty(numel, dtype) for _ in range(count)]
         self._free = list(range(count))
         self._pipeline = pipeline
 
@@ -68,11 +67,11 @@ class HostStore:
         pipeline: Pipeline,
     ) -> None:
         self.units = units
-        self.pin = pin
+        self.memory = HostBuffers(pin=pin)  # page-locked at exact sizes when an accelerator is used
         self.tier = state_tier
         self._pipeline = pipeline
-        self.masters = [_empty(u.numel, torch.float32, pin) for u in units]
-        self.ring = GradRing(grad_buffers, max(u.numel for u in units), grad_dtype, pin, pipeline)
+        self.masters = [self.memory.empty(u.numel, torch.float32) for u in units]
+        self.ring = GradRing(grad_buffers, max(u.numel for u in units), grad_dtype, self.memory, pipeline)
         self._layouts = [dict(optimizer.state_layout(u.numel)) for u in units]
         self._mapped: list[dict[str, torch.Tensor] | None] = []
         for u, layout in zip(units, self._layouts, strict=True):
@@ -132,7 +131,7 @@ class HostStore:
         buf = self._staging.get(name)
         if buf is None or buf.dtype != dtype or buf.numel() < numel:
             biggest = max(layout[name][1] for layout in self._layouts if name in layout)
-            buf = _empty(biggest, dtype, self.pin)
+            buf = self.memory.empty(biggest, dtype)
             self._staging[name] = buf
         return buf[:numel]
 
@@ -144,3 +143,4 @@ class HostStore:
         for unit, layout in enumerate(self._layouts):
             for name in layout:
                 self.tier.free(self._key(unit, name))
+        self.memory.close()
