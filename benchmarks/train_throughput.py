@@ -159,8 +159,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if trainer.device.type == "cuda"
             else None,
             "peak_host_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
-            "lanes_s": {lane: round(median([t.get(lane, 0.0) for t in result.timings]), 4)
-                        for lane in sorted({k for t in result.timings for k in t})},
+            "lanes_s": {
+                lane: round(median([t.get(lane, 0.0) for t in result.timings]), 4)
+                for lane in sorted({k for t in result.timings for k in t})
+            },
             "losses": [round(x, 4) for x in result.losses],
         }
     return out

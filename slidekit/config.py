@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slidekit.errors import ConfigError
+from slidekit.schedules import SCHEDULES
 
 #: Learning rates used when ``OptimConfig.lr`` is None.
 DEMO_LR = 2e-3
@@ -76,7 +77,13 @@ class OptimConfig:
     """The optimizer and its hyper-parameters."""
 
     name: str = "layer_adam"  # optimizer driver
-    lr: float | None = None  # learning rate (constant); None: 2e-3 for the demo model, 2e-5 otherwise
+    lr: float | None = None  # peak learning rate; None: 2e-3 for the demo model, 2e-5 otherwise
+    schedule: str = "constant"  # "constant", "linear" (decay) or "cosine"; all start with warmup_steps
+    warmup_steps: int = 0  # linear warm-up from 0 to lr over this many steps
+    min_lr_ratio: float = 0.0  # where linear and cosine decay end, as a fraction of lr
+    max_grad_norm: float | None = (
+        None  # clip the global gradient norm (exactly, before any update); None: off
+    )
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0  # decoupled (AdamW) weight decay
@@ -92,6 +99,13 @@ class OptimConfig:
             raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {self.betas!r}")
         if self.threads is not None:
             _positive("optim", "threads", self.threads)
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"optim.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        _positive("optim", "warmup_steps", self.warmup_steps, allow_zero=True)
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"optim.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio!r}")
+        if self.max_grad_norm is not None:
+            _positive("optim", "max_grad_norm", self.max_grad_norm)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -102,6 +116,9 @@ class EngineConfig:
     compute_dtype: str = "auto"  # "auto" (bfloat16 on GPU, float32 on CPU), "float32", "bfloat16"
     kernels: str = "auto"  # kernel-set driver, or "auto" for the best available
     state_tier: str = "ram"  # storage tier holding optimizer state
+    state_offload_tier: str | None = None  # a second, slower tier for part of the optimizer state
+    state_offload_fraction: float = 0.0  # fraction of units whose state goes to state_offload_tier
+    state_chunk: int = 1 << 24  # parameters per chunk when state is streamed from a tier that cannot map
     activation_tier: str = "device"  # "device" keeps boundary activations where computed, else a tier name
     offload_dir: str | None = None  # directory for file-backed tiers
     window: int = 3  # cache units that take turns on the device (a tied embedding adds one)
@@ -120,6 +137,15 @@ class EngineConfig:
         _positive("engine", "timeout_s", self.timeout_s)
         if self.loss_chunk is not None:
             _positive("engine", "loss_chunk", self.loss_chunk)
+        _positive("engine", "state_chunk", self.state_chunk)
+        if not 0.0 <= self.state_offload_fraction <= 1.0:
+            raise ConfigError(
+                f"engine.state_offload_fraction must lie in [0, 1], got {self.state_offload_fraction!r}"
+            )
+        if self.state_offload_fraction > 0 and not self.state_offload_tier:
+            raise ConfigError(
+                "engine.state_offload_fraction > 0 needs engine.state_offload_tier (e.g. 'posix' with offload_dir)"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -140,10 +166,12 @@ class TrainConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     plugins: PluginConfig = field(default_factory=PluginConfig)
     steps: int = 150  # optimizer steps
+    grad_accum: int = 1  # micro-batches (of data.batch_size rows each) per optimizer step
     seed: int = 0  # seeds the data order (model.init_seed seeds random weights)
 
     def __post_init__(self) -> None:
         _positive("train", "steps", self.steps)
+        _positive("train", "grad_accum", self.grad_accum)
 
     def to_dict(self) -> dict[str, Any]:
         """The configuration as plain data (JSON/TOML-serialisable)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["MemoryPlan", "Visit", "plan_memory", "schedule"]
+__all__ = ["MemoryPlan", "Visit", "place_state", "plan_memory", "schedule"]
 
 FWD, HEAD, BWD = "fwd", "head", "bwd"
 
@@ -96,3 +96,12 @@ def plan_memory(
         host_state_bytes=int(state_bytes_per_param * total),
         host_ring_bytes=grad_buffers * slot * compute_itemsize,
     )
+
+
+def place_state(num_units: int, fraction: float) -> list[bool]:
+    """Which units' optimizer state goes to the offload tier: ``round(fraction * num_units)`` of them,
+    spread evenly over the model so that streamed units alternate with in-memory ones."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"fraction must lie in [0, 1], got {fraction}")
+    target = round(fraction * num_units)
+    return [(i + 1) * target // num_units > i * target // num_units for i in range(num_units)]

@@ -13,6 +13,7 @@ builds the engine. ``fit`` runs the steps and returns the losses.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -45,8 +46,9 @@ from slidekit.models.loading import (
     load_unit_weights,
     weight_files,
 )
-from slidekit.plan import plan_memory
+from slidekit.plan import place_state, plan_memory
 from slidekit.plugins import Plugins, Selection
+from slidekit.schedules import lr_factor
 from slidekit.telemetry import Progress
 
 __all__ = ["FitResult", "Trainer", "param_groups"]
@@ -61,6 +63,7 @@ class FitResult:
     seconds: float
     step_seconds: list[float] = field(default_factory=list)
     timings: list[dict[str, float]] = field(default_factory=list)  # seconds per pipeline lane, per step
+    grad_norms: list[float] = field(default_factory=list)  # global gradient norm per step, before clipping
 
     @property
     def tokens_per_s(self) -> float:
@@ -105,6 +108,8 @@ class Trainer:
         }
         if ec.activation_tier != "device":
             self.selections["activation_tier"] = self.plugins.select("tier", ec.activation_tier, family)
+        if ec.state_offload_fraction > 0 and ec.state_offload_tier:
+            self.selections["state_offload_tier"] = self.plugins.select("tier", ec.state_offload_tier, family)
         self.notes = [s.reason for s in self.selections.values() if s.automatic]
         default_lr = DEMO_LR if config.model.source == DEMO_MODEL else DEFAULT_LR
         self.lr: float = config.optim.lr if config.optim.lr is not None else default_lr
@@ -153,14 +158,18 @@ class Trainer:
             tied=self.spec.tie_embeddings,
         )
         pipeline = Pipeline(ec.timeout_s)
+        state_tier = self._tier(self.selections["state_tier"])
+        offload = place_state(len(units), ec.state_offload_fraction)
+        slow = self._tier(self.selections["state_offload_tier"]) if any(offload) else state_tier
         host = HostStore(
             units,
             optimizer=optimizer,
-            state_tier=self._tier(self.selections["state_tier"]),
+            state_tiers=[slow if off else state_tier for off in offload],
             pin=self.device.type == "cuda",
             grad_dtype=self.compute_dtype,
             grad_buffers=ec.grad_buffers,
             pipeline=pipeline,
+            state_chunk=ec.state_chunk,
         )
         window = Window(plan.window, plan.slot_numel, self.compute_dtype, self.device, pipeline)
         acts: ActivationStore = DeviceActivations()
@@ -225,7 +234,11 @@ class Trainer:
         return self._engine
 
     def fit(self, batches: Iterable[Batch] | None = None, *, steps: int | None = None) -> FitResult:
-        """Train ``steps`` steps (default ``config.steps``) on ``batches`` (default: ``config.data``)."""
+        """Train ``steps`` steps (default ``config.steps``) on ``batches`` (default: ``config.data``).
+
+        Each step takes ``config.grad_accum`` batches as micro-batches. The
+        learning-rate schedule counts steps across calls, over ``config.steps``.
+        """
         engine = self.engine
         steps = self.config.steps if steps is None else steps
         data = iter(batches) if batches is not None else self.default_batches()
@@ -237,19 +250,24 @@ class Trainer:
         losses: list[float] = []
         seconds: list[float] = []
         timings: list[dict[str, float]] = []
+        norms: list[float] = []
         tokens = 0
         done = 0
         t0 = time.perf_counter()
         try:
             for step in range(1, steps + 1):
-                try:
-                    batch = next(data)
-                except StopIteration:
-                    break
-                res = engine.train_step(batch.input_ids, batch.labels, self.lr)
+                micro = list(itertools.islice(data, self.config.grad_accum))
+                if len(micro) < self.config.grad_accum:
+                    break  # the data ran out: no partial step
+                res = engine.train_step(
+                    [(b.input_ids, b.labels) for b in micro],
+                    self.lr * self._lr_factor(engine.steps_done + 1),
+                    max_grad_norm=self.config.optim.max_grad_norm,
+                )
                 losses.append(res.loss)
                 seconds.append(res.seconds)
                 timings.append(res.timings)
+                norms.append(res.grad_norm)
                 tokens += res.tokens
                 done = step
                 metrics = {
@@ -258,6 +276,8 @@ class Trainer:
                     "seconds": res.seconds,
                     "tokens_per_s": res.tokens / res.seconds if res.seconds else 0.0,
                     "eta": res.eta,
+                    "grad_norm": res.grad_norm,
+                    "lr": self.lr * self._lr_factor(engine.steps_done),
                     **{f"t_{lane}": t for lane, t in res.timings.items()},
                 }
                 self.plugins.hook.slidekit_step_end(step=step, metrics=metrics)
@@ -270,7 +290,17 @@ class Trainer:
             raise
         bar.close()
         self.plugins.hook.slidekit_fit_end(steps=done, error=None)
-        return FitResult(losses, tokens, time.perf_counter() - t0, seconds, timings)
+        return FitResult(losses, tokens, time.perf_counter() - t0, seconds, timings, norms)
+
+    def _lr_factor(self, step: int) -> float:
+        oc = self.config.optim
+        return lr_factor(
+            step,
+            schedule=oc.schedule,
+            total=self.config.steps,
+            warmup=oc.warmup_steps,
+            min_ratio=oc.min_lr_ratio,
+        )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Hugging Face name -> FP32 parameter (a copy), once every update has been applied."""

@@ -23,6 +23,12 @@ from slidekit.errors import ConfigError
         (lambda: EngineConfig(grad_buffers=0), r"engine.grad_buffers must be > 0"),
         (lambda: TrainConfig(steps=0), r"train.steps must be > 0"),
         (lambda: ModelConfig(source=""), r"model.source is empty"),
+        (lambda: OptimConfig(schedule="step"), r"optim.schedule must be one of"),
+        (lambda: OptimConfig(max_grad_norm=0.0), r"optim.max_grad_norm must be > 0"),
+        (lambda: OptimConfig(min_lr_ratio=2.0), r"optim.min_lr_ratio must lie in \[0, 1\]"),
+        (lambda: TrainConfig(grad_accum=0), r"train.grad_accum must be > 0"),
+        (lambda: EngineConfig(state_offload_fraction=0.5), r"needs engine.state_offload_tier"),
+        (lambda: EngineConfig(state_offload_fraction=1.5, state_offload_tier="posix"), r"must lie in \[0, 1\]"),
     ],
 )
 def test_invalid_values_are_named(build, match):
@@ -45,12 +51,18 @@ def test_to_dict_is_plain_data():
 PINNED_FIELDS = {
     "ModelConfig": ["source", "random_init", "init_seed", "overrides"],
     "DataConfig": ["path", "seq_len", "batch_size", "seed"],
-    "OptimConfig": ["name", "lr", "betas", "eps", "weight_decay", "no_decay", "threads"],
+    "OptimConfig": [
+        "name", "lr", "schedule", "warmup_steps", "min_lr_ratio", "max_grad_norm",
+        "betas", "eps", "weight_decay", "no_decay", "threads",
+    ],
     "EngineConfig": [
         "device",
         "compute_dtype",
         "kernels",
         "state_tier",
+        "state_offload_tier",
+        "state_offload_fraction",
+        "state_chunk",
         "activation_tier",
         "offload_dir",
         "window",
@@ -58,7 +70,7 @@ PINNED_FIELDS = {
         "loss_chunk",
         "timeout_s",
     ],
-    "TrainConfig": ["model", "data", "optim", "engine", "plugins", "steps", "seed"],
+    "TrainConfig": ["model", "data", "optim", "engine", "plugins", "steps", "grad_accum", "seed"],
 }
 
 

@@ -1,6 +1,7 @@
 """Boundary activations: each decoder layer's input, saved in the forward pass for recompute.
 
-Two places to keep them: on the compute device (``DeviceActivations``), or on
+Activations are keyed by ``(unit, micro_batch)``. Two places to keep them:
+on the compute device (``DeviceActivations``), or on
 a storage tier (``TierActivations``): the forward pass writes each one out
 asynchronously, and the backward pass reads the next one back while the
 current layer recomputes. Either way a layer's activations inside the layer
@@ -10,6 +11,7 @@ are never kept: the backward pass recomputes them from the boundary.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
 from concurrent.futures import Future
 
 import torch
@@ -23,13 +25,13 @@ __all__ = ["ActivationStore", "DeviceActivations", "TierActivations"]
 class ActivationStore:
     """Where boundary activations wait for the backward pass."""
 
-    def save(self, unit: int, x: torch.Tensor) -> None:
+    def save(self, key: Hashable, x: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def prefetch(self, unit: int) -> None:
-        """Start bringing ``unit``'s activation back (no-op where it never left)."""
+    def prefetch(self, key: Hashable) -> None:
+        """Start bringing ``key``'s activation back (no-op where it never left)."""
 
-    def load(self, unit: int) -> torch.Tensor:
+    def load(self, key: Hashable) -> torch.Tensor:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -40,13 +42,13 @@ class DeviceActivations(ActivationStore):
     """Keep them where they were computed."""
 
     def __init__(self) -> None:
-        self._saved: dict[int, torch.Tensor] = {}
+        self._saved: dict[Hashable, torch.Tensor] = {}
 
-    def save(self, unit: int, x: torch.Tensor) -> None:
-        self._saved[unit] = x
+    def save(self, key: Hashable, x: torch.Tensor) -> None:
+        self._saved[key] = x
 
-    def load(self, unit: int) -> torch.Tensor:
-        return self._saved.pop(unit)
+    def load(self, key: Hashable) -> torch.Tensor:
+        return self._saved.pop(key)
 
     def close(self) -> None:
         self._saved.clear()
@@ -67,46 +69,47 @@ class TierActivations(ActivationStore):
         self.device = device
         self._pipeline = pipeline
         self._max_pending = max_pending
-        self._regions: dict[int, int] = {}  # unit -> allocated bytes
-        self._meta: dict[int, tuple[torch.Size, torch.dtype]] = {}
-        self._pending: deque[tuple[int, torch.Tensor, Future[None]]] = deque()
-        self._reads: dict[int, tuple[torch.Tensor, Future[None]]] = {}
+        self._regions: dict[Hashable, int] = {}  # key -> allocated bytes
+        self._meta: dict[Hashable, tuple[torch.Size, torch.dtype]] = {}
+        self._pending: deque[tuple[Hashable, torch.Tensor, Future[None]]] = deque()
+        self._reads: dict[Hashable, tuple[torch.Tensor, Future[None]]] = {}
 
     @staticmethod
-    def _key(unit: int) -> str:
-        return f"act/{unit}"
+    def _key(key: Hashable) -> str:
+        parts = key if isinstance(key, tuple) else (key,)
+        return "act/" + "/".join(str(p) for p in parts)
 
-    def save(self, unit: int, x: torch.Tensor) -> None:
+    def save(self, key: Hashable, x: torch.Tensor) -> None:
         x = x.contiguous()
         nbytes = x.numel() * x.element_size()
-        if self._regions.get(unit) != nbytes:
-            if unit in self._regions:
-                self.tier.free(self._key(unit))
-            self.tier.allocate(self._key(unit), nbytes)
-            self._regions[unit] = nbytes
-        self._meta[unit] = (x.shape, x.dtype)
-        self._pending.append((unit, x, self.tier.write(self._key(unit), x)))
+        if self._regions.get(key) != nbytes:
+            if key in self._regions:
+                self.tier.free(self._key(key))
+            self.tier.allocate(self._key(key), nbytes)
+            self._regions[key] = nbytes
+        self._meta[key] = (x.shape, x.dtype)
+        self._pending.append((key, x, self.tier.write(self._key(key), x)))
         while self._pending and (self._pending[0][2].done() or len(self._pending) > self._max_pending):
             self._retire()
 
     def _retire(self) -> None:
         """Wait for the oldest write and drop its tensor (re-raises the tier's error)."""
-        unit, _, fut = self._pending.popleft()
-        self._pipeline.result(fut, f"writing the activation of unit {unit}")
+        key, _, fut = self._pending.popleft()
+        self._pipeline.result(fut, f"writing the activation {key}")
 
-    def prefetch(self, unit: int) -> None:
-        if unit in self._reads or unit not in self._meta:
+    def prefetch(self, key: Hashable) -> None:
+        if key in self._reads or key not in self._meta:
             return
-        while any(u == unit for u, _, _ in self._pending):
+        while any(k == key for k, _, _ in self._pending):
             self._retire()
-        shape, dtype = self._meta[unit]
+        shape, dtype = self._meta[key]
         dst = torch.empty(shape, dtype=dtype, device=self.device)
-        self._reads[unit] = (dst, self.tier.read(self._key(unit), dst))
+        self._reads[key] = (dst, self.tier.read(self._key(key), dst))
 
-    def load(self, unit: int) -> torch.Tensor:
-        self.prefetch(unit)
-        dst, read = self._reads.pop(unit)
-        self._pipeline.result(read, f"reading the activation of unit {unit}")
+    def load(self, key: Hashable) -> torch.Tensor:
+        self.prefetch(key)
+        dst, read = self._reads.pop(key)
+        self._pipeline.result(read, f"reading the activation {key}")
         return dst
 
     def close(self) -> None:
@@ -116,6 +119,6 @@ class TierActivations(ActivationStore):
             fut.cancel()
         self._pending.clear()
         self._reads.clear()
-        for unit in self._regions:
-            self.tier.free(self._key(unit))
+        for key in self._regions:
+            self.tier.free(self._key(key))
         self._regions.clear()

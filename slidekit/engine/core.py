@@ -32,6 +32,7 @@ import torch
 from slidekit.engine.activations import ActivationStore
 from slidekit.engine.host import HostStore
 from slidekit.engine.runtime import Pipeline, Streams
+from slidekit.engine.state import slice_groups
 from slidekit.engine.window import Slot, Window
 from slidekit.interfaces import KernelSet, ParamGroupRange, UnitOptimizer
 from slidekit.models.base import ArchSpec, UnitKind
@@ -51,6 +52,7 @@ class StepResult:
     tokens: int  # tokens processed (labelled or not)
     labelled: int  # tokens that carried a label
     seconds: float
+    grad_norm: float  # global L2 norm of the step's gradients (before clipping)
     timings: dict[str, float]  # seconds per pipeline lane (see Engine.train_step)
 
     @property
@@ -177,24 +179,38 @@ class Engine:
 
     # ================================================================== gradients and updates
 
-    def _finish_unit(self, unit: int, slot: Slot, lr: float) -> None:
-        """After a unit's backward: copy its gradients down, then update it on the optimizer thread."""
+    def _finish_unit(self, unit: int, slot: Slot, c: dict[str, Any]) -> None:
+        """After a unit's backward: add its gradient norm, copy the gradients down, update it.
+
+        Without clipping the update is queued at once and overlaps the rest of
+        the backward pass. With clipping it must wait for the global norm: the
+        gradients go to the unit's own host buffer and the update is queued at
+        the end of the step (``_clip_and_update``).
+        """
+        n = self.spec.units[unit].numel
+        c["sq_norm"] += torch.linalg.vector_norm(slot.grads[:n], dtype=torch.float32).square()
         done = self.streams.record(self.streams.compute)
         # Bump the version now, on this thread: from here on no slot holding the old
         # parameters can be mistaken for current, and every upload waits for the update.
         self.version[unit] += 1
-        download = self.pipeline.submit("d2h", self._download, unit, slot, done)
-        self.updated[unit] = self.pipeline.submit(
-            "optim", self._update, unit, download, lr, self.steps_done + 1
-        )
+        keep = c["clip"] is not None
+        download = self.pipeline.submit("d2h", self._download, unit, slot, done, keep)
+        if keep:
+            c["deferred"][unit] = download
+        else:
+            self.updated[unit] = self.pipeline.submit(
+                "optim", self._update, unit, download, c["lr"], self.steps_done + 1, 1.0
+            )
 
-    def _download(self, unit: int, slot: Slot, computed: Any) -> int:
-        """Download thread: gradients of ``unit`` from its slot into a free host buffer."""
-        ring = self.host.ring
-        with self.timeline.host("d2h_wait", unit):  # waiting for the optimizer to free a buffer
-            index = ring.acquire()
+    def _download(self, unit: int, slot: Slot, computed: Any, keep: bool) -> int:
+        """Download thread: gradients of ``unit`` into a ring buffer (its index) or, with ``keep``, its own (-1)."""
         n = self.host.masters[unit].numel()
-        dst = ring.buffers[index][:n]
+        if keep:
+            index, dst = -1, self.host.unit_grad(unit)
+        else:
+            with self.timeline.host("d2h_wait", unit):  # waiting for the optimizer to free a buffer
+                index = self.host.ring.acquire()
+            dst = self.host.ring.buffers[index][:n]
         s = self.streams
         with self.timeline.host("d2h", unit):
             if s.cuda:
@@ -209,52 +225,97 @@ class Engine:
                 self.window.release(slot, None)
         return index
 
-    def _update(self, unit: int, download: Future[int], lr: float, count: int) -> None:
+    def _update(self, unit: int, download: Future[int], lr: float, count: int, scale: float) -> None:
         """Optimizer thread: update ``unit``'s master from its gradients, in submission order."""
         index = self.pipeline.result(download, f"the gradient download of unit {unit}")
         master = self.host.masters[unit]
-        grad = self.host.ring.buffers[index][: master.numel()]
+        n = master.numel()
+        grad = self.host.unit_grad(unit) if index < 0 else self.host.ring.buffers[index][:n]
+        if scale != 1.0:
+            grad.mul_(scale)
 
-        def step(state: Mapping[str, torch.Tensor]) -> None:
-            self.optimizer.step(master, grad, state, lr=lr, count=count, groups=self.groups[unit])
+        groups = self.groups[unit]
+
+        def step(start: int, stop: int, state: Mapping[str, torch.Tensor]) -> None:
+            self.optimizer.step(
+                master[start:stop],
+                grad[start:stop],
+                state,
+                lr=lr,
+                count=count,
+                groups=slice_groups(groups, start, stop),
+            )
 
         try:
             with self.timeline.host("update", unit):
-                self.host.with_state(unit, step)
+                self.host.state.update(unit, step)
         finally:
-            self.host.ring.release(index)
+            if index >= 0:
+                self.host.ring.release(index)
+
+    def _clip_and_update(self, c: dict[str, Any], grad_norm: float) -> None:
+        """Queue every unit's update, in the order the next forward pass needs them, with the clip factor.
+
+        torch.nn.utils.clip_grad_norm_ semantics: scale = min(1, max_norm / (norm + 1e-6)).
+        """
+        scale = min(1.0, c["clip"] / (grad_norm + 1e-6))
+        for unit in range(len(self.spec.units)):
+            self.updated[unit] = self.pipeline.submit(
+                "optim", self._update, unit, c["deferred"].pop(unit), c["lr"], self.steps_done + 1, scale
+            )
 
     # ================================================================== the step
 
-    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, lr: float) -> StepResult:
-        """One optimizer step on a batch: ``input_ids`` and ``labels`` (B, T), -100 where unlabelled."""
+    def train_step(
+        self,
+        micro: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        lr: float,
+        *,
+        max_grad_norm: float | None = None,
+    ) -> StepResult:
+        """One optimizer step over ``micro``-batches of (``input_ids``, ``labels``), each (B, T).
+
+        Gradients of all micro-batches add up in each cache unit while it is
+        resident (every micro-batch passes through a unit before it moves on),
+        so the step equals one step on their concatenation; the loss is the
+        mean over all labelled tokens (label -100 carries none).
+        """
         t0 = time.perf_counter()
         self.pipeline.check()
-        labelled = int((labels != -100).sum())
+        if not micro:
+            raise ValueError("a step needs at least one micro-batch")
+        labelled = sum(int((labels != -100).sum()) for _, labels in micro)
         if labelled == 0:
             raise ValueError("the batch has no labelled token (every label is -100); nothing to learn from")
-        ids = input_ids.to(self.device, non_blocking=True)
-        tgt = labels.to(self.device, non_blocking=True)
-        cos, sin = self.rope.get(ids.shape[1], self.device, self.dtype)
-        run: dict[str, Callable[..., Any]] = {FWD: self._forward, HEAD: self._head, BWD: self._backward}
-        carry: dict[str, Any] = {
+        ids = [i.to(self.device, non_blocking=True) for i, _ in micro]
+        tgt = [t.to(self.device, non_blocking=True) for _, t in micro]
+        cos, sin = self.rope.get(ids[0].shape[1], self.device, self.dtype)
+        c: dict[str, Any] = {
             "ids": ids,
             "labels": tgt,
             "cos": cos,
             "sin": sin,
             "lr": lr,
             "labelled": labelled,
+            "clip": max_grad_norm,
+            "deferred": {},
+            "sq_norm": torch.zeros((), dtype=torch.float32, device=self.device),
         }
+        run: dict[str, Callable[..., Any]] = {FWD: self._forward, HEAD: self._head, BWD: self._backward}
         self._request(0)
         for k, visit in enumerate(self.visits):
-            run[visit.phase](k, visit, carry)
-        loss_sum = float(carry["loss_sum"])  # waits for the device, not for the optimizer
+            run[visit.phase](k, visit, c)
+        loss_sum = float(c["loss_sum"])  # waits for the device, not for the optimizer
+        grad_norm = float(c["sq_norm"].sqrt())
+        if max_grad_norm is not None:
+            self._clip_and_update(c, grad_norm)
         self.steps_done += 1
         return StepResult(
             loss=loss_sum / labelled,
-            tokens=ids.numel(),
+            tokens=sum(i.numel() for i in ids),
             labelled=labelled,
             seconds=time.perf_counter() - t0,
+            grad_norm=grad_norm,
             timings=self.timeline.finish(),
         )
 
@@ -264,18 +325,18 @@ class Engine:
         w = slot.weights(unit, trainable=False)
         with torch.no_grad(), self.timeline.device("fwd", visit.unit, self.streams.compute):
             if unit.kind == UnitKind.EMBED:
-                c["x"] = embed_forward(w, c["ids"]).to(self.dtype)
+                c["x"] = [embed_forward(w, ids).to(self.dtype) for ids in c["ids"]]
             else:
-                self.acts.save(visit.unit, c["x"])
-                c["x"] = layer_forward(self.spec, w, c["x"], c["cos"], c["sin"], self.kernels)
+                for mb, x in enumerate(c["x"]):
+                    self.acts.save((visit.unit, mb), x)
+                    c["x"][mb] = layer_forward(self.spec, w, x, c["cos"], c["sin"], self.kernels)
         if not slot.pinned:
             self.window.release(slot, self.streams.record(self.streams.compute))
 
     def _head(self, k: int, visit: Visit, c: dict[str, Any]) -> None:
         slot = self._acquire(k)
         unit = self.spec.units[visit.unit]
-        n = unit.numel
-        slot.grads[:n].zero_()
+        slot.grads[: unit.numel].zero_()
         w = slot.weights(unit, trainable=True)
         if self.spec.tie_embeddings:
             assert self._tied_slot is not None
@@ -284,30 +345,37 @@ class Engine:
             lm_weight = self._tied_slot.weights(embed, trainable=True)["embed_tokens.weight"]
         else:
             lm_weight = w["lm_head.weight"]
-        x = c.pop("x").detach().requires_grad_(True)
+        c["dx"], c["loss_sum"] = [], torch.zeros((), dtype=torch.float32, device=self.device)
         with torch.enable_grad(), self.timeline.device("head", visit.unit, self.streams.compute):
-            loss_sum = head_loss(self.spec, w, lm_weight, x, c["labels"], self.kernels, self.loss_chunk)
-            (loss_sum / c["labelled"]).backward()
-        c["loss_sum"] = loss_sum.detach()
-        c["dx"] = x.grad
-        self._finish_unit(visit.unit, slot, c["lr"])
+            for hidden, labels in zip(c.pop("x"), c["labels"], strict=True):
+                x = hidden.detach().requires_grad_(True)
+                loss_sum = head_loss(self.spec, w, lm_weight, x, labels, self.kernels, self.loss_chunk)
+                (loss_sum / c["labelled"]).backward()
+                c["loss_sum"] += loss_sum.detach()
+                c["dx"].append(x.grad)
+        self._finish_unit(visit.unit, slot, c)
 
     def _backward(self, k: int, visit: Visit, c: dict[str, Any]) -> None:
         unit = self.spec.units[visit.unit]
         if unit.kind == UnitKind.EMBED:
             self._embed_backward(k, visit, c)
             return
-        if visit.unit > 1:
-            self.acts.prefetch(visit.unit - 1)  # read the next input back while this layer computes
         slot = self._acquire(k)
         slot.grads[: unit.numel].zero_()
         w = slot.weights(unit, trainable=True)
-        x = self.acts.load(visit.unit).detach().requires_grad_(True)
-        with torch.enable_grad(), self.timeline.device("bwd", visit.unit, self.streams.compute):
-            y = layer_forward(self.spec, w, x, c["cos"], c["sin"], self.kernels)
-            torch.autograd.backward(y, c["dx"])
-        c["dx"] = x.grad
-        self._finish_unit(visit.unit, slot, c["lr"])
+        micro = len(c["dx"])
+        for mb in range(micro):
+            # Read the next boundary activation back while this one recomputes.
+            if mb + 1 < micro:
+                self.acts.prefetch((visit.unit, mb + 1))
+            elif visit.unit > 1:
+                self.acts.prefetch((visit.unit - 1, 0))
+            x = self.acts.load((visit.unit, mb)).detach().requires_grad_(True)
+            with torch.enable_grad(), self.timeline.device("bwd", visit.unit, self.streams.compute):
+                y = layer_forward(self.spec, w, x, c["cos"], c["sin"], self.kernels)
+                torch.autograd.backward(y, c["dx"][mb])
+            c["dx"][mb] = x.grad
+        self._finish_unit(visit.unit, slot, c)
 
     def _embed_backward(self, k: int, visit: Visit, c: dict[str, Any]) -> None:
         embed = self.spec.embed
@@ -323,8 +391,9 @@ class Engine:
             slot.grads[: embed.numel].zero_()
         grad = embed.views(slot.grads)["embed_tokens.weight"]
         with self.timeline.device("bwd", 0, self.streams.compute):
-            embed_backward(grad, c["ids"], c.pop("dx"))
-        self._finish_unit(0, slot, c["lr"])
+            for ids, dx in zip(c["ids"], c.pop("dx"), strict=True):
+                embed_backward(grad, ids, dx)
+        self._finish_unit(0, slot, c)
 
     # ================================================================== state
 

@@ -18,7 +18,7 @@ kernel set by running slidekit with it and this loop on the same inputs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,7 @@ __all__ = ["ReferenceResult", "build_hf_model", "reference_run"]
 class ReferenceResult:
     losses: list[float]
     state: dict[str, torch.Tensor]  # FP32 parameters after the last step, by Hugging Face name
+    grad_norms: list[float]  # global gradient norm of each step, before clipping
 
 
 def build_hf_model(
@@ -72,10 +73,15 @@ def reference_run(
     no_decay: Sequence[str] = ("norm.weight", "bias"),
     precision: str = "float32",
     device: torch.device | str = "cpu",
+    lr_factor: Callable[[int], float] | None = None,
+    max_grad_norm: float | None = None,
 ) -> ReferenceResult:
     """Train the transformers model on ``batches`` with ``torch.optim.AdamW``; return losses and final state.
 
-    The loss is the mean cross-entropy over labelled tokens (label -100 is ignored).
+    The loss is the mean cross-entropy over labelled tokens (label -100 is
+    ignored). ``lr_factor(step)`` (1-based) scales ``lr`` per step;
+    ``max_grad_norm`` clips with ``torch.nn.utils.clip_grad_norm_`` on the FP32
+    (master) gradients before the step. ``grad_norms`` holds the norms before clipping.
     """
     if precision not in ("float32", "bfloat16"):
         raise ValueError(f"precision must be 'float32' or 'bfloat16', got {precision!r}")
@@ -92,8 +98,10 @@ def reference_run(
     opt = torch.optim.AdamW(
         _groups(master_named, weight_decay, no_decay), lr=lr, betas=betas, eps=eps, foreach=False
     )
-    losses = []
-    for batch in batches:
+    losses, norms = [], []
+    for step, batch in enumerate(batches, 1):
+        for group in opt.param_groups:
+            group["lr"] = lr * (lr_factor(step) if lr_factor else 1.0)
         ids, labels = batch.input_ids.to(device), batch.labels.to(device)
         logits = model(input_ids=ids).logits
         loss = F.cross_entropy(
@@ -104,6 +112,13 @@ def reference_run(
         if precision != "float32":
             for (_, p), m in zip(named, masters, strict=True):
                 m.grad = p.grad.float() if p.grad is not None else None
+        grads = [m.grad for m in masters if m.grad is not None]
+        if max_grad_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(masters, max_grad_norm)))
+        else:
+            norms.append(
+                float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+            )
         opt.step()
         opt.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
@@ -112,4 +127,4 @@ def reference_run(
                 for (_, p), m in zip(named, masters, strict=True):
                     p.copy_(m)
     state = {n: m.detach().float().cpu().clone() for n, m in master_named}
-    return ReferenceResult(losses, state)
+    return ReferenceResult(losses, state, norms)

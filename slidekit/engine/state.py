@@ -1,0 +1,198 @@
+"""Optimizer state per unit, on whichever tier the plan put it.
+
+A unit's state (the buffers its optimizer's ``state_layout`` names) lives in
+regions of one storage tier. Two ways to reach it:
+
+* **mapped**: the tier hands out host tensors aliasing its regions (RAM);
+  the optimizer updates them in place, in one call per unit;
+* **streamed**: otherwise (files, GPUDirect) the unit is updated in chunks
+  of ``chunk`` parameters: while chunk *j* is updated, chunk *j+1* is being
+  read and chunk *j-1* written back, through three rotating sets of staging
+  buffers. Host memory for a streamed unit is those staging buffers only.
+
+Streaming needs the state to be *linear* in the parameters: the state of
+parameters [a, a+m) sits at ``state_layout(a)`` and has the size of
+``state_layout(m)`` whenever ``a`` is a multiple of ``GRANULE`` (true of
+per-element moments and of block-wise quantized ones with blocks dividing
+``GRANULE``). Optimizers whose state is not are staged a whole unit at a time.
+
+The store is used from the optimizer thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+
+import torch
+
+from slidekit.engine.runtime import Pipeline
+from slidekit.hostmem import HostBuffers
+from slidekit.interfaces import ParamGroupRange, StorageTier, UnitOptimizer
+from slidekit.models.base import UnitLayout
+
+__all__ = ["GRANULE", "StateStore", "slice_groups"]
+
+#: Streamed chunks start at multiples of this many parameters.
+GRANULE = 1 << 12
+
+Layout = dict[str, tuple[torch.dtype, int]]
+ChunkFn = Callable[[int, int, Mapping[str, torch.Tensor]], None]
+
+
+def slice_groups(groups: Sequence[ParamGroupRange], start: int, stop: int) -> list[ParamGroupRange]:
+    """The parameter groups of the slice [start, stop) of a unit, in the slice's own coordinates."""
+    return [
+        ParamGroupRange(
+            start=max(g.start, start) - start, stop=min(g.stop, stop) - start, weight_decay=g.weight_decay
+        )
+        for g in groups
+        if g.start < stop and g.stop > start
+    ]
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _is_linear(optimizer: UnitOptimizer) -> bool:
+    one, two, three = (dict(optimizer.state_layout(k * GRANULE)) for k in (1, 2, 3))
+    return all(
+        two[name][1] == 2 * n and three[name][1] == 3 * n and two[name][0] == dt
+        for name, (dt, n) in one.items()
+    ) and set(one) == set(two) == set(three)
+
+
+class StateStore:
+    """Every unit's optimizer state: allocated and zeroed up front, updated in place or streamed."""
+
+    def __init__(
+        self,
+        units: Sequence[UnitLayout],
+        *,
+        optimizer: UnitOptimizer,
+        tiers: Sequence[StorageTier],
+        memory: HostBuffers,
+        pipeline: Pipeline,
+        chunk: int = 1 << 24,
+    ) -> None:
+        if len(tiers) != len(units):
+            raise ValueError(f"one tier per unit: got {len(tiers)} tiers for {len(units)} units")
+        self.units = units
+        self.tiers = list(tiers)
+        self._optimizer = optimizer
+        self._memory = memory
+        self._pipeline = pipeline
+        self._layouts: list[Layout] = [dict(optimizer.state_layout(u.numel)) for u in units]
+        self._linear = _is_linear(optimizer)
+        self.chunk = max(GRANULE, chunk // GRANULE * GRANULE) if self._linear else max(u.numel for u in units)
+        self._staging: list[dict[str, torch.Tensor]] = []  # three rotating sets, built on first use
+        self._mapped: list[dict[str, torch.Tensor] | None] = [
+            self._allocate(u.index, layout) for u, layout in zip(units, self._layouts, strict=True)
+        ]
+
+    @staticmethod
+    def key(unit: int, name: str) -> str:
+        return f"state/{unit}/{name}"
+
+    # ------------------------------------------------------------------ allocation
+
+    def _allocate(self, unit: int, layout: Layout) -> dict[str, torch.Tensor] | None:
+        """Allocate a unit's regions and zero them; return mapped views, or None to stream."""
+        tier = self.tiers[unit]
+        nbytes = {name: numel * _itemsize(dtype) for name, (dtype, numel) in layout.items()}
+        for name, n in nbytes.items():
+            tier.allocate(self.key(unit, name), n)
+        regions = {name: tier.map(self.key(unit, name)) for name in layout}
+        if all(r is not None for r in regions.values()):
+            mapped = {}
+            for name, (dtype, _) in layout.items():
+                region = regions[name]
+                assert region is not None
+                mapped[name] = region[: nbytes[name]].view(dtype)
+                mapped[name].zero_()
+            return mapped
+        for start, stop in self._chunks(unit):
+            staged = self._stage(0, unit, start, stop)
+            for buf in staged.values():
+                buf.zero_()
+            for fut in self._write(unit, start, staged):
+                self._pipeline.result(fut, f"zeroing the optimizer state of unit {unit}")
+        return None
+
+    def _chunks(self, unit: int) -> list[tuple[int, int]]:
+        n = self.units[unit].numel
+        return [(a, min(a + self.chunk, n)) for a in range(0, n, self.chunk)]
+
+    def _span(self, unit: int, start: int, stop: int) -> dict[str, tuple[torch.dtype, int, int]]:
+        """name -> (dtype, first element, element count) of the state of parameters [start, stop)."""
+        if not self._linear:
+            return {name: (dt, 0, n) for name, (dt, n) in self._layouts[unit].items()}
+        before = dict(self._optimizer.state_layout(start)) if start else {}
+        size = dict(self._optimizer.state_layout(stop - start))
+        return {name: (dt, before.get(name, (dt, 0))[1], n) for name, (dt, n) in size.items()}
+
+    def _stage(self, k: int, unit: int, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """Views into staging set ``k`` shaped for the state of parameters [start, stop)."""
+        if not self._staging:
+            biggest = max(min(self.chunk, u.numel) for u in self.units)
+            per_set = dict(self._optimizer.state_layout(biggest))
+            self._staging = [
+                {name: self._memory.empty(n, dt) for name, (dt, n) in per_set.items()} for _ in range(3)
+            ]
+        return {name: self._staging[k][name][:n] for name, (_, _, n) in self._span(unit, start, stop).items()}
+
+    def _read(self, unit: int, start: int, staged: Mapping[str, torch.Tensor]) -> list[Future[None]]:
+        tier, span = self.tiers[unit], self._span(unit, start, start + 1)
+        return [
+            tier.read(self.key(unit, name), buf, offset=span[name][1] * buf.element_size())
+            for name, buf in staged.items()
+        ]
+
+    def _write(self, unit: int, start: int, staged: Mapping[str, torch.Tensor]) -> list[Future[None]]:
+        tier, span = self.tiers[unit], self._span(unit, start, start + 1)
+        return [
+            tier.write(self.key(unit, name), buf, offset=span[name][1] * buf.element_size())
+            for name, buf in staged.items()
+        ]
+
+    # ------------------------------------------------------------------ updates
+
+    def update(self, unit: int, fn: ChunkFn) -> None:
+        """Call ``fn(start, stop, state)`` over the unit's parameters, once if mapped, chunk by chunk if not."""
+        mapped = self._mapped[unit]
+        if mapped is not None:
+            fn(0, self.units[unit].numel, mapped)
+            return
+        chunks = self._chunks(unit)
+        what = f"optimizer state of unit {unit}"
+        staged = [self._stage(j % 3, unit, a, b) for j, (a, b) in enumerate(chunks)]
+        reads: dict[int, list[Future[None]]] = {0: self._read(unit, chunks[0][0], staged[0])}
+        writes: dict[int, list[Future[None]]] = {}
+        for j, (a, b) in enumerate(chunks):
+            if j + 1 < len(chunks):
+                for fut in writes.pop(j - 2, []):  # set (j+1) % 3 was last written back as chunk j-2
+                    self._pipeline.result(fut, f"writing {what}")
+                reads[j + 1] = self._read(unit, chunks[j + 1][0], staged[j + 1])
+            for fut in reads.pop(j):
+                self._pipeline.result(fut, f"reading {what}")
+            fn(a, b, staged[j])
+            writes[j] = self._write(unit, a, staged[j])
+        for futs in writes.values():  # the staging sets are reused by the next unit
+            for fut in futs:
+                self._pipeline.result(fut, f"writing {what}")
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def nbytes(self, unit: int) -> int:
+        return sum(n * _itemsize(dt) for dt, n in self._layouts[unit].values())
+
+    def streamed(self, unit: int) -> bool:
+        return self._mapped[unit] is None
+
+    def close(self) -> None:
+        for unit, layout in enumerate(self._layouts):
+            for name in layout:
+                self.tiers[unit].free(self.key(unit, name))
+        self._mapped = [None] * len(self.units)
+        self._staging = []
