@@ -33,5 +33,5 @@ def lr_factor(step: int, *, schedule: str, total: int, warmup: int = 0, min_rati
         return 1.0
     progress = min(1.0, (step - warmup) / (total - warmup))
     if schedule == "linear":
-        return 1.0 - (1.0 - min_ratio) * progress
+        return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
