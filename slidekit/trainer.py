@@ -161,10 +161,12 @@ class Trainer:
         state_tier = self._tier(self.selections["state_tier"])
         offload = place_state(len(units), ec.state_offload_fraction)
         slow = self._tier(self.selections["state_offload_tier"]) if any(offload) else state_tier
+        state_tiers = [slow if off else state_tier for off in offload]
+        self._check_capacity(state_tiers, [state_per_param * u.numel for u in units])
         host = HostStore(
             units,
             optimizer=optimizer,
-            state_tiers=[slow if off else state_tier for off in offload],
+            state_tiers=state_tiers,
             pin=self.device.type == "cuda",
             grad_dtype=self.compute_dtype,
             grad_buffers=ec.grad_buffers,
@@ -191,6 +193,30 @@ class Trainer:
             loss_chunk=ec.loss_chunk,
             prefetch=ec.window - 1,
         )
+
+    def _check_capacity(self, state_tiers: Sequence[StorageTier], state_bytes: Sequence[int]) -> None:
+        """Refuse, before anything is written, a placement whose tiers lack the space for it."""
+        need: dict[int, list[int]] = {}  # id(tier) -> [state bytes, activation bytes]
+        for tier, nbytes in zip(state_tiers, state_bytes, strict=True):
+            need.setdefault(id(tier), [0, 0])[0] += nbytes
+        if "activation_tier" in self.selections:
+            dc, spec = self.config.data, self.spec
+            itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
+            per_layer = dc.batch_size * dc.seq_len * spec.hidden_size * itemsize * self.config.grad_accum
+            tier = self._tier(self.selections["activation_tier"])
+            need.setdefault(id(tier), [0, 0])[1] += per_layer * spec.num_layers
+        for tier in {id(t): t for t in self._tiers.values()}.values():
+            state, acts = need.get(id(tier), (0, 0))
+            capacity = tier.stats().capacity
+            if capacity is not None and state + acts > capacity:
+                gib = 2**30
+                where = f" in {self.config.engine.offload_dir}" if self.config.engine.offload_dir else ""
+                raise ConfigError(
+                    f"storage tier {tier.name!r}{where} needs {(state + acts) / gib:.2f} GiB "
+                    f"(optimizer state {state / gib:.2f} GiB, activations {acts / gib:.2f} GiB) but has "
+                    f"{capacity / gib:.2f} GiB free; free space, use another offload_dir, lower "
+                    "state_offload_fraction, or keep activations elsewhere"
+                )
 
     def _load_weights(self) -> None:
         mc = self.config.model

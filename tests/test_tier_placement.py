@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from slidekit import EngineConfig, ModelConfig, OptimConfig, Plugins, TrainConfig, Trainer
 from slidekit.engine.state import GRANULE
 from slidekit.hookspecs import hookimpl
-from slidekit.interfaces import TierContext, TierDescriptor
+from slidekit.interfaces import TierDescriptor
 from slidekit.testing.asserts import assert_states_equal
 from slidekit.testing.models import random_batches, save_tiny_model
 from slidekit_tiers.ram import RamTier
@@ -93,7 +93,11 @@ placements = st.fixed_dictionaries(
 )
 def test_placement_never_changes_results(tmp_path_factory, family, layers, hidden, seed, placement):
     model_dir = save_tiny_model(
-        family, tmp_path_factory.mktemp("m"), seed=seed, num_hidden_layers=layers, hidden_size=hidden,
+        family,
+        tmp_path_factory.mktemp("m"),
+        seed=seed,
+        num_hidden_layers=layers,
+        hidden_size=hidden,
         intermediate_size=2 * hidden + 32,
     )
     offload = tmp_path_factory.mktemp("offload")
@@ -142,3 +146,42 @@ def test_unknown_offload_tier_is_refused(tiny_model):
     )
     with pytest.raises(UnknownDriverError, match="unknown storage tier 'tape'"):
         Trainer(cfg)
+
+
+class TinyDisk(RamTier):
+    """A tier that reports 1 MiB free."""
+
+    name = "tiny_disk"
+
+    def stats(self):
+        from dataclasses import replace
+
+        return replace(super().stats(), capacity=1 << 20)
+
+
+class TinyDiskPlugin:
+    @hookimpl
+    def slidekit_storage_tiers(self) -> Iterator[TierDescriptor]:
+        yield TierDescriptor(name="tiny_disk", factory=TinyDisk)
+
+
+def test_a_placement_that_does_not_fit_is_refused_before_training(tiny_model, tmp_path):
+    from slidekit import DataConfig
+    from slidekit.errors import ConfigError
+
+    plugins = Plugins(extra=[("tiny", TinyDiskPlugin())])
+    model_dir = tiny_model("llama", hidden_size=256, intermediate_size=512)  # ~1 M state bytes per layer
+    cfg = TrainConfig(
+        model=ModelConfig(source=str(model_dir)),
+        engine=EngineConfig(device=DEVICE, state_tier="tiny_disk", offload_dir=str(tmp_path)),
+    )
+    with pytest.raises(ConfigError, match=r"storage tier 'tiny_disk' in .* needs .* GiB \(optimizer state"):
+        Trainer(cfg, plugins=plugins)
+    # Activations alone can overflow it too: 64 rows x 512 tokens x 256 x 4 bytes x 3 layers.
+    cfg = TrainConfig(
+        model=ModelConfig(source=str(tiny_model("llama"))),
+        data=DataConfig(batch_size=64, seq_len=512),
+        engine=EngineConfig(device=DEVICE, activation_tier="tiny_disk"),
+    )
+    with pytest.raises(ConfigError, match="activations"):
+        Trainer(cfg, plugins=plugins)
