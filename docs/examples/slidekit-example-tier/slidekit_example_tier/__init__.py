@@ -50,9 +50,17 @@ class Crc32RamTier:
         self._regions.pop(key, None)
         self._crc.pop(key, None)
 
+    def _span(self, key: str, t: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+        region = self._regions[key]  # KeyError names an unknown region
+        if not t.is_contiguous():
+            raise ValueError("storage tiers move contiguous tensors only; call .contiguous() first")
+        data = t.detach().reshape(-1).view(torch.uint8)
+        if offset < 0 or offset + data.numel() > region.numel():
+            raise ValueError(f"region {key!r} holds {region.numel()} bytes; cannot move {data.numel()} at {offset}")
+        return region, data
+
     def write(self, key: str, src: torch.Tensor, offset: int = 0) -> Future[None]:
-        region = self._regions[key]
-        data = src.detach().reshape(-1).view(torch.uint8)
+        region, data = self._span(key, src, offset)
 
         def run() -> None:
             region[offset : offset + data.numel()].copy_(data)  # from the GPU too: copy_ synchronises
@@ -63,8 +71,7 @@ class Crc32RamTier:
         return self._pool.submit(run)
 
     def read(self, key: str, dst: torch.Tensor, offset: int = 0) -> Future[None]:
-        region = self._regions[key]
-        out = dst.reshape(-1).view(torch.uint8)
+        region, out = self._span(key, dst, offset)
 
         def run() -> None:
             if zlib.crc32(region.numpy()) != self._crc[key]:

@@ -1,0 +1,288 @@
+"""What the file-backed tiers (``posix``, ``gds``) share: the offload directory, region files, futures.
+
+A file-backed tier keeps each region in a file of its own, inside a private
+subdirectory ``slidekit-<tier>-<pid>-XXXX`` of ``TierContext.directory``.
+Files are rounded up to ``ALIGN`` bytes (the page size and the largest
+logical block size O_DIRECT and GPUDirect Storage ask for) and reserved up
+front with ``posix_fallocate``, so a full disk fails at ``allocate`` with the
+bytes needed and the bytes free instead of halfway through training. Files go
+when their region is freed, when the tier closes, when it is garbage
+collected, and at interpreter exit (a ``weakref.finalize``, which also runs at
+exit); a ``kill -9`` leaves the subdirectory behind, named after the pid.
+
+A region freed while I/O on it is still in flight is closed and unlinked
+when the last of that I/O completes, so a descriptor is never closed (and
+then reused by another ``open``) under a running ``pread``.
+
+Test: ``pytest tests/plugins/test_posix_tier.py`` (these helpers run under both tiers' tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from slidekit.errors import ConfigError
+
+__all__ = [
+    "ALIGN",
+    "Join",
+    "Region",
+    "RegionFiles",
+    "as_bytes",
+    "disk_free",
+    "round_up",
+]
+
+#: File sizes, O_DIRECT offsets, lengths and buffer addresses are multiples of this.
+ALIGN = 4096
+
+_FIX_DIR = "set engine.offload_dir (CLI: --offload-dir) to a writable directory on a fast local disk"
+
+
+def round_up(n: int, align: int = ALIGN) -> int:
+    return -(-n // align) * align
+
+
+def _human(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def disk_free(path: str) -> int | None:
+    """Bytes free on the file system holding ``path`` for this user; None if it cannot be read."""
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous host or CUDA tensor; misuse raises naming the fix."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"storage tiers move torch tensors, got {type(t).__name__}")
+    if not t.is_contiguous():
+        raise ValueError("storage tiers move contiguous tensors only; call .contiguous() first")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"file-backed tiers move cpu or cuda tensors, got a tensor on {t.device}")
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _make_root(directory: str | None, tier: str) -> str:
+    """Check the offload directory and create this tier's private subdirectory in it."""
+    if directory is None:
+        raise ConfigError(
+            f"the {tier} tier keeps its regions in files and was given no directory: {_FIX_DIR}"
+        )
+    if not os.path.exists(directory):
+        raise ConfigError(
+            f"the {tier} tier's directory {directory!r} does not exist: create it (mkdir -p) or {_FIX_DIR}"
+        )
+    if not os.path.isdir(directory):
+        raise ConfigError(f"the {tier} tier's directory {directory!r} is not a directory: {_FIX_DIR}")
+    try:
+        return tempfile.mkdtemp(prefix=f"slidekit-{tier}-{os.getpid()}-", dir=directory)
+    except OSError as e:
+        raise ConfigError(
+            f"the {tier} tier cannot create files in {directory!r} ({e.strerror}): "
+            f"make it writable for this user or {_FIX_DIR}"
+        ) from e
+
+
+def _no_space(tier: str, key: str, root: str, need: int, free: int | None) -> OSError:
+    have = "an unknown number of bytes" if free is None else f"{free} bytes ({_human(free)})"
+    return OSError(
+        errno.ENOSPC,
+        f"the {tier} tier needs {need} bytes ({_human(need)}) on disk for region {key!r} in {root}, "
+        f"but the file system has {have} free: free disk space, point engine.offload_dir "
+        "(--offload-dir) at a larger disk, or offload less",
+    )
+
+
+def _reserve(fd: int, need: int, *, tier: str, key: str, root: str) -> bool:
+    """Reserve ``need`` bytes for an open file; False if the file system cannot reserve (sparse file)."""
+    free = disk_free(root)
+    if free is not None and need > free:
+        raise _no_space(tier, key, root, need, free)
+    if need == 0:
+        return True
+    try:
+        os.posix_fallocate(fd, 0, need)
+        return True
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise _no_space(tier, key, root, need, disk_free(root)) from e
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL):
+            raise
+    os.ftruncate(fd, need)  # no fallocate here: the size is right, the space is not held
+    return False
+
+
+@dataclass(eq=False)
+class Region:
+    """One region: its file and the handle the tier reads and writes it through."""
+
+    key: str
+    path: str
+    nbytes: int  # the size asked for; transfers must stay inside it
+    disk_bytes: int  # the file's size: nbytes rounded up to ALIGN
+    handle: Any  # an fd (posix) or a kvikio CuFile (gds)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # serialises partial-block rewrites
+    pending: int = 0  # transfers in flight
+    freed: bool = False
+
+
+def _discard(region: Region, close_file: Callable[[Any], None]) -> None:
+    try:
+        close_file(region.handle)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(region.path)
+
+
+def _remove_all(
+    regions: dict[str, Region], lock: threading.Lock, root: str, close_file: Callable[[Any], None]
+) -> None:
+    with lock:
+        doomed = list(regions.values())
+        regions.clear()
+    for region in doomed:
+        with contextlib.suppress(Exception):  # cleanup at exit or GC must not raise; rmtree still runs
+            _discard(region, close_file)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+class RegionFiles:
+    """The region files of one tier, in a private subdirectory that goes away with the tier."""
+
+    def __init__(
+        self,
+        directory: str | None,
+        *,
+        tier: str,
+        close_file: Callable[[Any], None],
+    ) -> None:
+        self.tier = tier
+        self.root = _make_root(directory, tier)
+        self.reserved = True  # False once a file system could not reserve space up front
+        self._close = close_file
+        self._regions: dict[str, Region] = {}
+        self._lock = threading.Lock()
+        self._seq = 0
+        # Runs on close(), on garbage collection and at interpreter exit, whichever comes first.
+        self._finalizer = weakref.finalize(
+            self, _remove_all, self._regions, self._lock, self.root, close_file
+        )
+
+    def allocate(self, key: str, nbytes: int, open_file: Callable[[str], Any]) -> None:
+        """Create, reserve and open (``open_file(path) -> handle``) the file of a new region."""
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"region {key!r}: size must be an int >= 0 bytes, got {nbytes!r}")
+        with self._lock:
+            if not self._finalizer.alive:
+                raise RuntimeError(f"the {self.tier} tier is closed; build a new one")
+            if key in self._regions:
+                raise KeyError(f"region {key!r} already exists in the {self.tier} tier; free it first")
+            self._seq += 1
+            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in key)[:80]
+            path = os.path.join(self.root, f"{self._seq:06d}-{safe}.bin")
+            disk = round_up(nbytes)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                try:
+                    self.reserved &= _reserve(fd, disk, tier=self.tier, key=key, root=self.root)
+                finally:
+                    os.close(fd)
+                handle = open_file(path)
+            except BaseException:
+                os.unlink(path)
+                raise
+            self._regions[key] = Region(key=key, path=path, nbytes=nbytes, disk_bytes=disk, handle=handle)
+
+    def acquire(self, key: str, offset: int, nbytes: int) -> Region:
+        """The region for a transfer of ``nbytes`` at ``offset``, held open until ``release``."""
+        with self._lock:
+            region = self._regions.get(key)
+            if region is None:
+                raise KeyError(f"no region {key!r} in the {self.tier} tier; allocate it first")
+            if not isinstance(offset, int) or offset < 0 or offset + nbytes > region.nbytes:
+                raise ValueError(
+                    f"region {key!r} holds {region.nbytes} bytes; cannot move {nbytes} bytes at offset "
+                    f"{offset!r} (offsets are >= 0 and offset + length <= the region's size)"
+                )
+            region.pending += 1
+            return region
+
+    def release(self, region: Region) -> None:
+        with self._lock:
+            region.pending -= 1
+            last = region.freed and region.pending == 0
+        if last:
+            _discard(region, self._close)
+
+    def free(self, key: str) -> None:
+        with self._lock:
+            region = self._regions.pop(key, None)
+            if region is None:
+                return
+            region.freed = True
+            now = region.pending == 0
+        if now:
+            _discard(region, self._close)
+
+    def disk_bytes(self) -> int:
+        with self._lock:
+            return sum(r.disk_bytes for r in self._regions.values())
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+class Join:
+    """One future for a transfer split into parts: done when every part is, failed if any part failed.
+
+    It completes only after the last part has finished, even when an earlier
+    part failed, so the caller never gets a tensor back while a worker still
+    writes into it. ``finish(ok)`` runs first (count bytes, release the region).
+    """
+
+    def __init__(self, parts: int, finish: Callable[[bool], None]) -> None:
+        self.future: Future[None] = Future()
+        self.future.set_running_or_notify_cancel()  # a transfer in flight cannot be cancelled
+        self._left = parts
+        self._error: BaseException | None = None
+        self._finish = finish
+        self._lock = threading.Lock()
+        if parts == 0:
+            self._complete()
+
+    def part_done(self, part: Future[Any]) -> None:
+        error = CancelledError("the tier closed before this transfer ran") if part.cancelled() else None
+        error = error or part.exception()
+        with self._lock:
+            if error is not None and self._error is None:
+                self._error = error
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            self._complete()
+
+    def _complete(self) -> None:
+        try:
+            self._finish(self._error is None)
+        except BaseException as e:
+            self._error = self._error or e
+        if self._error is None:
+            self.future.set_result(None)
+        else:
+            self.future.set_exception(self._error)
