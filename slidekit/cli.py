@@ -126,6 +126,8 @@ def _finetune(args: argparse.Namespace) -> int:
     if not result.losses:
         print("no step was run: the data ran out", file=sys.stderr)
         return 1
+    if result.interrupted:
+        print(f"stopped by {result.interrupted} after {len(result.losses)} steps")
     head = sum(result.losses[:5]) / min(5, len(result.losses))
     tail = sum(result.losses[-5:]) / min(5, len(result.losses))
     print(

@@ -81,9 +81,8 @@ class OptimConfig:
     schedule: str = "constant"  # "constant", "linear" (decay) or "cosine"; all start with warmup_steps
     warmup_steps: int = 0  # linear warm-up from 0 to lr over this many steps
     min_lr_ratio: float = 0.0  # where linear and cosine decay end, as a fraction of lr
-    max_grad_norm: float | None = (
-        None  # clip the global gradient norm (exactly, before any update); None: off
-    )
+    max_grad_norm: float | None = None  # clip the global norm of the gradients exactly; None: off
+    on_nonfinite: str = "stop"  # NaN/Inf loss or gradients: "stop" (raise) or "skip" the step, warning
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0  # decoupled (AdamW) weight decay
@@ -106,6 +105,8 @@ class OptimConfig:
             raise ConfigError(f"optim.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio!r}")
         if self.max_grad_norm is not None:
             _positive("optim", "max_grad_norm", self.max_grad_norm)
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ConfigError(f"optim.on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

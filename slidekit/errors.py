@@ -11,6 +11,7 @@ __all__ = [
     "DriverUnavailableError",
     "DuplicateDriverError",
     "ModelLoadError",
+    "NonFiniteError",
     "PipelineError",
     "PipelineStalled",
     "PluginError",
@@ -53,3 +54,7 @@ class PipelineError(SlidekitError):
 
 class PipelineStalled(PipelineError, TimeoutError):
     """A pipeline wait exceeded its timeout: something upstream never finished."""
+
+
+class NonFiniteError(SlidekitError, FloatingPointError):
+    """A loss or gradient was NaN or infinite; the message says which step and what was (not) applied."""

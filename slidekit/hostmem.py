@@ -24,9 +24,15 @@ import weakref
 
 import torch
 
-__all__ = ["HostBuffers"]
+__all__ = ["HostBuffers", "registered_bytes"]
 
 _PAGE = mmap.PAGESIZE
+_REGISTERED = [0]  # bytes page-locked by every pool of this process, for leak checks
+
+
+def registered_bytes() -> int:
+    """Bytes currently page-locked through ``HostBuffers`` in this process (0 once every owner closed)."""
+    return _REGISTERED[0]
 
 
 def _cuda_call(code: object, what: str) -> None:
@@ -39,8 +45,9 @@ def _cuda_call(code: object, what: str) -> None:
 
 
 def _unregister_all(ptrs: dict[int, torch.Tensor]) -> None:
-    for ptr in list(ptrs):
+    for ptr, raw in list(ptrs.items()):
         torch.cuda.cudart().cudaHostUnregister(ptr)
+        _REGISTERED[0] -= raw.numel() - _PAGE
     ptrs.clear()
 
 
@@ -71,6 +78,7 @@ class HostBuffers:
             self._live[ptr] = raw
             self._owner[out.data_ptr()] = ptr
             self.nbytes += span
+            _REGISTERED[0] += span
         return out
 
     def release(self, t: torch.Tensor) -> None:
@@ -81,6 +89,7 @@ class HostBuffers:
                 return
             raw = self._live.pop(ptr)
             self.nbytes -= raw.numel() - _PAGE
+            _REGISTERED[0] -= raw.numel() - _PAGE
         torch.cuda.cudart().cudaHostUnregister(ptr)
 
     def close(self) -> None:

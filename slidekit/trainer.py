@@ -14,8 +14,11 @@ builds the engine. ``fit`` runs the steps and returns the losses.
 from __future__ import annotations
 
 import itertools
+import signal
+import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +57,7 @@ from slidekit.telemetry import Progress
 __all__ = ["FitResult", "Trainer", "param_groups"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class FitResult:
     """What ``fit`` returns."""
 
@@ -64,6 +67,7 @@ class FitResult:
     step_seconds: list[float] = field(default_factory=list)
     timings: list[dict[str, float]] = field(default_factory=list)  # seconds per pipeline lane, per step
     grad_norms: list[float] = field(default_factory=list)  # global gradient norm per step, before clipping
+    interrupted: str | None = None  # the signal ("SIGINT", "SIGTERM") that ended the run early, if any
 
     @property
     def tokens_per_s(self) -> float:
@@ -82,13 +86,48 @@ def param_groups(unit: UnitLayout, weight_decay: float, no_decay: Sequence[str])
     return groups
 
 
+class _GracefulStop:
+    """SIGINT/SIGTERM during ``fit``: finish the current step, then return. A second signal aborts at once.
+
+    Handlers are only installed from the main thread (Python delivers signals there).
+    """
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _GracefulStop:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal is not None:
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: abandoning the step")
+        self.signal = signal.Signals(signum).name
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 class Trainer:
     """Fine-tunes every parameter of a model with the sliding engine."""
 
     def __init__(
-        self, config: TrainConfig, *, plugins: Plugins | None = None, progress: bool = False
+        self,
+        config: TrainConfig,
+        *,
+        plugins: Plugins | None = None,
+        progress: bool = False,
+        fault_hook: Callable[[str], None] | None = None,
     ) -> None:
+        """Build everything a run needs. ``fault_hook(lane)`` is called before every pipeline task
+        ("h2d", "d2h", "optim") and every visit of the main thread ("main"): a seam for fault and
+        delay injection in tests."""
         self.config = config
+        self._fault_hook = fault_hook
         self.progress = progress
         self.plugins = plugins or Plugins(
             entry_points=config.plugins.entry_points, block=config.plugins.block
@@ -157,7 +196,7 @@ class Trainer:
             grad_buffers=ec.grad_buffers,
             tied=self.spec.tie_embeddings,
         )
-        pipeline = Pipeline(ec.timeout_s)
+        pipeline = Pipeline(ec.timeout_s, task_hook=self._fault_hook)
         state_tier = self._tier(self.selections["state_tier"])
         offload = place_state(len(units), ec.state_offload_fraction)
         slow = self._tier(self.selections["state_offload_tier"]) if any(offload) else state_tier
@@ -264,6 +303,9 @@ class Trainer:
 
         Each step takes ``config.grad_accum`` batches as micro-batches. The
         learning-rate schedule counts steps across calls, over ``config.steps``.
+        SIGINT or SIGTERM ends the run after the current step (``interrupted``
+        says which); a second one abandons the step. If anything raises, the
+        trainer closes (threads, buffers and tier storage are released).
         """
         engine = self.engine
         steps = self.config.steps if steps is None else steps
@@ -273,50 +315,62 @@ class Trainer:
         bar = Progress(steps, enabled=self.progress)
         for note in self.notes:
             bar.write(note)
-        losses: list[float] = []
-        seconds: list[float] = []
-        timings: list[dict[str, float]] = []
-        norms: list[float] = []
-        tokens = 0
-        done = 0
+        result = FitResult([], 0, 0.0)
         t0 = time.perf_counter()
         try:
-            for step in range(1, steps + 1):
-                micro = list(itertools.islice(data, self.config.grad_accum))
-                if len(micro) < self.config.grad_accum:
-                    break  # the data ran out: no partial step
-                res = engine.train_step(
-                    [(b.input_ids, b.labels) for b in micro],
-                    self.lr * self._lr_factor(engine.steps_done + 1),
-                    max_grad_norm=self.config.optim.max_grad_norm,
-                )
-                losses.append(res.loss)
-                seconds.append(res.seconds)
-                timings.append(res.timings)
-                norms.append(res.grad_norm)
-                tokens += res.tokens
-                done = step
-                metrics = {
-                    "loss": res.loss,
-                    "tokens": float(res.tokens),
-                    "seconds": res.seconds,
-                    "tokens_per_s": res.tokens / res.seconds if res.seconds else 0.0,
-                    "eta": res.eta,
-                    "grad_norm": res.grad_norm,
-                    "lr": self.lr * self._lr_factor(engine.steps_done),
-                    **{f"t_{lane}": t for lane, t in res.timings.items()},
-                }
-                self.plugins.hook.slidekit_step_end(step=step, metrics=metrics)
-                bar.update(metrics)
-            engine.wait_updates()
+            with _GracefulStop() as stop:
+                for step in range(1, steps + 1):
+                    micro = list(itertools.islice(data, self.config.grad_accum))
+                    if stop.signal or len(micro) < self.config.grad_accum:
+                        break  # interrupted, or the data ran out: no partial step
+                    metrics = self._step(engine, step, micro, result)
+                    self.plugins.hook.slidekit_step_end(step=step, metrics=metrics)
+                    bar.update(metrics)
+                engine.wait_updates()
         except BaseException as exc:
             bar.close()
-            self.plugins.hook.slidekit_fit_end(steps=done, error=exc)
+            self.plugins.hook.slidekit_fit_end(steps=len(result.losses), error=exc)
             self.close()  # the pipeline is in an unknown state: release everything
             raise
         bar.close()
-        self.plugins.hook.slidekit_fit_end(steps=done, error=None)
-        return FitResult(losses, tokens, time.perf_counter() - t0, seconds, timings, norms)
+        self.plugins.hook.slidekit_fit_end(steps=len(result.losses), error=None)
+        result.seconds = time.perf_counter() - t0
+        result.interrupted = stop.signal
+        return result
+
+    def _step(self, engine: Engine, step: int, micro: list[Batch], result: FitResult) -> dict[str, float]:
+        """One optimizer step; records it in ``result`` and returns its metrics."""
+        oc = self.config.optim
+        lr = self.lr * self._lr_factor(engine.steps_done + 1)
+        res = engine.train_step(
+            [(b.input_ids, b.labels) for b in micro],
+            lr,
+            max_grad_norm=oc.max_grad_norm,
+            skip_nonfinite=oc.on_nonfinite == "skip",
+        )
+        if res.skipped:
+            warnings.warn(
+                f"step {step}: loss {res.loss} / gradient norm {res.grad_norm} is not finite; "
+                "the step was skipped (optim.on_nonfinite='skip')",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        result.losses.append(res.loss)
+        result.step_seconds.append(res.seconds)
+        result.timings.append(res.timings)
+        result.grad_norms.append(res.grad_norm)
+        result.tokens += res.tokens
+        return {
+            "loss": res.loss,
+            "tokens": float(res.tokens),
+            "seconds": res.seconds,
+            "tokens_per_s": res.tokens / res.seconds if res.seconds else 0.0,
+            "eta": res.eta,
+            "grad_norm": res.grad_norm,
+            "skipped": float(res.skipped),
+            "lr": lr,
+            **{f"t_{lane}": t for lane, t in res.timings.items()},
+        }
 
     def _lr_factor(self, step: int) -> float:
         oc = self.config.optim

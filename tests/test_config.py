@@ -52,7 +52,7 @@ PINNED_FIELDS = {
     "ModelConfig": ["source", "random_init", "init_seed", "overrides"],
     "DataConfig": ["path", "seq_len", "batch_size", "seed"],
     "OptimConfig": [
-        "name", "lr", "schedule", "warmup_steps", "min_lr_ratio", "max_grad_norm",
+        "name", "lr", "schedule", "warmup_steps", "min_lr_ratio", "max_grad_norm", "on_nonfinite",
         "betas", "eps", "weight_decay", "no_decay", "threads",
     ],
     "EngineConfig": [

@@ -21,6 +21,7 @@ CPU the same threads run the same schedule with synchronous copies.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -34,6 +35,7 @@ from slidekit.engine.host import HostStore
 from slidekit.engine.runtime import Pipeline, Streams
 from slidekit.engine.state import slice_groups
 from slidekit.engine.window import Slot, Window
+from slidekit.errors import NonFiniteError
 from slidekit.interfaces import KernelSet, ParamGroupRange, UnitOptimizer
 from slidekit.models.base import ArchSpec, UnitKind
 from slidekit.models.decoder import RopeTables, embed_backward, embed_forward, head_loss, layer_forward
@@ -49,6 +51,7 @@ UPLOAD_CHUNK = 1 << 24
 @dataclass(frozen=True, slots=True)
 class StepResult:
     loss: float  # mean cross-entropy over the labelled tokens
+    skipped: bool  # True when the update was skipped (non-finite loss or gradients)
     tokens: int  # tokens processed (labelled or not)
     labelled: int  # tokens that carried a label
     seconds: float
@@ -102,7 +105,8 @@ class Engine:
         n = len(spec.units)
         self.version = [0] * n  # bumped when an optimizer update of the unit is queued
         self.updated: list[Future[None] | None] = [None] * n  # the latest update of each unit
-        self.steps_done = 0
+        self.steps_done = 0  # steps taken, skipped ones included
+        self.updates_applied = 0  # steps whose update was applied: Adam's bias-correction count
         self._loads: dict[int, tuple[Slot, Future[Any] | None]] = {}  # visit index -> slot, upload
         self._tied_slot: Slot | None = None
         self._stage: torch.Tensor | None = None  # FP32 staging on the device for casting uploads
@@ -164,6 +168,8 @@ class Engine:
     def _acquire(self, k: int) -> Slot:
         """The slot holding visit ``k``'s parameters, ready for compute on the compute stream."""
         unit = self.visits[k].unit
+        if self.pipeline.task_hook is not None:
+            self.pipeline.task_hook("main")
         with self.timeline.host("stall", unit):  # the main thread waiting: uploads or cache units behind
             self._request(k)
             slot, fut = self._loads.pop(k)
@@ -188,23 +194,31 @@ class Engine:
         the end of the step (``_clip_and_update``).
         """
         n = self.spec.units[unit].numel
-        c["sq_norm"] += torch.linalg.vector_norm(slot.grads[:n], dtype=torch.float32).square()
+        unit_sq = torch.linalg.vector_norm(slot.grads[:n], dtype=torch.float32).square()
+        c["sq_norm"] += unit_sq
         done = self.streams.record(self.streams.compute)
         # Bump the version now, on this thread: from here on no slot holding the old
         # parameters can be mistaken for current, and every upload waits for the update.
         self.version[unit] += 1
-        keep = c["clip"] is not None
-        download = self.pipeline.submit("d2h", self._download, unit, slot, done, keep)
+        keep = c["defer"]
+        download = self.pipeline.submit("d2h", self._download, unit, slot, done, unit_sq, keep)
         if keep:
             c["deferred"][unit] = download
         else:
             self.updated[unit] = self.pipeline.submit(
-                "optim", self._update, unit, download, c["lr"], self.steps_done + 1, 1.0
+                "optim", self._update, unit, download, c["lr"], self.updates_applied + 1, 1.0
             )
 
-    def _download(self, unit: int, slot: Slot, computed: Any, keep: bool) -> int:
-        """Download thread: gradients of ``unit`` into a ring buffer (its index) or, with ``keep``, its own (-1)."""
+    def _download(
+        self, unit: int, slot: Slot, computed: Any, unit_sq: torch.Tensor, keep: bool
+    ) -> tuple[int, float]:
+        """Download thread: gradients of ``unit`` into a ring buffer or, with ``keep``, its own buffer.
+
+        Returns the ring index (-1 for the unit's own buffer) and the squared
+        norm of the gradients, which comes down with them.
+        """
         n = self.host.masters[unit].numel()
+        sq = torch.empty((), dtype=torch.float32, pin_memory=self.streams.cuda)
         if keep:
             index, dst = -1, self.host.unit_grad(unit)
         else:
@@ -217,17 +231,32 @@ class Engine:
                 with s.use(s.d2h):
                     s.wait(s.d2h, computed)
                     dst.copy_(slot.grads[:n], non_blocking=True)
+                    sq.copy_(unit_sq, non_blocking=True)
                     copied = s.record(s.d2h)
                 s.synchronize(copied)
                 self.window.release(slot, copied)
             else:
                 dst.copy_(slot.grads[:n])
+                sq.copy_(unit_sq)
                 self.window.release(slot, None)
-        return index
+        return index, float(sq)
 
-    def _update(self, unit: int, download: Future[int], lr: float, count: int, scale: float) -> None:
-        """Optimizer thread: update ``unit``'s master from its gradients, in submission order."""
-        index = self.pipeline.result(download, f"the gradient download of unit {unit}")
+    def _update(
+        self, unit: int, download: Future[tuple[int, float]], lr: float, count: int, scale: float
+    ) -> None:
+        """Optimizer thread: update ``unit``'s master from its gradients, in submission order.
+
+        A unit whose gradients are not finite is never applied: the step stops here.
+        """
+        index, sq = self.pipeline.result(download, f"the gradient download of unit {unit}")
+        if not math.isfinite(sq):
+            if index >= 0:
+                self.host.ring.release(index)
+            raise NonFiniteError(
+                f"step {self.steps_done + 1}: the gradients of unit {unit} ({self.spec.units[unit].kind}) "
+                "are not finite; no update was applied to it. Lower the learning rate, clip gradients "
+                "(optim.max_grad_norm), or set optim.on_nonfinite='skip' to skip such steps"
+            )
         master = self.host.masters[unit]
         n = master.numel()
         grad = self.host.unit_grad(unit) if index < 0 else self.host.ring.buffers[index][:n]
@@ -253,16 +282,21 @@ class Engine:
             if index >= 0:
                 self.host.ring.release(index)
 
-    def _clip_and_update(self, c: dict[str, Any], grad_norm: float) -> None:
+    def _apply_deferred(self, c: dict[str, Any], grad_norm: float) -> None:
         """Queue every unit's update, in the order the next forward pass needs them, with the clip factor.
 
         torch.nn.utils.clip_grad_norm_ semantics: scale = min(1, max_norm / (norm + 1e-6)).
         """
-        scale = min(1.0, c["clip"] / (grad_norm + 1e-6))
+        scale = 1.0 if c["clip"] is None else min(1.0, c["clip"] / (grad_norm + 1e-6))
         for unit in range(len(self.spec.units)):
             self.updated[unit] = self.pipeline.submit(
-                "optim", self._update, unit, c["deferred"].pop(unit), c["lr"], self.steps_done + 1, scale
+                "optim", self._update, unit, c["deferred"].pop(unit), c["lr"], self.updates_applied + 1, scale
             )
+
+    def _drop_deferred(self, c: dict[str, Any]) -> None:
+        """Skip the step: wait for the downloads, apply nothing. Masters and state stay as they were."""
+        for unit, download in c.pop("deferred").items():
+            self.pipeline.result(download, f"the gradient download of unit {unit}")
 
     # ================================================================== the step
 
@@ -272,6 +306,7 @@ class Engine:
         lr: float,
         *,
         max_grad_norm: float | None = None,
+        skip_nonfinite: bool = False,
     ) -> StepResult:
         """One optimizer step over ``micro``-batches of (``input_ids``, ``labels``), each (B, T).
 
@@ -279,6 +314,13 @@ class Engine:
         resident (every micro-batch passes through a unit before it moves on),
         so the step equals one step on their concatenation; the loss is the
         mean over all labelled tokens (label -100 carries none).
+
+        Updates overlap the backward pass unless the step must see every
+        gradient first: clipping by the global norm (``max_grad_norm``), or
+        ``skip_nonfinite``, which skips a step whose loss or gradients are not
+        finite instead of raising ``NonFiniteError``. Those keep each unit's
+        gradients on the host until the end of the backward pass (2 more bytes
+        per parameter in BF16) and update during the next forward pass.
         """
         t0 = time.perf_counter()
         self.pipeline.check()
@@ -299,6 +341,7 @@ class Engine:
             "labelled": labelled,
             "clip": max_grad_norm,
             "deferred": {},
+            "defer": max_grad_norm is not None or skip_nonfinite,
             "sq_norm": torch.zeros((), dtype=torch.float32, device=self.device),
         }
         run: dict[str, Callable[..., Any]] = {FWD: self._forward, HEAD: self._head, BWD: self._backward}
@@ -307,16 +350,36 @@ class Engine:
             run[visit.phase](k, visit, c)
         loss_sum = float(c["loss_sum"])  # waits for the device, not for the optimizer
         grad_norm = float(c["sq_norm"].sqrt())
-        if max_grad_norm is not None:
-            self._clip_and_update(c, grad_norm)
+        skipped = self._conclude(c, loss_sum / labelled, grad_norm, skip_nonfinite)
         self.steps_done += 1
+        self.updates_applied += not skipped
         return StepResult(
             loss=loss_sum / labelled,
+            skipped=skipped,
             tokens=sum(i.numel() for i in ids),
             labelled=labelled,
             seconds=time.perf_counter() - t0,
             grad_norm=grad_norm,
             timings=self.timeline.finish(),
+        )
+
+    def _conclude(self, c: dict[str, Any], loss: float, grad_norm: float, skip_nonfinite: bool) -> bool:
+        """Apply deferred updates, or skip / refuse a non-finite step. True when skipped."""
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:
+            if c["defer"]:
+                self._apply_deferred(c, grad_norm)
+            return False
+        what = f"step {self.steps_done + 1}: loss {loss} / gradient norm {grad_norm} is not finite"
+        if c["defer"]:
+            self._drop_deferred(c)
+            if skip_nonfinite:
+                return True
+            raise NonFiniteError(
+                f"{what}; nothing was updated. Set optim.on_nonfinite='skip' to skip such steps"
+            )
+        raise NonFiniteError(
+            f"{what}. Lower the learning rate, clip gradients (optim.max_grad_norm) or set optim.on_nonfinite='skip'"
         )
 
     def _forward(self, k: int, visit: Visit, c: dict[str, Any]) -> None:

@@ -44,8 +44,9 @@ _POLL_S = 0.05
 class Pipeline:
     """The engine's worker threads, error propagation and bounded waits."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, *, task_hook: Callable[[str], None] | None = None) -> None:
         self.timeout_s = timeout_s
+        self.task_hook = task_hook  # called with the lane name before every task: fault/delay injection
         self._pools = {name: ThreadPoolExecutor(1, thread_name_prefix=f"slidekit-{name}") for name in POOLS}
         self._cond = threading.Condition()
         self._error: BaseException | None = None
@@ -85,6 +86,8 @@ class Pipeline:
             try:
                 if self._error is not None:  # something already failed: do no more work
                     raise PipelineError("cancelled after an earlier failure") from self._error
+                if self.task_hook is not None:
+                    self.task_hook(pool)
                 return fn(*args)
             except BaseException as exc:
                 self.fail(exc)
