@@ -11,7 +11,15 @@ optimizers, kernel sets and model adapters are plugins.
 Run the demo: ``slidekit finetune``; list drivers: ``slidekit plugins``.
 """
 
-from slidekit.config import DataConfig, EngineConfig, ModelConfig, OptimConfig, PluginConfig, TrainConfig
+from slidekit.config import (
+    DataConfig,
+    EngineConfig,
+    ModelConfig,
+    OptimConfig,
+    PluginConfig,
+    RunConfig,
+    TrainConfig,
+)
 from slidekit.data import Batch
 from slidekit.errors import SlidekitError
 from slidekit.plugins import Plugins
@@ -28,6 +36,7 @@ __all__ = [
     "OptimConfig",
     "PluginConfig",
     "Plugins",
+    "RunConfig",
     "SlidekitError",
     "TrainConfig",
     "Trainer",

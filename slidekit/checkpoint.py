@@ -99,6 +99,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatch",
     "CheckpointWriter",
+    "Deferred",
     "Manifest",
     "SaveHandle",
     "array_dir_name",
@@ -708,10 +709,24 @@ class SaveHandle:
         self._commit.add_done_callback(lambda _f: fn(self))
 
 
+@dataclass(frozen=True, eq=False)
+class Deferred:
+    """A tensor produced only when the writer reaches it, and dropped once it is written.
+
+    For data that is not in memory (optimizer state on a disk tier): ``produce()`` runs on the writer
+    thread and must return a CPU tensor of ``dtype`` and ``shape``. At most ``max_inflight`` deferred
+    tensors exist at once, so a checkpoint of data larger than RAM needs only a few buffers.
+    """
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    produce: Callable[[], torch.Tensor]
+
+
 @dataclass(eq=False)
 class _Job:
     step: int
-    items: list[tuple[str, torch.Tensor, str]]  # (name, contiguous CPU tensor, dtype name), in write order
+    items: list[tuple[str, torch.Tensor | Deferred, str]]  # (name, CPU tensor or Deferred, dtype name)
     meta: bytes
     overwrite: bool
     handle: SaveHandle
@@ -879,7 +894,7 @@ class CheckpointWriter:
     def save(
         self,
         step: int,
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor | Deferred],
         meta: Mapping[str, Any] | None = None,
         *,
         overwrite: bool = False,
@@ -952,7 +967,10 @@ class CheckpointWriter:
 
     # ---- caller side
 
-    def _prepare(self, name: str, t: torch.Tensor) -> tuple[str, torch.Tensor, str]:
+    def _prepare(self, name: str, t: torch.Tensor | Deferred) -> tuple[str, torch.Tensor | Deferred, str]:
+        if isinstance(t, Deferred):
+            array_dir_name(name)
+            return name, t, _dtype_name(t.dtype)
         if not isinstance(t, torch.Tensor):
             raise CheckpointError(f"checkpoint tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
         if t.layout != torch.strided:
@@ -1052,6 +1070,8 @@ class CheckpointWriter:
                 while len(inflight) >= self.max_inflight:
                     self._complete(job, inflight.popleft(), written)
                 job.where = f"writing array {name!r}"
+                if isinstance(tensor, Deferred):
+                    tensor = self._produce(name, tensor)
                 inflight.append(self._start(tmp, name, tensor, dtype))
                 while inflight and inflight[0].done():
                     self._complete(job, inflight.popleft(), written)
@@ -1062,6 +1082,16 @@ class CheckpointWriter:
                 w.quiesce()
             raise
         return written
+
+    @staticmethod
+    def _produce(name: str, d: Deferred) -> torch.Tensor:
+        t = d.produce()
+        if t.dtype != d.dtype or tuple(t.shape) != tuple(d.shape) or t.device.type != "cpu":
+            raise CheckpointError(
+                f"deferred tensor {name!r} produced {t.dtype} {tuple(t.shape)} on {t.device}, "
+                f"promised {d.dtype} {tuple(d.shape)} on the CPU"
+            )
+        return t.contiguous()
 
     def _start(self, tmp: Path, name: str, tensor: torch.Tensor, dtype: str) -> _Write:
         chunk = _chunk_shape(tensor.shape, tensor.element_size(), self.chunk_bytes)

@@ -3,8 +3,10 @@
     slidekit plugins                 # every driver, available or not, and why
     slidekit finetune                # fine-tune the embedded demo model on the sample corpus
     slidekit finetune --model DIR --data FILE.jsonl --steps 500 --lr 2e-5
+    slidekit finetune --config run.toml --lr 1e-5       # a TOML file, with flags taking precedence
 
-Every option of ``finetune`` maps onto a field of ``slidekit.config``;
+Every option of ``finetune`` maps onto one field of ``slidekit.config``
+(``FLAGS`` below); a TOML file has the same shape as ``TrainConfig.to_dict()``.
 ``tests/test_cli.py`` pins the option names.
 """
 
@@ -15,10 +17,42 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from slidekit.config import DataConfig, EngineConfig, ModelConfig, OptimConfig, PluginConfig, TrainConfig
+from slidekit.config import TrainConfig, from_dict, load_toml
 from slidekit.errors import SlidekitError
 
-__all__ = ["build_parser", "config_from_args", "main"]
+__all__ = ["FLAGS", "build_parser", "config_from_args", "main"]
+
+#: flag -> (dotted TrainConfig field, type or "flag", help). Defaults come from slidekit.config.
+FLAGS: dict[str, tuple[str, Any, str]] = {
+    "--model": ("model.source", str, "local Hugging Face model directory, or 'demo'"),
+    "--random-init": ("model.random_init", "flag", "start from random weights (config.json only)"),
+    "--data": ("data.path", str, "JSONL file with a 'text' field per line (default: the sample corpus)"),
+    "--seq-len": ("data.seq_len", int, "tokens per row"),
+    "--batch-size": ("data.batch_size", int, "rows per micro-batch"),
+    "--grad-accum": ("grad_accum", int, "micro-batches per optimizer step"),
+    "--steps": ("steps", int, "optimizer steps"),
+    "--seed": ("seed", int, "data-order seed"),
+    "--optimizer": ("optim.name", str, "optimizer driver"),
+    "--lr": ("optim.lr", float, "peak learning rate (default: 2e-3 for the demo model, 2e-5 otherwise)"),
+    "--schedule": ("optim.schedule", str, "constant, linear or cosine"),
+    "--warmup-steps": ("optim.warmup_steps", int, "linear warm-up steps"),
+    "--weight-decay": ("optim.weight_decay", float, "decoupled weight decay (not on norms and biases)"),
+    "--max-grad-norm": ("optim.max_grad_norm", float, "clip the global gradient norm"),
+    "--on-nonfinite": ("optim.on_nonfinite", str, "stop or skip a step with NaN/Inf loss or gradients"),
+    "--device": ("engine.device", str, "auto, cpu, cuda or cuda:N"),
+    "--dtype": ("engine.compute_dtype", str, "auto, float32 or bfloat16"),
+    "--kernels": ("engine.kernels", str, "kernel-set driver, or auto"),
+    "--state-tier": ("engine.state_tier", str, "tier for optimizer state"),
+    "--state-offload-tier": ("engine.state_offload_tier", str, "a second tier for part of the state"),
+    "--state-offload-fraction": ("engine.state_offload_fraction", float, "fraction of units on that tier"),
+    "--activation-tier": ("engine.activation_tier", str, "'device' or a tier for boundary activations"),
+    "--offload-dir": ("engine.offload_dir", str, "directory for file-backed tiers"),
+    "--window": ("engine.window", int, "cache units taking turns on the device"),
+    "--run-dir": ("run.dir", str, "run directory: checkpoints, metrics.jsonl, config.json"),
+    "--checkpoint-every": ("run.checkpoint_every", int, "steps between checkpoints (0: at the end only)"),
+    "--keep": ("run.keep", int, "checkpoints to keep"),
+    "--resume": ("run.resume", "flag", "continue from the newest checkpoint in --run-dir"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,63 +68,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     f = sub.add_parser("finetune", help="fine-tune a model (default: the embedded demo model and corpus)")
-    defaults = TrainConfig()  # every default comes from slidekit.config
+    f.add_argument("--config", default=None, metavar="FILE.toml", help="settings file; flags override it")
+    for flag, (path, kind, text) in FLAGS.items():
+        if kind == "flag":
+            f.add_argument(flag, dest=path, action="store_const", const=True, default=None, help=text)
+        else:
+            f.add_argument(flag, dest=path, type=kind, default=None, help=text)
     f.add_argument(
-        "--model", default=defaults.model.source, help="local Hugging Face model directory, or 'demo'"
-    )
-    f.add_argument("--random-init", action="store_true", help="start from random weights (config only)")
-    f.add_argument(
-        "--data", default=None, help="JSONL file with a 'text' field per line (default: sample corpus)"
-    )
-    f.add_argument("--seq-len", type=int, default=defaults.data.seq_len)
-    f.add_argument("--batch-size", type=int, default=defaults.data.batch_size)
-    f.add_argument("--steps", type=int, default=defaults.steps)
-    f.add_argument("--seed", type=int, default=defaults.seed)
-    f.add_argument("--optimizer", default=defaults.optim.name, help="optimizer driver")
-    f.add_argument(
-        "--lr",
-        type=float,
-        default=defaults.optim.lr,
-        help="learning rate (default: 2e-3 for the demo model, 2e-5 otherwise)",
-    )
-    f.add_argument("--weight-decay", type=float, default=defaults.optim.weight_decay)
-    f.add_argument("--device", default=defaults.engine.device, help="auto, cpu, cuda or cuda:N")
-    f.add_argument("--dtype", default=defaults.engine.compute_dtype, help="auto, float32 or bfloat16")
-    f.add_argument("--kernels", default=defaults.engine.kernels, help="kernel-set driver, or auto")
-    f.add_argument("--state-tier", default=defaults.engine.state_tier, help="tier for optimizer state")
-    f.add_argument(
-        "--activation-tier",
-        default=defaults.engine.activation_tier,
-        help="'device' or a tier name for boundary activations",
-    )
-    f.add_argument("--offload-dir", default=None, help="directory for file-backed tiers")
-    f.add_argument("--window", type=int, default=defaults.engine.window, help="cache units on the device")
-    f.add_argument(
-        "--block", action="append", default=[], metavar="NAME", help="plugin to leave out (repeatable)"
+        "--block", action="append", default=None, metavar="NAME", help="plugin to leave out (repeatable)"
     )
     f.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The TrainConfig a ``finetune`` command line describes."""
-    return TrainConfig(
-        model=ModelConfig(source=args.model, random_init=args.random_init),
-        data=DataConfig(path=args.data, seq_len=args.seq_len, batch_size=args.batch_size),
-        optim=OptimConfig(name=args.optimizer, lr=args.lr, weight_decay=args.weight_decay),
-        engine=EngineConfig(
-            device=args.device,
-            compute_dtype=args.dtype,
-            kernels=args.kernels,
-            state_tier=args.state_tier,
-            activation_tier=args.activation_tier,
-            offload_dir=args.offload_dir,
-            window=args.window,
-        ),
-        plugins=PluginConfig(block=tuple(args.block)),
-        steps=args.steps,
-        seed=args.seed,
-    )
+    """The TrainConfig a ``finetune`` command line describes: defaults, then the TOML file, then flags."""
+    values: dict[str, Any] = TrainConfig().to_dict()
+    if args.config:
+        for key, value in load_toml(args.config).items():
+            if isinstance(value, dict) and isinstance(values.get(key), dict):
+                values[key].update(value)
+            else:
+                values[key] = value
+    for path, _, _ in FLAGS.values():
+        given = getattr(args, path)
+        if given is not None:
+            section, _, name = path.rpartition(".")
+            (values[section] if section else values)[name] = given
+    if args.block:
+        values["plugins"]["block"] = args.block
+    return from_dict(values, where=args.config or "command line")
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -123,11 +130,11 @@ def _finetune(args: argparse.Namespace) -> int:
             flush=True,
         )
         result = trainer.fit()
+    if result.interrupted:
+        print(f"stopped by {result.interrupted} after {len(result.losses)} steps")
     if not result.losses:
         print("no step was run: the data ran out", file=sys.stderr)
         return 1
-    if result.interrupted:
-        print(f"stopped by {result.interrupted} after {len(result.losses)} steps")
     head = sum(result.losses[:5]) / min(5, len(result.losses))
     tail = sum(result.losses[-5:]) / min(5, len(result.losses))
     print(

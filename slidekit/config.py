@@ -4,7 +4,9 @@
 validates itself on construction and names the bad value and what would be
 valid. Runtime objects (models, devices, streams) never go in here: they are
 built from a config, not stored in it. ``TrainConfig.to_dict`` gives the
-effective configuration as plain data, saved with every run.
+effective configuration as plain data, saved with every run; ``from_dict``
+and ``load_toml`` build one back from plain data or a TOML file, so CLI
+flags, TOML files and Python all land on the same dataclasses.
 
 Test: ``pytest tests/test_config.py``.
 """
@@ -31,7 +33,10 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "PluginConfig",
+    "RunConfig",
     "TrainConfig",
+    "from_dict",
+    "load_toml",
 ]
 
 _DTYPES = ("auto", "float32", "bfloat16")
@@ -150,6 +155,22 @@ class EngineConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    """Where a run keeps its outputs: checkpoints, metrics, the effective configuration."""
+
+    dir: str | None = None  # run directory (checkpoints/, metrics.jsonl, config.json); None: keep nothing
+    checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end (and when interrupted)
+    keep: int = 2  # complete checkpoints to keep
+    resume: bool = False  # continue bitwise from the newest checkpoint in dir/checkpoints
+
+    def __post_init__(self) -> None:
+        _positive("run", "checkpoint_every", self.checkpoint_every, allow_zero=True)
+        _positive("run", "keep", self.keep)
+        if self.resume and not self.dir:
+            raise ConfigError("run.resume needs run.dir (CLI: --run-dir) to find the checkpoints in")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class PluginConfig:
     """Which plugins load."""
 
@@ -166,6 +187,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     plugins: PluginConfig = field(default_factory=PluginConfig)
+    run: RunConfig = field(default_factory=RunConfig)
     steps: int = 150  # optimizer steps
     grad_accum: int = 1  # micro-batches (of data.batch_size rows each) per optimizer step
     seed: int = 0  # seeds the data order (model.init_seed seeds random weights)
@@ -185,3 +207,52 @@ def _plain(value: Any) -> Any:
     if isinstance(value, tuple | list):
         return [_plain(v) for v in value]
     return value
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "engine": EngineConfig,
+    "plugins": PluginConfig,
+    "run": RunConfig,
+}
+
+
+def _section(name: str, cls: type, values: Mapping[str, Any], where: str) -> Any:
+    if not isinstance(values, Mapping):
+        raise ConfigError(f"{where}[{name}] must be a table of settings, got {values!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}: unknown setting(s) {unknown} in [{name}]; valid: {', '.join(fields)}")
+    kwargs = {}
+    for key, value in values.items():
+        default = cls().__getattribute__(key)
+        kwargs[key] = tuple(value) if isinstance(default, tuple) and isinstance(value, list) else value
+    return cls(**kwargs)
+
+
+def from_dict(values: Mapping[str, Any], *, where: str = "configuration") -> TrainConfig:
+    """A TrainConfig from plain data shaped like ``TrainConfig.to_dict()`` (missing keys keep defaults)."""
+    top = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(values) - top)
+    if unknown:
+        raise ConfigError(f"{where}: unknown setting(s) {unknown}; valid: {', '.join(sorted(top))}")
+    kwargs: dict[str, Any] = {}
+    for key, value in values.items():
+        kwargs[key] = _section(key, _SECTIONS[key], value, where) if key in _SECTIONS else value
+    return TrainConfig(**kwargs)
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """The plain data of a TOML configuration file (``[model]``, ``[data]``, ... tables; ``steps`` etc. at top)."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file {path!r} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None

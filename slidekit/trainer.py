@@ -51,6 +51,7 @@ from slidekit.models.loading import (
 )
 from slidekit.plan import place_state, plan_memory
 from slidekit.plugins import Plugins, Selection
+from slidekit.run import RunDirectory
 from slidekit.schedules import lr_factor
 from slidekit.telemetry import Progress
 
@@ -157,9 +158,21 @@ class Trainer:
 
         self._tiers: dict[str, StorageTier] = {}
         self._engine: Engine | None = None
+        self.run: RunDirectory | None = None
+        self._consumed = 0  # batches taken from the configured data (restored on resume)
         try:
             self._engine = self._build_engine()
-            self._load_weights()
+            if config.run.dir:
+                hook = self._fault_hook
+                on_stage = (lambda stage, _detail: hook(f"checkpoint:{stage}")) if hook else None
+                self.run = RunDirectory(config, progress=on_stage)
+            if config.run.resume:
+                assert self.run is not None
+                meta = self.run.resume(self._engine)
+                self._consumed = int(meta["batches_consumed"])
+                self.notes.append(f"resumed from step {self._engine.steps_done} ({self.run.checkpoints})")
+            else:
+                self._load_weights()
         except BaseException:
             self.close()
             raise
@@ -309,7 +322,12 @@ class Trainer:
         """
         engine = self.engine
         steps = self.config.steps if steps is None else steps
-        data = iter(batches) if batches is not None else self.default_batches()
+        configured = batches is None
+        data = (
+            iter(batches)
+            if batches is not None
+            else itertools.islice(self.default_batches(), self._consumed, None)
+        )
         drivers = {k: s.name for k, s in self.selections.items()}
         self.plugins.hook.slidekit_fit_start(config=self.config, drivers=drivers)
         bar = Progress(steps, enabled=self.progress)
@@ -324,9 +342,14 @@ class Trainer:
                     if stop.signal or len(micro) < self.config.grad_accum:
                         break  # interrupted, or the data ran out: no partial step
                     metrics = self._step(engine, step, micro, result)
-                    self.plugins.hook.slidekit_step_end(step=step, metrics=metrics)
+                    self._consumed += len(micro) if configured else 0
+                    self._after_step(engine, metrics)
                     bar.update(metrics)
                 engine.wait_updates()
+                if self.run is not None:  # the final state is on disk before fit returns
+                    if self.run.last_saved != engine.steps_done:
+                        self.checkpoint()
+                    self.run.wait()
         except BaseException as exc:
             bar.close()
             self.plugins.hook.slidekit_fit_end(steps=len(result.losses), error=exc)
@@ -337,6 +360,30 @@ class Trainer:
         result.seconds = time.perf_counter() - t0
         result.interrupted = stop.signal
         return result
+
+    def _after_step(self, engine: Engine, metrics: dict[str, float]) -> None:
+        step = engine.steps_done
+        self.plugins.hook.slidekit_step_end(step=step, metrics=metrics)
+        if self.run is not None:
+            self.run.log(step, metrics)
+            every = self.config.run.checkpoint_every
+            if every and step % every == 0:
+                self.checkpoint()
+
+    def checkpoint(self) -> Any:
+        """Write a checkpoint of the current state into ``run.dir`` (asynchronously; returns the SaveHandle)."""
+        if self.run is None:
+            raise ConfigError("checkpoints need a run directory: set run.dir (CLI: --run-dir)")
+        engine = self.engine
+        meta = {
+            "step": engine.steps_done,
+            "updates_applied": engine.updates_applied,
+            "batches_consumed": self._consumed,
+            "model": RunDirectory.model_identity(engine),
+            "config": self.config.to_dict(),
+        }
+        deferred = self.config.optim.max_grad_norm is not None or self.config.optim.on_nonfinite == "skip"
+        return self.run.save(engine, meta, deferred_updates=deferred)
 
     def _step(self, engine: Engine, step: int, micro: list[Batch], result: FitResult) -> dict[str, float]:
         """One optimizer step; records it in ``result`` and returns its metrics."""
@@ -389,7 +436,11 @@ class Trainer:
     # ------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
-        """Stop the threads and release device memory, host buffers and tier storage. Idempotent."""
+        """Finish pending checkpoints, stop the threads, release device memory, host buffers and tier
+        storage. Idempotent."""
+        if self.run is not None:
+            run, self.run = self.run, None
+            run.close()
         if self._engine is not None:
             self._engine.close()
             self._engine = None

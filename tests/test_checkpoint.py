@@ -101,6 +101,38 @@ def test_round_trip_is_bitwise(make_writer, dtype):
     ck.verify(path)
 
 
+def test_deferred_tensors_are_produced_in_order_and_bounded(make_writer):
+    """Data not in memory is produced on the writer thread, at most max_inflight at a time."""
+    produced: list[str] = []
+    live = [0]
+    peak = [0]
+
+    def maker(name: str, seed: int):
+        def produce() -> torch.Tensor:
+            produced.append(name)
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+            return random_bits((5000,), torch.float32, seed)
+
+        return produce
+
+    writer = make_writer(chunk_bytes=SMALL_CHUNK, max_inflight=2, progress=lambda stage, d: (
+        live.__setitem__(0, live[0] - 1) if stage == "array" else None))
+    src = {f"state/{i}": ck.Deferred(torch.float32, (5000,), maker(f"state/{i}", i)) for i in range(6)}
+    path = writer.save(1, src, {}).result(timeout=30)
+    assert produced == list(src)
+    assert peak[0] <= 3  # max_inflight in flight plus the one being started
+    for i in range(6):
+        assert same_bits(ck.read(path, f"state/{i}"), random_bits((5000,), torch.float32, i))
+
+
+def test_a_deferred_tensor_that_breaks_its_promise_fails_the_save(make_writer, tmp_path):
+    bad = ck.Deferred(torch.float32, (10,), lambda: torch.zeros(11))
+    handle = make_writer().save(1, {"x": bad}, {})
+    with pytest.raises(ck.CheckpointError, match=r"promised torch.float32 \(10,\)"):
+        handle.result(timeout=30)
+
+
 def test_format_is_plain_zarr3_with_documented_checksums(make_writer):
     import tensorstore as ts
 

@@ -11,23 +11,35 @@ import pytest
 from slidekit.cli import build_parser, config_from_args, main
 
 PINNED_FINETUNE_OPTIONS = [
+    "--config",
     "--model",
     "--random-init",
     "--data",
     "--seq-len",
     "--batch-size",
+    "--grad-accum",
     "--steps",
     "--seed",
     "--optimizer",
     "--lr",
+    "--schedule",
+    "--warmup-steps",
     "--weight-decay",
+    "--max-grad-norm",
+    "--on-nonfinite",
     "--device",
     "--dtype",
     "--kernels",
     "--state-tier",
+    "--state-offload-tier",
+    "--state-offload-fraction",
     "--activation-tier",
     "--offload-dir",
     "--window",
+    "--run-dir",
+    "--checkpoint-every",
+    "--keep",
+    "--resume",
     "--block",
     "--quiet",
 ]
@@ -70,6 +82,26 @@ def test_options_map_onto_the_config():
     assert cfg.plugins.block == ("x",) and cfg.model.random_init
 
 
+def test_toml_file_and_flags_land_on_the_same_config(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text("steps = 9\n[optim]\nlr = 1e-4\nbetas = [0.9, 0.95]\n[engine]\nwindow = 5\n")
+    args = build_parser().parse_args(["finetune", "--config", str(toml), "--lr", "2e-4"])
+    cfg = config_from_args(args)
+    assert cfg.steps == 9 and cfg.engine.window == 5 and cfg.optim.betas == (0.9, 0.95)
+    assert cfg.optim.lr == 2e-4  # the flag wins over the file
+    from slidekit.config import from_dict
+
+    assert from_dict(cfg.to_dict()) == cfg  # what a run saves reads back to the same configuration
+
+
+def test_bad_toml_names_the_file_and_the_setting(tmp_path, capsys):
+    toml = tmp_path / "bad.toml"
+    toml.write_text("[optim]\nlearning_rate = 1e-4\n")
+    assert main(["finetune", "--config", str(toml), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "bad.toml" in err and "learning_rate" in err and "valid: name, lr" in err
+
+
 def test_plugins_lists_every_driver(capsys):
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
@@ -83,7 +115,8 @@ def test_bad_input_is_one_clear_line(capsys, tmp_path):
     err = capsys.readouterr().err
     assert err.startswith("slidekit: error: model directory") and "does not exist" in err
     assert main(["finetune", "--optimizer", "adamw_9bit", "--quiet"]) == 2
-    assert "choose one of: layer_adam" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown optimizer 'adamw_9bit'; choose one of:" in err and "layer_adam" in err
 
 
 def test_finetune_a_few_steps(capsys, tmp_path):

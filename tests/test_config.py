@@ -70,7 +70,7 @@ PINNED_FIELDS = {
         "loss_chunk",
         "timeout_s",
     ],
-    "TrainConfig": ["model", "data", "optim", "engine", "plugins", "steps", "grad_accum", "seed"],
+    "TrainConfig": ["model", "data", "optim", "engine", "plugins", "run", "steps", "grad_accum", "seed"],
 }
 
 

@@ -111,6 +111,7 @@ class Engine:
         self._tied_slot: Slot | None = None
         self._stage: torch.Tensor | None = None  # FP32 staging on the device for casting uploads
         self.timeline = Timeline(streams.cuda)
+        self._checkpoint: tuple[Any, dict[int, list[str]]] | None = None  # (SaveHandle, names per unit)
 
     # ================================================================== uploads
 
@@ -257,6 +258,7 @@ class Engine:
                 "are not finite; no update was applied to it. Lower the learning rate, clip gradients "
                 "(optim.max_grad_norm), or set optim.on_nonfinite='skip' to skip such steps"
             )
+        self._wait_checkpoint(unit)
         master = self.host.masters[unit]
         n = master.numel()
         grad = self.host.unit_grad(unit) if index < 0 else self.host.ring.buffers[index][:n]
@@ -457,6 +459,28 @@ class Engine:
             for ids, dx in zip(c["ids"], c.pop("dx"), strict=True):
                 embed_backward(grad, ids, dx)
         self._finish_unit(0, slot, c)
+
+    # ================================================================== checkpoints
+
+    def guard_checkpoint(self, handle: Any, names: dict[int, list[str]]) -> None:
+        """Hold back each unit's next update until ``handle`` (a checkpoint being written) has its tensors."""
+        self._checkpoint = (handle, names)
+
+    def _wait_checkpoint(self, unit: int) -> None:
+        guard = self._checkpoint
+        if guard is None:
+            return
+        handle, names = guard
+        if handle.done():
+            self._checkpoint = None
+        with self.timeline.host("checkpoint_wait", unit):
+            handle.wait_for(*names[unit], timeout=self.pipeline.timeout_s)
+
+    def invalidate_device_copies(self) -> None:
+        """Masters were replaced (a checkpoint was loaded): no cache unit holds current weights any more."""
+        self.wait_updates()
+        self.version = [v + 1 for v in self.version]
+        self.updated = [None] * len(self.updated)
 
     # ================================================================== state
 

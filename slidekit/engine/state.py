@@ -182,6 +182,33 @@ class StateStore:
             for fut in futs:
                 self._pipeline.result(fut, f"writing {what}")
 
+    # ------------------------------------------------------------------ whole buffers (checkpoints)
+
+    def layout(self, unit: int) -> Layout:
+        """name -> (dtype, numel) of the unit's state buffers."""
+        return dict(self._layouts[unit])
+
+    def mapped(self, unit: int) -> dict[str, torch.Tensor] | None:
+        """The unit's state as host tensors, when its tier maps them (None when streamed)."""
+        return self._mapped[unit]
+
+    def read_buffer(self, unit: int, name: str) -> torch.Tensor:
+        """A copy of one whole state buffer in a new (pageable) host tensor."""
+        dtype, numel = self._layouts[unit][name]
+        out = torch.empty(numel, dtype=dtype)
+        fut = self.tiers[unit].read(self.key(unit, name), out)
+        self._pipeline.result(fut, f"reading {name} of unit {unit}")
+        return out
+
+    def write_buffer(self, unit: int, name: str, src: torch.Tensor) -> None:
+        """Overwrite one whole state buffer (mapped: in place; streamed: through its tier)."""
+        mapped = self._mapped[unit]
+        if mapped is not None:
+            mapped[name].copy_(src)
+            return
+        fut = self.tiers[unit].write(self.key(unit, name), src.contiguous())
+        self._pipeline.result(fut, f"writing {name} of unit {unit}")
+
     # ------------------------------------------------------------------ bookkeeping
 
     def nbytes(self, unit: int) -> int:

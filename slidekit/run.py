@@ -1,0 +1,122 @@
+"""A run's directory: the effective configuration, the metrics, the checkpoints.
+
+    RUN_DIR/
+      config.json      the effective TrainConfig (written atomically when the run starts)
+      metrics.jsonl    one JSON object per step: step, loss, tokens/s, grad norm, lane timings, ...
+      checkpoints/     step-NNNNNNNN/ directories (slidekit.checkpoint), the newest ``keep`` of them
+
+A checkpoint holds the engine's masters and optimizer state (see
+``slidekit.engine.snapshot``) and, in ``meta.json``, the step counters, the
+number of batches consumed from the configured data, and the configuration;
+resuming from it continues bitwise as if the run had never stopped.
+
+Test: ``pytest tests/test_resume.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from slidekit import checkpoint as ck
+from slidekit.engine import snapshot
+from slidekit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from slidekit.config import TrainConfig
+    from slidekit.engine import Engine
+
+__all__ = ["RunDirectory"]
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class RunDirectory:
+    """Owns RUN_DIR for one Trainer: configuration, metrics log and checkpoint writer."""
+
+    def __init__(self, config: TrainConfig, *, progress: Callable[[str, str], None] | None = None) -> None:
+        rc = config.run
+        assert rc.dir is not None
+        self.path = Path(rc.dir).expanduser()
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create the run directory {str(self.path)!r}: {exc}") from exc
+        self.config = config
+        self.checkpoints = self.path / "checkpoints"
+        _write_atomically(self.path / "config.json", json.dumps(config.to_dict(), indent=1) + "\n")
+        self.writer = ck.CheckpointWriter(self.checkpoints, keep=rc.keep, progress=progress)
+        self._metrics = (self.path / "metrics.jsonl").open("a", encoding="utf-8")
+        self.last_saved: int | None = None
+        self._handles: list[ck.SaveHandle] = []
+
+    # ------------------------------------------------------------------ metrics
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._metrics.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._metrics.flush()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, engine: Engine, meta: Mapping[str, Any], *, deferred_updates: bool) -> ck.SaveHandle:
+        """Checkpoint the engine after its updates; its next updates wait for their own tensors only."""
+        engine.wait_updates()
+        step = engine.steps_done
+        handle = self.writer.save(
+            step, snapshot.capture(engine, snapshot.update_order(engine, deferred_updates)), dict(meta)
+        )
+        engine.guard_checkpoint(handle, snapshot.names_by_unit(engine))
+        self.last_saved = step
+        self._handles.append(handle)
+        return handle
+
+    def wait(self) -> None:
+        """Wait for every checkpoint requested so far; raise the first one's error if any failed."""
+        handles, self._handles = self._handles, []
+        for h in handles:
+            h.result()
+
+    def resume(self, engine: Engine) -> dict[str, Any]:
+        """Load the newest complete checkpoint into the engine; return its metadata."""
+        path = ck.latest(self.checkpoints)
+        if path is None:
+            raise ConfigError(
+                f"nothing to resume: {self.checkpoints} holds no complete checkpoint; "
+                "start without resume, or point run.dir at the run you want to continue"
+            )
+        meta = ck.load_meta(path)
+        mine = self.model_identity(engine)
+        theirs = meta.get("model", {})
+        if theirs != mine:
+            raise ck.CheckpointMismatch(
+                f"checkpoint {path} was written for model {theirs}, this run has {mine}; resume with the "
+                "model and configuration that wrote it, or use a fresh run directory"
+            )
+        snapshot.restore(engine, path)
+        engine.steps_done = int(meta["step"])
+        engine.updates_applied = int(meta["updates_applied"])
+        self.last_saved = engine.steps_done
+        return meta
+
+    @staticmethod
+    def model_identity(engine: Engine) -> dict[str, Any]:
+        spec = engine.spec
+        return {"model_type": spec.model_type, "layers": spec.num_layers, "params": spec.num_params}
+
+    def close(self) -> None:
+        """Finish pending checkpoints, close the metrics file."""
+        try:
+            self.writer.close()
+        finally:
+            self._metrics.close()
