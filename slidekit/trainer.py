@@ -198,9 +198,14 @@ class Trainer:
         )
         units = self.spec.units
         itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
-        state_per_param = sum(
-            n * torch.empty((), dtype=dt).element_size() for dt, n in optimizer.state_layout(1).values()
-        )
+        state_bytes = [
+            sum(
+                n * torch.empty((), dtype=dt).element_size()
+                for dt, n in optimizer.state_layout(u.numel).values()
+            )
+            for u in units
+        ]
+        state_per_param = sum(state_bytes) / sum(u.numel for u in units)
         plan = plan_memory(
             [u.numel for u in units],
             compute_itemsize=itemsize,
@@ -214,7 +219,7 @@ class Trainer:
         offload = place_state(len(units), ec.state_offload_fraction)
         slow = self._tier(self.selections["state_offload_tier"]) if any(offload) else state_tier
         state_tiers = [slow if off else state_tier for off in offload]
-        self._check_capacity(state_tiers, [state_per_param * u.numel for u in units])
+        self._check_capacity(state_tiers, state_bytes)
         host = HostStore(
             units,
             optimizer=optimizer,
