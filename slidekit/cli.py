@@ -52,6 +52,8 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--checkpoint-every": ("run.checkpoint_every", int, "steps between checkpoints (0: at the end only)"),
     "--keep": ("run.keep", int, "checkpoints to keep"),
     "--resume": ("run.resume", "flag", "continue from the newest checkpoint in --run-dir"),
+    "--export": ("run.export_dir", str, "write the fine-tuned model here as a Hugging Face directory"),
+    "--export-dtype": ("run.export_dtype", str, "bfloat16, float16 or float32"),
 }
 
 
@@ -130,6 +132,9 @@ def _finetune(args: argparse.Namespace) -> int:
             flush=True,
         )
         result = trainer.fit()
+        if config.run.export_dir:
+            path = trainer.export(config.run.export_dir, dtype=config.run.export_dtype, overwrite=True)
+            print(f"exported the model to {path} ({config.run.export_dtype})")
     if result.interrupted:
         print(f"stopped by {result.interrupted} after {len(result.losses)} steps")
     if not result.losses:

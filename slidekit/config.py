@@ -162,6 +162,8 @@ class RunConfig:
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end (and when interrupted)
     keep: int = 2  # complete checkpoints to keep
     resume: bool = False  # continue bitwise from the newest checkpoint in dir/checkpoints
+    export_dir: str | None = None  # write the final model here as a Hugging Face directory
+    export_dtype: str = "bfloat16"  # dtype of the exported weights: bfloat16, float16 or float32
 
     def __post_init__(self) -> None:
         _positive("run", "checkpoint_every", self.checkpoint_every, allow_zero=True)

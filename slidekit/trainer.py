@@ -13,6 +13,7 @@ builds the engine. ``fit`` runs the steps and returns the losses.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import signal
 import threading
@@ -39,6 +40,7 @@ from slidekit.engine import (
     Window,
 )
 from slidekit.errors import ConfigError, ModelLoadError
+from slidekit.export import export_model
 from slidekit.interfaces import OptimizerHyper, ParamGroupRange, StorageTier, TierContext
 from slidekit.models.base import ArchSpec, UnitLayout
 from slidekit.models.loading import (
@@ -432,6 +434,36 @@ class Trainer:
             total=self.config.steps,
             warmup=oc.warmup_steps,
             min_ratio=oc.min_lr_ratio,
+        )
+
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[Batch]) -> float:
+        """Mean cross-entropy over the labelled tokens of ``batches``, with the current weights."""
+        total, labelled = 0.0, 0
+        for b in batches:
+            total += float(self.engine.forward(b.input_ids, b.labels))
+            labelled += int((b.labels != -100).sum())
+        if not labelled:
+            raise ValueError("the evaluation batches hold no labelled token")
+        return total / labelled
+
+    def tokenizer(self) -> Any | None:
+        """The model's tokenizer (the demo's for the demo model), or None when the directory has none."""
+        directory = demo_dir() / "tokenizer" if self.config.model.source == DEMO_MODEL else self.model_dir
+        try:
+            return load_tokenizer(directory)
+        except ConfigError:
+            return None
+
+    def export(self, out: str, *, dtype: str = "bfloat16", overwrite: bool = False) -> Path:
+        """Write the current weights as a Hugging Face model directory (see ``slidekit.export``)."""
+        return export_model(
+            out,
+            hf_config=copy.deepcopy(self.hf_config),
+            state=self.engine.master_state(),
+            tokenizer=self.tokenizer(),
+            dtype=dtype,
+            overwrite=overwrite,
         )
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -40,6 +40,8 @@ PINNED_FINETUNE_OPTIONS = [
     "--checkpoint-every",
     "--keep",
     "--resume",
+    "--export",
+    "--export-dtype",
     "--block",
     "--quiet",
 ]

@@ -64,3 +64,21 @@ def test_window_of_two_and_activations_on_a_tier_match_too(tiny_model):
     assert other.losses == base.losses
     for name, value in base_state.items():
         assert other_state[name].equal(value), name
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])  # tied and untied embeddings
+def test_forward_only_passes_between_steps_change_nothing(family, tiny_model):
+    model_dir = tiny_model(family)
+    batches = random_batches(128, steps=4)
+    with Trainer(_config(model_dir)) as t:
+        straight = t.fit(batches)
+        want = t.state_dict()
+    with Trainer(_config(model_dir)) as t:
+        first = t.fit(batches[:2])
+        t.engine.forward(batches[0].input_ids)  # logits
+        t.evaluate(batches[1:2])  # fused loss
+        second = t.fit(batches[2:])
+        got = t.state_dict()
+    assert first.losses + second.losses == straight.losses
+    for name, value in want.items():
+        assert got[name].equal(value), name

@@ -126,16 +126,17 @@ class Engine:
             self._loads[k] = (self._tied_slot, None)
             return
         version = self.version[visit.unit]
-        slot = self.window.lookup(visit.unit, version)
-        if slot is not None:  # still resident from an earlier visit
-            self._loads[k] = (slot, None)
-            return
-        slot = self.window.claim(visit.unit, version, pinned=self._is_tied_embed(visit.unit))
-        if slot.pinned:
+        tied = self._is_tied_embed(visit.unit)
+        slot = self.window.lookup(visit.unit, version)  # still resident from an earlier visit?
+        fut = None
+        if slot is None:
+            slot = self.window.claim(visit.unit, version, pinned=tied)
+            fut = self.pipeline.submit(
+                "h2d", self._upload, slot, visit.unit, self.updated[visit.unit], slot.free_event
+            )
+        if tied:  # the tied embedding stays for the whole pass: the head needs it too
+            self.window.pin(slot)
             self._tied_slot = slot
-        fut = self.pipeline.submit(
-            "h2d", self._upload, slot, visit.unit, self.updated[visit.unit], slot.free_event
-        )
         self._loads[k] = (slot, fut)
 
     def _upload(self, slot: Slot, unit: int, update: Future[None] | None, free_event: Any) -> Any:
@@ -166,8 +167,11 @@ class Engine:
             self._stage = torch.empty(UPLOAD_CHUNK, dtype=torch.float32, device=self.device)
         return self._stage
 
-    def _acquire(self, k: int) -> Slot:
-        """The slot holding visit ``k``'s parameters, ready for compute on the compute stream."""
+    def _acquire(self, k: int, last: int | None = None) -> Slot:
+        """The slot holding visit ``k``'s parameters, ready for compute on the compute stream.
+
+        Prefetches the next visits, up to visit ``last`` when given (forward-only passes).
+        """
         unit = self.visits[k].unit
         if self.pipeline.task_hook is not None:
             self.pipeline.task_hook("main")
@@ -177,7 +181,8 @@ class Engine:
             if fut is not None:
                 event = self.pipeline.result(fut, f"the upload of unit {unit}")
                 self.streams.wait(self.streams.compute, event)
-        for j in range(k + 1, k + 1 + self.prefetch_depth):
+        stop = k + 1 + self.prefetch_depth
+        for j in range(k + 1, stop if last is None else min(stop, last + 1)):
             self._request(j)
         return slot
 
@@ -403,13 +408,10 @@ class Engine:
         unit = self.spec.units[visit.unit]
         slot.grads[: unit.numel].zero_()
         w = slot.weights(unit, trainable=True)
-        if self.spec.tie_embeddings:
+        if self.spec.tie_embeddings:  # the head's gradient is the first to reach the tied embedding
             assert self._tied_slot is not None
-            embed = self.spec.embed
-            self._tied_slot.grads[: embed.numel].zero_()
-            lm_weight = self._tied_slot.weights(embed, trainable=True)["embed_tokens.weight"]
-        else:
-            lm_weight = w["lm_head.weight"]
+            self._tied_slot.grads[: self.spec.embed.numel].zero_()
+        lm_weight = self._lm_weight(w, trainable=True)
         c["dx"], c["loss_sum"] = [], torch.zeros((), dtype=torch.float32, device=self.device)
         with torch.enable_grad(), self.timeline.device("head", visit.unit, self.streams.compute):
             for hidden, labels in zip(c.pop("x"), c["labels"], strict=True):
@@ -459,6 +461,54 @@ class Engine:
             for ids, dx in zip(c["ids"], c.pop("dx"), strict=True):
                 embed_backward(grad, ids, dx)
         self._finish_unit(0, slot, c)
+
+    # ================================================================== forward only
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """A forward pass with the current weights, no gradients and no update.
+
+        With ``labels`` (B, T): the summed cross-entropy over labelled tokens (a
+        scalar, through the fused head: no logits kept). Without: the logits
+        (B, T, V) in FP32; meant for checks on small inputs.
+        """
+        ids = input_ids.to(self.device)
+        cos, sin = self.rope.get(ids.shape[1], self.device, self.dtype)
+        head = self.spec.num_layers + 1  # the head's visit index in the schedule
+        x: torch.Tensor | None = None
+        out = torch.zeros(())
+        for k in range(head + 1):
+            slot = self._acquire(k, last=head)
+            unit = self.spec.units[self.visits[k].unit]
+            w = slot.weights(unit, trainable=False)
+            if unit.kind == UnitKind.EMBED:
+                x = embed_forward(w, ids).to(self.dtype)
+            elif unit.kind == UnitKind.LAYER:
+                assert x is not None
+                x = layer_forward(self.spec, w, x, cos, sin, self.kernels)
+            else:
+                assert x is not None
+                lm = self._lm_weight(w, trainable=False)
+                if labels is None:
+                    h = self.kernels.rms_norm(x, w["norm.weight"], self.spec.rms_eps)
+                    out = (h @ lm.T).float()
+                else:
+                    out = head_loss(
+                        self.spec, w, lm, x, labels.to(self.device), self.kernels, self.loss_chunk
+                    )
+            if not slot.pinned:
+                self.window.release(slot, self.streams.record(self.streams.compute))
+        if self._tied_slot is not None:  # the tied embedding stayed pinned for the head: let it go
+            self.window.unpin(self._tied_slot)
+            self.window.release(self._tied_slot, self.streams.record(self.streams.compute))
+            self._tied_slot = None
+        return out.cpu()
+
+    def _lm_weight(self, head_weights: Mapping[str, torch.Tensor], *, trainable: bool) -> torch.Tensor:
+        if not self.spec.tie_embeddings:
+            return head_weights["lm_head.weight"]
+        assert self._tied_slot is not None
+        return self._tied_slot.weights(self.spec.embed, trainable=trainable)["embed_tokens.weight"]
 
     # ================================================================== checkpoints
 

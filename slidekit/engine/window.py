@@ -116,6 +116,10 @@ class Window:
             assert slot.users >= 0, f"slot {slot.index} released more often than claimed"
         self._pipeline.notify()
 
+    def pin(self, slot: Slot) -> None:
+        with self._pipeline.lock:
+            slot.pinned = True
+
     def unpin(self, slot: Slot) -> None:
         with self._pipeline.lock:
             slot.pinned = False
