@@ -26,7 +26,16 @@ __all__ = ["FLAGS", "build_parser", "config_from_args", "main"]
 FLAGS: dict[str, tuple[str, Any, str]] = {
     "--model": ("model.source", str, "local Hugging Face model directory, or 'demo'"),
     "--random-init": ("model.random_init", "flag", "start from random weights (config.json only)"),
-    "--data": ("data.path", str, "JSONL file with a 'text' field per line (default: the sample corpus)"),
+    "--data": (
+        "data.path",
+        str,
+        "JSONL file: text, prompt/completion or chat records (default: sample corpus)",
+    ),
+    "--data-format": ("data.format", str, "auto, text, prompt_completion or chat"),
+    "--completion-only": ("data.completion_only", "flag", "loss only on completions / assistant turns"),
+    "--no-packing": ("data.packing", "noflag", "one padded document per row instead of packed rows"),
+    "--eval-fraction": ("data.eval_fraction", float, "fraction of documents held out for the eval loss"),
+    "--eval-every": ("data.eval_every", int, "steps between evaluations (0: at the end)"),
     "--seq-len": ("data.seq_len", int, "tokens per row"),
     "--batch-size": ("data.batch_size", int, "rows per micro-batch"),
     "--grad-accum": ("grad_accum", int, "micro-batches per optimizer step"),
@@ -72,8 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("finetune", help="fine-tune a model (default: the embedded demo model and corpus)")
     f.add_argument("--config", default=None, metavar="FILE.toml", help="settings file; flags override it")
     for flag, (path, kind, text) in FLAGS.items():
-        if kind == "flag":
-            f.add_argument(flag, dest=path, action="store_const", const=True, default=None, help=text)
+        if kind in ("flag", "noflag"):
+            const = kind == "flag"
+            f.add_argument(flag, dest=path, action="store_const", const=const, default=None, help=text)
         else:
             f.add_argument(flag, dest=path, type=kind, default=None, help=text)
     f.add_argument(

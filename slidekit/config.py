@@ -67,14 +67,22 @@ class ModelConfig:
 class DataConfig:
     """Training data: JSONL records packed into fixed-length rows."""
 
-    path: str | None = None  # JSONL file with a "text" field per line; None = the embedded sample corpus
+    path: str | None = None  # JSONL file (text, prompt/completion or chat messages); None = the sample corpus
+    format: str = "auto"  # "auto", "text", "prompt_completion" or "chat"
     seq_len: int = 128  # tokens per row
-    batch_size: int = 8  # rows per step
-    seed: int = 0  # shuffling seed
+    batch_size: int = 8  # rows per micro-batch
+    completion_only: bool = False  # loss only on completions / assistant turns
+    packing: bool = True  # pack documents into full rows; False: one padded document per row
+    eval_fraction: float = 0.0  # fraction of documents held out for the evaluation loss
+    eval_every: int = 0  # steps between evaluations (0: only at the end, when eval_fraction > 0)
+    seed: int = 0  # seeds the held-out split and, with the run's seed, the batch order
 
     def __post_init__(self) -> None:
         _positive("data", "seq_len", self.seq_len)
         _positive("data", "batch_size", self.batch_size)
+        _positive("data", "eval_every", self.eval_every, allow_zero=True)
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"data.eval_fraction must lie in [0, 1), got {self.eval_fraction!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from slidekit.config import DEFAULT_LR, DEMO_LR, TrainConfig
-from slidekit.data import Batch, PackedRows, load_tokenizer, read_texts
+from slidekit.data import Batch, DataSpec, PackedDataset, build_datasets, load_tokenizer
 from slidekit.devices import device_family, resolve_device
 from slidekit.engine import (
     ActivationStore,
@@ -161,6 +161,7 @@ class Trainer:
         self._tiers: dict[str, StorageTier] = {}
         self._engine: Engine | None = None
         self.run: RunDirectory | None = None
+        self._datasets: tuple[PackedDataset, PackedDataset | None] | None = None
         self._consumed = 0  # batches taken from the configured data (restored on resume)
         try:
             self._engine = self._build_engine()
@@ -295,20 +296,41 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
 
-    def default_batches(self) -> Iterator[Batch]:
-        """Batches from ``config.data`` (the embedded sample corpus when no path is set)."""
-        dc = self.config.data
-        tok_dir = demo_dir() / "tokenizer" if self.config.model.source == DEMO_MODEL else self.model_dir
-        tokenizer = load_tokenizer(tok_dir)
-        path = Path(dc.path) if dc.path else demo_dir() / "corpus.jsonl"
-        rows = PackedRows.from_texts(read_texts(path), tokenizer, dc.seq_len)
-        too_big = int(rows.rows.max())
-        if too_big >= self.spec.vocab_size:
-            raise ConfigError(
-                f"the tokenizer produced id {too_big}, but the model's vocabulary has {self.spec.vocab_size} "
-                "entries; use the tokenizer that belongs to the model"
+    def datasets(self) -> tuple[PackedDataset, PackedDataset | None]:
+        """The training set and the held-out set (None without ``eval_fraction``) of ``config.data``."""
+        if self._datasets is None:
+            dc = self.config.data
+            tokenizer = self.tokenizer()
+            if tokenizer is None:
+                raise ConfigError(f"{self.model_dir} has no tokenizer; add one, or pass batches to fit()")
+            spec = DataSpec(
+                path=Path(dc.path) if dc.path else demo_dir() / "corpus.jsonl",
+                format=dc.format,
+                seq_len=dc.seq_len,
+                completion_only=dc.completion_only,
+                packing=dc.packing,
+                eval_fraction=dc.eval_fraction,
+                seed=dc.seed,
             )
-        return rows.batches(dc.batch_size, dc.seed + self.config.seed)
+            train, held_out = build_datasets(spec, tokenizer)
+            too_big = max(ds.max_token_id() for ds in (train, held_out) if ds is not None)
+            if too_big >= self.spec.vocab_size:
+                raise ConfigError(
+                    f"the tokenizer produced id {too_big}, but the model's vocabulary has {self.spec.vocab_size} "
+                    "entries; use the tokenizer that belongs to the model"
+                )
+            self._datasets = (train, held_out)
+        return self._datasets
+
+    def default_batches(self) -> Iterator[Batch]:
+        """Endless shuffled training batches from ``config.data`` (the sample corpus when no path is set)."""
+        dc = self.config.data
+        return self.datasets()[0].batches(dc.batch_size, dc.seed + self.config.seed)
+
+    def eval_loss(self) -> float | None:
+        """Loss on the held-out split of ``config.data`` (None when there is none)."""
+        held_out = self.datasets()[1]
+        return None if held_out is None else self.evaluate(held_out.one_pass(self.config.data.batch_size))
 
     # ------------------------------------------------------------------ training
 
@@ -350,7 +372,7 @@ class Trainer:
                         break  # interrupted, or the data ran out: no partial step
                     metrics = self._step(engine, step, micro, result)
                     self._consumed += len(micro) if configured else 0
-                    self._after_step(engine, metrics)
+                    self._after_step(engine, metrics, last=step == steps)
                     bar.update(metrics)
                 engine.wait_updates()
                 if self.run is not None:  # the final state is on disk before fit returns
@@ -368,8 +390,13 @@ class Trainer:
         result.interrupted = stop.signal
         return result
 
-    def _after_step(self, engine: Engine, metrics: dict[str, float]) -> None:
+    def _after_step(self, engine: Engine, metrics: dict[str, float], last: bool) -> None:
         step = engine.steps_done
+        every = self.config.data.eval_every
+        if self.config.data.eval_fraction and ((every and step % every == 0) or (last and not every)):
+            loss = self.eval_loss()
+            if loss is not None:
+                metrics["eval_loss"] = loss
         self.plugins.hook.slidekit_step_end(step=step, metrics=metrics)
         if self.run is not None:
             self.run.log(step, metrics)

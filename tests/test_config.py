@@ -28,7 +28,10 @@ from slidekit.errors import ConfigError
         (lambda: OptimConfig(min_lr_ratio=2.0), r"optim.min_lr_ratio must lie in \[0, 1\]"),
         (lambda: TrainConfig(grad_accum=0), r"train.grad_accum must be > 0"),
         (lambda: EngineConfig(state_offload_fraction=0.5), r"needs engine.state_offload_tier"),
-        (lambda: EngineConfig(state_offload_fraction=1.5, state_offload_tier="posix"), r"must lie in \[0, 1\]"),
+        (
+            lambda: EngineConfig(state_offload_fraction=1.5, state_offload_tier="posix"),
+            r"must lie in \[0, 1\]",
+        ),
     ],
 )
 def test_invalid_values_are_named(build, match):
@@ -50,10 +53,30 @@ def test_to_dict_is_plain_data():
 
 PINNED_FIELDS = {
     "ModelConfig": ["source", "random_init", "init_seed", "overrides"],
-    "DataConfig": ["path", "seq_len", "batch_size", "seed"],
+    "DataConfig": [
+        "path",
+        "format",
+        "seq_len",
+        "batch_size",
+        "completion_only",
+        "packing",
+        "eval_fraction",
+        "eval_every",
+        "seed",
+    ],
     "OptimConfig": [
-        "name", "lr", "schedule", "warmup_steps", "min_lr_ratio", "max_grad_norm", "on_nonfinite",
-        "betas", "eps", "weight_decay", "no_decay", "threads",
+        "name",
+        "lr",
+        "schedule",
+        "warmup_steps",
+        "min_lr_ratio",
+        "max_grad_norm",
+        "on_nonfinite",
+        "betas",
+        "eps",
+        "weight_decay",
+        "no_decay",
+        "threads",
     ],
     "EngineConfig": [
         "device",

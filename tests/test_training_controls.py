@@ -81,3 +81,28 @@ def test_schedule_matches_the_reference(schedule, tiny_model):
     ref = reference_run(cfg, init, batches, lr=LR, weight_decay=0.1, lr_factor=factor)
     assert_losses_close(res.losses, ref.losses, rtol=1e-5)
     assert_states_close(state, ref.state, rtol=1e-5)
+
+
+def test_chat_data_with_completion_only_loss_and_evaluation(tmp_path):
+    """A chat fine-tune on the embedded chat records: masked loss, held-out evaluation in the metrics."""
+    from slidekit import DataConfig, RunConfig
+    from slidekit.models.loading import demo_dir
+
+    cfg = TrainConfig(
+        data=DataConfig(path=str(demo_dir() / "chat.jsonl"), completion_only=True, seq_len=64, batch_size=2,
+                        eval_fraction=0.1, eval_every=2),
+        optim=OptimConfig(lr=2e-3),
+        engine=EngineConfig(device="cpu"),
+        run=RunConfig(dir=str(tmp_path)),
+        steps=4,
+    )
+    with Trainer(cfg) as t:
+        train, held_out = t.datasets()
+        assert held_out is not None and train.stats.labelled < train.stats.tokens  # prompts carry no loss
+        result = t.fit()
+    import json
+
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [("eval_loss" in m) for m in metrics] == [False, True, False, True]
+    assert all(m["eval_loss"] > 0 for m in metrics if "eval_loss" in m)
+    assert len(result.losses) == 4
