@@ -136,6 +136,8 @@ class EngineConfig:
     activation_tier: str = "device"  # "device" keeps boundary activations where computed, else a tier name
     offload_dir: str | None = None  # directory for file-backed tiers
     window: int = 3  # cache units that take turns on the device (a tied embedding adds one)
+    gpu_resident: str = "auto"  # units kept on the device with master and state: "auto" (what fits), "none",
+    # "all", or a fraction such as "0.5"; the first units in forward order go first
     grad_buffers: int = 2  # shared host gradient buffers
     loss_chunk: int | None = None  # tokens per chunk of the fused linear + cross-entropy; None = auto
     timeout_s: float = 600.0  # no pipeline wait lasts longer; a stuck run fails instead of hanging
@@ -152,6 +154,7 @@ class EngineConfig:
         if self.loss_chunk is not None:
             _positive("engine", "loss_chunk", self.loss_chunk)
         _positive("engine", "state_chunk", self.state_chunk)
+        self.resident_fraction()  # validates gpu_resident
         if not 0.0 <= self.state_offload_fraction <= 1.0:
             raise ConfigError(
                 f"engine.state_offload_fraction must lie in [0, 1], got {self.state_offload_fraction!r}"
@@ -160,6 +163,21 @@ class EngineConfig:
             raise ConfigError(
                 "engine.state_offload_fraction > 0 needs engine.state_offload_tier (e.g. 'posix' with offload_dir)"
             )
+
+    def resident_fraction(self) -> float | None:
+        """``gpu_resident`` as a fraction of units, or None for "auto"."""
+        named = {"auto": None, "none": 0.0, "all": 1.0}
+        if self.gpu_resident in named:
+            return named[self.gpu_resident]
+        try:
+            value = float(self.gpu_resident)
+        except ValueError:
+            value = -1.0
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(
+                f"engine.gpu_resident must be 'auto', 'none', 'all' or a fraction in [0, 1], got {self.gpu_resident!r}"
+            )
+        return value
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

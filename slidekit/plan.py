@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["MemoryPlan", "Visit", "place_state", "plan_memory", "schedule"]
+__all__ = ["MemoryPlan", "Visit", "place_state", "plan_memory", "plan_residency", "schedule", "working_bytes"]
 
 FWD, HEAD, BWD = "fwd", "head", "bwd"
 
@@ -105,3 +105,36 @@ def place_state(num_units: int, fraction: float) -> list[bool]:
         raise ValueError(f"fraction must lie in [0, 1], got {fraction}")
     target = round(fraction * num_units)
     return [(i + 1) * target // num_units > i * target // num_units for i in range(num_units)]
+
+
+def plan_residency(
+    unit_numels: Sequence[int], *, bytes_per_param: float, budget: int, fraction: float | None = None
+) -> list[bool]:
+    """Which units live on the compute device for good, master and optimizer state included.
+
+    Units are taken in forward order (0, 1, 2, ...): the next step's forward
+    pass needs them first, and on the host they would be updated last, so
+    keeping them on the device removes the wait at the step boundary. With
+    ``fraction`` that share of the units (rounded) is taken, budget or not;
+    otherwise as many as ``budget`` bytes hold at ``bytes_per_param`` each.
+    """
+    if fraction is not None:
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"fraction must lie in [0, 1], got {fraction}")
+        count = round(fraction * len(unit_numels))
+        return [i < count for i in range(len(unit_numels))]
+    chosen: list[bool] = []
+    used = 0.0
+    for numel in unit_numels:
+        cost = numel * bytes_per_param
+        fits = bool(chosen == [] or chosen[-1]) and used + cost <= budget
+        used += cost if fits else 0.0
+        chosen.append(fits)
+    return chosen
+
+
+def working_bytes(*, tokens: int, hidden: int, intermediate: int, vocab: int, itemsize: int) -> int:
+    """A generous bound on the device memory one layer's recompute + backward and the fused head need."""
+    layer = tokens * (12 * hidden + 8 * intermediate) * itemsize
+    head = 3 * (1 << 26) * 4 + tokens * hidden * 4  # FP32 logits chunk, its gradient, and dh
+    return max(layer, head) + (vocab * hidden * itemsize if vocab else 0)

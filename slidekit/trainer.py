@@ -51,7 +51,7 @@ from slidekit.models.loading import (
     load_unit_weights,
     weight_files,
 )
-from slidekit.plan import place_state, plan_memory
+from slidekit.plan import MemoryPlan, place_state, plan_memory, plan_residency, working_bytes
 from slidekit.plugins import Plugins, Selection
 from slidekit.run import RunDirectory
 from slidekit.schedules import lr_factor
@@ -222,6 +222,10 @@ class Trainer:
         offload = place_state(len(units), ec.state_offload_fraction)
         slow = self._tier(self.selections["state_offload_tier"]) if any(offload) else state_tier
         state_tiers = [slow if off else state_tier for off in offload]
+        resident = self._plan_residency(optimizer, plan, state_per_param)
+        if any(resident):  # resident units keep master and state on the compute device
+            device_tier = self._device_tier(state_tier)
+            state_tiers = [device_tier if r else t for r, t in zip(resident, state_tiers, strict=True)]
         self._check_capacity(state_tiers, state_bytes)
         host = HostStore(
             units,
@@ -232,6 +236,7 @@ class Trainer:
             grad_buffers=ec.grad_buffers,
             pipeline=pipeline,
             state_chunk=ec.state_chunk,
+            device_masters=[self.device if r and self.device.type == "cuda" else None for r in resident],
         )
         window = Window(plan.window, plan.slot_numel, self.compute_dtype, self.device, pipeline)
         acts: ActivationStore = DeviceActivations()
@@ -239,6 +244,7 @@ class Trainer:
             acts = TierActivations(self._tier(self.selections["activation_tier"]), self.device, pipeline)
         return Engine(
             self.spec,
+            resident=resident,
             kernels=kernels,
             optimizer=optimizer,
             host=host,
@@ -253,6 +259,56 @@ class Trainer:
             loss_chunk=ec.loss_chunk,
             prefetch=ec.window - 1,
         )
+
+    def _plan_residency(self, optimizer: Any, plan: MemoryPlan, state_per_param: float) -> list[bool]:
+        """Units to keep on the compute device for good (``engine.gpu_resident``), with a note saying so."""
+        ec, dc, spec = self.config.engine, self.config.data, self.spec
+        numels = [u.numel for u in spec.units]
+        fraction = ec.resident_fraction()
+        on_gpu = self.device.type == "cuda"
+        if on_gpu and not getattr(optimizer, "device_capable", False):
+            if fraction:
+                raise ConfigError(
+                    f"optimizer {optimizer.name!r} updates on the CPU only, so no unit can be resident on the "
+                    "GPU; set engine.gpu_resident='none' or use layer_adam"
+                )
+            return [False] * len(numels)
+        if fraction is None and not on_gpu:
+            return [False] * len(numels)  # "auto" on the CPU: nothing to gain
+        itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
+        per_param = 4 + state_per_param + 2 * itemsize  # master, state, weights and gradients
+        budget = 0
+        if fraction is None:
+            free, total = torch.cuda.mem_get_info(self.device)
+            tokens = dc.batch_size * dc.seq_len
+            acts = spec.num_layers * tokens * spec.hidden_size * itemsize * self.config.grad_accum
+            work = working_bytes(
+                tokens=tokens,
+                hidden=spec.hidden_size,
+                intermediate=spec.intermediate_size,
+                vocab=0,
+                itemsize=itemsize,
+            )
+            keep = (
+                acts if ec.activation_tier in ("device", "gpu") else 2 * tokens * spec.hidden_size * itemsize
+            )
+            budget = free - plan.device_bytes - keep - work - max(4 << 30, total // 20)
+        resident = plan_residency(numels, bytes_per_param=per_param, budget=budget, fraction=fraction)
+        count = sum(resident)
+        if count:
+            gib = sum(n for n, r in zip(numels, resident, strict=True) if r) * per_param / 2**30
+            self.notes.append(
+                f"{count} of {len(numels)} units resident on {self.device} ({gib:.1f} GiB: master, optimizer "
+                "state, weights, gradients; updated there)"
+            )
+        return resident
+
+    def _device_tier(self, host_tier: StorageTier) -> StorageTier:
+        """Where resident units keep their optimizer state: the gpu tier on CUDA, the host tier on the CPU."""
+        if self.device.type != "cuda":
+            return host_tier
+        sel = self.plugins.select("tier", "gpu", device_family(self.device))
+        return self._tier(sel)
 
     def _check_capacity(self, state_tiers: Sequence[StorageTier], state_bytes: Sequence[int]) -> None:
         """Refuse, before anything is written, a placement whose tiers lack the space for it."""
@@ -289,10 +345,14 @@ class Trainer:
                 "set model.random_init (CLI: --random-init) to start from random weights"
             )
         for unit, master in zip(self.spec.units, masters, strict=True):
+            host = master if master.device.type == "cpu" else torch.empty_like(master, device="cpu")
             if files:
-                load_unit_weights(unit, files, master)
+                load_unit_weights(unit, files, host)
             else:
-                init_unit(self.spec, unit, master, mc.init_seed)
+                init_unit(self.spec, unit, host, mc.init_seed)
+            if host is not master:  # a unit resident on the device
+                master.copy_(host)
+        self._engine.sync_resident()
 
     # ------------------------------------------------------------------ data
 

@@ -82,3 +82,21 @@ def test_forward_only_passes_between_steps_change_nothing(family, tiny_model):
     assert first.losses + second.losses == straight.losses
     for name, value in want.items():
         assert got[name].equal(value), name
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral"])
+@pytest.mark.parametrize("resident", ["0.5", "all"])
+def test_resident_units_give_the_same_bits(family, resident, tiny_model):
+    """Units kept on the compute device (updated there, at the end of the step) change nothing on the CPU."""
+    model_dir = tiny_model(family)
+    batches = random_batches(128, steps=4)
+    with Trainer(_config(model_dir)) as t:
+        base = t.fit(batches)
+        want = t.state_dict()
+    with Trainer(_config(model_dir, gpu_resident=resident)) as t:
+        assert len(t.engine.window.resident) == (len(t.spec.units) if resident == "all" else round(0.5 * len(t.spec.units)))
+        got = t.fit(batches)
+        state = t.state_dict()
+    assert got.losses == base.losses
+    for name, value in want.items():
+        assert state[name].equal(value), name

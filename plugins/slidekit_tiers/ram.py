@@ -95,15 +95,14 @@ class RamTier:
 
     def write(self, key: str, src: torch.Tensor, offset: int = 0) -> Future[None]:
         dst, data = self._span(key, src, offset)
-        return self._copy(dst, data, src.device, lambda n: self._count(written=n))
+        return self._copy(dst, data, lambda n: self._count(written=n))
 
     def read(self, key: str, dst: torch.Tensor, offset: int = 0) -> Future[None]:
         src, data = self._span(key, dst, offset)
-        return self._copy(data, src, dst.device, lambda n: self._count(read=n))
+        return self._copy(data, src, lambda n: self._count(read=n))
 
-    def _copy(
-        self, dst: torch.Tensor, src: torch.Tensor, device: torch.device, done: Callable[[int], None]
-    ) -> Future[None]:
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, done: Callable[[int], None]) -> Future[None]:
+        device = dst.device if dst.is_cuda else src.device
         if device.type != "cuda":
 
             def run_host() -> None:

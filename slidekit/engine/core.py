@@ -85,6 +85,7 @@ class Engine:
         compute_dtype: torch.dtype,
         loss_chunk: int | None,
         prefetch: int,
+        resident: Sequence[bool] = (),
     ) -> None:
         self.spec = spec
         self.kernels = kernels
@@ -112,6 +113,11 @@ class Engine:
         self._stage: torch.Tensor | None = None  # FP32 staging on the device for casting uploads
         self.timeline = Timeline(streams.cuda)
         self._checkpoint: tuple[Any, dict[int, list[str]]] | None = None  # (SaveHandle, names per unit)
+        # Units resident on the device: their own cache unit, master and state there, updated there.
+        for unit, on_device in enumerate(resident):
+            if on_device:
+                self.window.add_resident(unit, spec.units[unit].numel)
+        self.sync_resident()
 
     # ================================================================== uploads
 
@@ -121,6 +127,12 @@ class Engine:
             return
         visit = self.visits[k]
         if not visit.needs_params:
+            return
+        own = self.window.resident.get(visit.unit)
+        if own is not None:  # always loaded, never evicted
+            if self._is_tied_embed(visit.unit):
+                self._tied_slot = own
+            self._loads[k] = (own, None)
             return
         if self._is_tied_embed(visit.unit) and self._tied_slot is not None:
             self._loads[k] = (self._tied_slot, None)
@@ -202,6 +214,9 @@ class Engine:
         n = self.spec.units[unit].numel
         unit_sq = torch.linalg.vector_norm(slot.grads[:n], dtype=torch.float32).square()
         c["sq_norm"] += unit_sq
+        if slot.resident:  # updated on the device once the step's loss and norm are known
+            c["resident_due"].append(unit)
+            return
         done = self.streams.record(self.streams.compute)
         # Bump the version now, on this thread: from here on no slot holding the old
         # parameters can be mistaken for current, and every upload waits for the update.
@@ -300,6 +315,49 @@ class Engine:
                 "optim", self._update, unit, c["deferred"].pop(unit), c["lr"], self.updates_applied + 1, scale
             )
 
+    def _update_resident(self, c: dict[str, Any], grad_norm: float) -> None:
+        """Update the device-resident units on the device, in the order the next forward pass needs them.
+
+        Their BF16 weights are rewritten in place from the new masters, so they
+        never cross the bus. The update is queued on the compute stream, after
+        the backward pass that produced the gradients.
+        """
+        scale = 1.0 if c["clip"] is None else min(1.0, c["clip"] / (grad_norm + 1e-6))
+        for unit in sorted(c["resident_due"]):
+            self._wait_checkpoint(unit)
+            with self.timeline.device("update_gpu", unit, self.streams.compute):
+                self._update_on_device(unit, c["lr"], self.updates_applied + 1, scale)
+
+    def _update_on_device(self, unit: int, lr: float, count: int, scale: float) -> None:
+        slot = self.window.resident[unit]
+        n = self.spec.units[unit].numel
+        master, grad, params = self.host.masters[unit], slot.grads[:n], slot.params[:n]
+        if scale != 1.0:
+            grad.mul_(scale)
+        groups = self.groups[unit]
+        lowp = params.dtype == torch.bfloat16  # the optimizer writes the BF16 weights in the same pass
+
+        def step(start: int, stop: int, state: Mapping[str, torch.Tensor]) -> None:
+            self.optimizer.step(
+                master[start:stop],
+                grad[start:stop],
+                state,
+                lr=lr,
+                count=count,
+                groups=slice_groups(groups, start, stop),
+                lowp_out=params[start:stop] if lowp else None,
+            )
+
+        self.host.state.update(unit, step)
+        if not lowp:
+            params.copy_(master)
+
+    def sync_resident(self) -> None:
+        """Refresh resident units' compute-dtype weights from their masters (after loading or restoring)."""
+        for unit, slot in self.window.resident.items():
+            n = self.spec.units[unit].numel
+            slot.params[:n].copy_(self.host.masters[unit])
+
     def _drop_deferred(self, c: dict[str, Any]) -> None:
         """Skip the step: wait for the downloads, apply nothing. Masters and state stay as they were."""
         for unit, download in c.pop("deferred").items():
@@ -349,6 +407,7 @@ class Engine:
             "clip": max_grad_norm,
             "deferred": {},
             "defer": max_grad_norm is not None or skip_nonfinite,
+            "resident_due": [],
             "sq_norm": torch.zeros((), dtype=torch.float32, device=self.device),
         }
         run: dict[str, Callable[..., Any]] = {FWD: self._forward, HEAD: self._head, BWD: self._backward}
@@ -374,6 +433,7 @@ class Engine:
         """Apply deferred updates, or skip / refuse a non-finite step. True when skipped."""
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
+            self._update_resident(c, grad_norm)
             if c["defer"]:
                 self._apply_deferred(c, grad_norm)
             return False
@@ -451,6 +511,9 @@ class Engine:
             self._loads.pop(k, None)
             self.window.unpin(slot)  # its last use this step: the next step uploads it afresh
             self._tied_slot = None
+        elif 0 in self.window.resident:
+            slot = self.window.resident[0]
+            slot.grads[: embed.numel].zero_()
         else:
             # Only a gradient buffer is needed: claim a slot without loading any weights.
             slot = self.window.claim(-1, -1)
@@ -531,6 +594,7 @@ class Engine:
         self.wait_updates()
         self.version = [v + 1 for v in self.version]
         self.updated = [None] * len(self.updated)
+        self.sync_resident()
 
     # ================================================================== state
 
@@ -545,6 +609,7 @@ class Engine:
         self.wait_updates()
         out: dict[str, torch.Tensor] = {}
         for unit, master in zip(self.spec.units, self.host.masters, strict=True):
+            master = master.cpu()  # a copy for units resident on the device, the master itself otherwise
             for e in unit.entries:
                 out[e.name] = master[e.offset : e.stop].view(e.shape)
         if self.spec.tie_embeddings:

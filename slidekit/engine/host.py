@@ -61,10 +61,18 @@ class HostStore:
         grad_buffers: int,
         pipeline: Pipeline,
         state_chunk: int = 1 << 24,
+        device_masters: Sequence[torch.device | None] | None = None,
     ) -> None:
         self.units = units
         self.memory = HostBuffers(pin=pin)  # page-locked at exact sizes when an accelerator is used
-        self.masters = [self.memory.empty(u.numel, torch.float32) for u in units]
+        on = device_masters or [None] * len(units)
+        # Units resident on the device keep their master there (``device_masters[i]``), not here.
+        self.masters = [
+            self.memory.empty(u.numel, torch.float32)
+            if dev is None
+            else torch.empty(u.numel, dtype=torch.float32, device=dev)
+            for u, dev in zip(units, on, strict=True)
+        ]
         self.ring = GradRing(grad_buffers, max(u.numel for u in units), grad_dtype, self.memory, pipeline)
         self.state = StateStore(
             units,

@@ -49,16 +49,30 @@ def capture(engine: Engine, order: list[int]) -> dict[str, torch.Tensor | ck.Def
     state = engine.host.state
     out: dict[str, torch.Tensor | ck.Deferred] = {}
     for u in order:
-        out[f"master/{u}"] = engine.host.masters[u]
+        out[f"master/{u}"] = _host(engine.host.masters[u])
         mapped = state.mapped(u)
         for name, (dtype, numel) in state.layout(u).items():
             if mapped is not None:
-                out[f"state/{u}/{name}"] = mapped[name]
+                out[f"state/{u}/{name}"] = _host(mapped[name])
             else:
                 out[f"state/{u}/{name}"] = ck.Deferred(
                     dtype, (numel,), functools.partial(state.read_buffer, u, name)
                 )
     return out
+
+
+def _host(t: torch.Tensor) -> torch.Tensor | ck.Deferred:
+    """Host tensors as they are; device tensors copied to the host only when the writer gets to them."""
+    if t.device.type == "cpu":
+        return t
+    return ck.Deferred(t.dtype, tuple(t.shape), t.cpu)
+
+
+def _read_into(path: Path, name: str, dst: torch.Tensor) -> None:
+    if dst.device.type == "cpu":
+        ck.read_into(path, name, dst)
+    else:
+        dst.copy_(ck.read(path, name))
 
 
 def expected_arrays(engine: Engine) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -78,11 +92,11 @@ def restore(engine: Engine, path: Path) -> None:
     engine.wait_updates()
     state = engine.host.state
     for u, master in enumerate(engine.host.masters):
-        ck.read_into(path, f"master/{u}", master)
+        _read_into(path, f"master/{u}", master)
         mapped = state.mapped(u)
         for name, (dtype, numel) in state.layout(u).items():
             if mapped is not None:
-                ck.read_into(path, f"state/{u}/{name}", mapped[name])
+                _read_into(path, f"state/{u}/{name}", mapped[name])
             else:
                 buf = torch.empty(numel, dtype=dtype)
                 ck.read_into(path, f"state/{u}/{name}", buf)

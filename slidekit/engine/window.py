@@ -38,6 +38,7 @@ class Slot:
     version: int = -1  # that unit's parameter version
     users: int = 0  # visits holding it; free for reuse at 0
     pinned: bool = False  # kept for the whole step (tied embedding)
+    resident: bool = False  # a unit's own buffers for good: never shared, never released
     last_use: int = 0
     free_event: Any = None  # CUDA event: all work reading/writing the slot is queued before it
     _bindings: dict[tuple[str, bool], dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -80,6 +81,7 @@ class Window:
         ]
         self._pipeline = pipeline
         self._clock = 0
+        self.resident: dict[int, Slot] = {}  # unit -> its own slot, for units resident on the device
 
     def lookup(self, unit: int, version: int) -> Slot | None:
         """A slot already holding this version of the unit, if any (claimed for the caller)."""
@@ -108,8 +110,24 @@ class Window:
         with self._pipeline.lock:
             slot.unit, slot.version = None, -1
 
+    def add_resident(self, unit: int, numel: int) -> Slot:
+        """Exact-size device buffers a resident unit keeps for the whole run (outside the rotating window)."""
+        dtype, device = self.slots[0].params.dtype, self.slots[0].params.device
+        slot = Slot(
+            -1 - unit,
+            torch.zeros(numel, dtype=dtype, device=device),
+            torch.zeros(numel, dtype=dtype, device=device),
+            unit=unit,
+            pinned=True,
+            resident=True,
+        )
+        self.resident[unit] = slot
+        return slot
+
     def release(self, slot: Slot, free_event: Any) -> None:
         """One visit is done with the slot; ``free_event`` marks its last queued use."""
+        if slot.resident:
+            return
         with self._pipeline.lock:
             slot.free_event = free_event
             slot.users -= 1
@@ -121,6 +139,8 @@ class Window:
             slot.pinned = True
 
     def unpin(self, slot: Slot) -> None:
+        if slot.resident:
+            return
         with self._pipeline.lock:
             slot.pinned = False
         self._pipeline.notify()
@@ -131,4 +151,5 @@ class Window:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.params.nbytes + s.grads.nbytes for s in self.slots)
+        slots = [*self.slots, *self.resident.values()]
+        return sum(s.params.nbytes + s.grads.nbytes for s in slots)
