@@ -89,6 +89,7 @@ PINNED_FIELDS = {
         "activation_tier",
         "offload_dir",
         "window",
+        "gpu_resident",
         "grad_buffers",
         "loss_chunk",
         "timeout_s",
