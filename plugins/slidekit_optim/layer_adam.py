@@ -7,37 +7,400 @@ Per element, with ``t`` the unit's update count (``count``)::
     v <- beta2 * v + (1 - beta2) * g^2
     p <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 
-which is ``torch.optim.AdamW`` (single-tensor path) step for step, so results
-match it to the last bit on the same gradients. State: two FP32 vectors,
-8 bytes per parameter. The gradient may be FP32 or BF16 (upcast on the fly).
+which is ``torch.optim.AdamW`` (decoupled weight decay, bias-corrected steps):
+after 100 steps the two differ by about 1e-8 relative in the parameters and
+1e-7 in the moments. State: two FP32 vectors, 8 bytes per parameter. The
+gradient may be FP32 or BF16 (upcast exactly); ``lowp_out`` receives the
+updated parameters rounded to BF16 (nearest even).
+
+Two implementations, chosen by ``LayerAdam(hyper, impl=...)``:
+
+* ``"cpp"``: the fused kernel in ``csrc/fused_adam.cpp``. One pass per element
+  (read the gradient, decay, both moments, the step, write the master and the
+  BF16 copy), vectorized, on torch's intra-op threads, no temporaries, with
+  the GIL released so the engine's other threads run meanwhile. It is
+  compiled on first use (the first ``LayerAdam`` made in a process, when no
+  cached build exists) with ``torch.utils.cpp_extension`` (a C++ compiler and
+  ninja are needed) for the CPU capability torch dispatches to, and cached in
+  the torch extensions directory (``TORCH_EXTENSIONS_DIR`` moves it).
+* ``"torch"``: the same sequence of operations as torch ops, over chunks of
+  2^19 elements, so that its temporaries stay a few MB (cache-resident).
+* ``"auto"`` (default): ``cpp``, or ``torch`` with one logged warning saying
+  why when the kernel cannot be built.
+
+Tensors on a GPU (units the engine keeps resident on the device) always take
+the torch path, in chunks of 2^24 elements, on the current CUDA stream: the
+same operations, so the same results as on the CPU up to the GPU's own
+rounding of each IEEE operation (which is exact for add, mul, div and the
+FP64 square root).
+
+Both compute every element with the same IEEE-754 FP32 operations in the same
+order (listed in the kernel's header comment): ``m + w1 * (g - m)`` and
+``v * beta2 + (w2 * g) * g`` as separate multiplies and adds, a correctly
+rounded square root times ``1 / sqrt(1 - beta2^t)`` (a multiplication where
+AdamW divides: one slow operation fewer per element), no fused multiply-add.
+So they agree bitwise on every element, whatever the vector width, ATen CPU
+capability or thread count (NaN payloads of the BF16 copy aside). Neither can
+agree bitwise with ``torch.optim.AdamW`` itself: its ``lerp_``/``addcmul_``
+round once or twice depending on how torch was compiled, and torch's FP32
+``sqrt`` on x86 calls MKL's vector math, which is not correctly rounded (the
+torch path here takes its square root in FP64, which then rounds to the
+correctly rounded FP32 result).
+
+Threads: the kernel runs on torch's intra-op pool (``at::parallel_for``, so
+``torch.get_num_threads()`` threads), one contiguous slice per thread.
+``OptimizerHyper.threads`` caps how many take part (at most torch's count);
+nothing global changes. The torch path cannot honour it without changing
+torch's global thread count, so it ignores it.
 
 Test: ``pytest tests/plugins/test_layer_adam.py``.
+Speed: ``python benchmarks/optimizer_rate.py --numel 20000000``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Literal
 
 import torch
 
 from slidekit.hookspecs import hookimpl
-from slidekit.interfaces import OptimizerDescriptor, OptimizerHyper, ParamGroupRange
+from slidekit.interfaces import Availability, OptimizerDescriptor, OptimizerHyper, ParamGroupRange
 
-__all__ = ["LayerAdam"]
+__all__ = ["KERNEL_SOURCE", "Impl", "KernelUnavailable", "LayerAdam", "kernel_status", "load_kernel"]
+
+log = logging.getLogger(__name__)
+
+Impl = Literal["auto", "cpp", "torch"]
+_IMPLS: tuple[str, ...] = ("auto", "cpp", "torch")
+
+#: The fused kernel's source; ``LayerAdam(kernel_source=...)`` builds another one instead.
+KERNEL_SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_adam.cpp"
+
+#: Elements per chunk of the torch path: its temporaries stay a few MB (cache-resident) on the CPU;
+#: on a GPU larger chunks keep the number of kernel launches down.
+_TORCH_CHUNK = 1 << 19
+_DEVICE_CHUNK = 1 << 24
+
+# -ffp-contract=off: no multiply and add are ever fused, so the vector loop and its scalar remainder
+# round alike. -fno-math-errno lets sqrt vectorize; -fno-trapping-math lets GCC if-convert. Neither
+# changes a result. -fopenmp makes ATen's header-only parallel_for parallel; nothing links an OpenMP
+# runtime, so its calls bind to the one torch loaded (torch's pool and thread count).
+_CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
+# Vector instruction sets per torch CPU capability (those ATen's own kernels for it assume).
+_ISA_FLAGS = {
+    "AVX2": ("-mavx2",),
+    "AVX512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+}
+_BUILD_SECONDS = 30  # one translation unit, about this long on one core of a recent x86 CPU
+
+
+class KernelUnavailable(RuntimeError):
+    """The fused C++ kernel cannot be built or loaded here; the message says why."""
+
+
+# --------------------------------------------------------------------------- building the kernel
+
+
+@dataclass(frozen=True, slots=True)
+class _BuildSpec:
+    """Where and how one kernel source is built: one directory per source, flags and torch build."""
+
+    source: Path
+    name: str
+    directory: Path
+    flags: tuple[str, ...]
+
+    @property
+    def library(self) -> Path:
+        return self.directory / f"{self.name}{'.pyd' if sys.platform == 'win32' else '.so'}"
+
+
+def _cpu_capability() -> str:
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
+def _missing_tool() -> str | None:
+    """Why the kernel cannot be compiled here (no compiler, no ninja), or None."""
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension compiles with
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler: {cxx!r} not found; install g++ or set CXX"
+    if not cpp_extension.is_ninja_available():
+        return "ninja not found; pip install ninja"
+    return None
+
+
+def _build_spec(source: Path) -> _BuildSpec:
+    try:
+        text = source.read_bytes()
+    except OSError as e:
+        raise KernelUnavailable(f"cannot read the kernel source {source}: {e}") from e
+    cap = _cpu_capability()
+    flags = _CFLAGS + _ISA_FLAGS.get(cap, ())
+    key = b"\0".join([text, " ".join(flags).encode(), torch.__version__.encode(), sys.version.encode()])
+    name = f"slidekit_fused_adam_{cap.lower()}_{hashlib.sha256(key).hexdigest()[:12]}"
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return _BuildSpec(source=source, name=name, directory=Path(root) / "slidekit" / name, flags=flags)
+
+
+def _error_summary(err: BaseException) -> str:
+    """The first compiler error line of a failed build (torch puts the whole log in the message)."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower() and not ln.startswith("FAILED")]
+    picked = errors[1] if len(errors) > 1 and errors[0].startswith("Error building") else None
+    text = picked or (errors[0] if errors else (lines[-1] if lines else type(err).__name__))
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _build(source: Path) -> ModuleType | str:
+    """Build (or load the cached build of) ``source``; the module, or why it failed."""
+    missing = _missing_tool()
+    if missing:
+        return missing
+    try:
+        spec = _build_spec(source)
+    except KernelUnavailable as e:
+        return str(e)
+    from torch.utils import cpp_extension
+
+    if not spec.library.exists():
+        print(
+            f"slidekit: building the fused CPU Adam kernel (first use, takes ~{_BUILD_SECONDS} s)...",
+            file=sys.stderr,
+            flush=True,
+        )
+    try:
+        spec.directory.mkdir(parents=True, exist_ok=True)
+        return cpp_extension.load(
+            name=spec.name,
+            sources=[str(source)],
+            extra_cflags=list(spec.flags),
+            build_directory=str(spec.directory),
+            verbose=False,
+        )
+    except Exception as e:  # a compiler error, a failed import, an unwritable cache: all mean "not here"
+        return f"building {source.name} failed: {_error_summary(e)}"
+
+
+_KERNELS: dict[Path, ModuleType | str] = {}  # per source: the module, or why it cannot be built
+_FELL_BACK: set[Path] = set()  # sources whose fallback to pure torch has been logged
+_KERNELS_LOCK = threading.Lock()
+
+
+def load_kernel(source: Path = KERNEL_SOURCE) -> ModuleType:
+    """The fused kernel built from ``source``: built once per process (and cached on disk).
+
+    Raises ``KernelUnavailable`` with the reason when it cannot be built; the
+    reason is remembered, so a failed build is tried once per process.
+    """
+    key = Path(source).resolve()
+    with _KERNELS_LOCK:
+        kernel = _KERNELS.get(key)
+        if kernel is None:
+            kernel = _KERNELS[key] = _build(key)
+    if isinstance(kernel, str):
+        raise KernelUnavailable(kernel)
+    return kernel
+
+
+def _log_fallback_once(source: Path, reason: str) -> None:
+    key = Path(source).resolve()
+    with _KERNELS_LOCK:
+        if key in _FELL_BACK:
+            return
+        _FELL_BACK.add(key)
+    log.warning(
+        "slidekit: layer_adam runs on pure torch ops, the fused CPU kernel is unavailable: %s", reason
+    )
+
+
+def kernel_status(source: Path = KERNEL_SOURCE) -> str:
+    """Which path ``impl="auto"`` takes, and why, without compiling anything."""
+    key = Path(source).resolve()
+    with _KERNELS_LOCK:
+        kernel = _KERNELS.get(key)
+    if isinstance(kernel, ModuleType):
+        return "fused C++ kernel (loaded)"
+    if isinstance(kernel, str):
+        return f"pure torch ({kernel})"
+    missing = _missing_tool()
+    if missing:
+        return f"pure torch ({missing})"
+    try:
+        spec = _build_spec(key)
+    except KernelUnavailable as e:
+        return f"pure torch ({e})"
+    return "fused C++ kernel (" + ("built" if spec.library.exists() else "built on first use") + ")"
+
+
+# --------------------------------------------------------------------------- the update
+
+
+@dataclass(frozen=True, slots=True)
+class _StepScalars:
+    """One step's constants, as Python floats (both paths round them to FP32 the same way)."""
+
+    w1: float  # 1 - beta1
+    beta2: float
+    sq_weight: float  # 1 - beta2
+    inv_b2: float  # 1 / (1 - beta2^t) ** 0.5
+    eps: float
+    neg_step: float  # -lr / (1 - beta1^t)
+
+
+def _scalars(hyper: OptimizerHyper, lr: float, count: int) -> _StepScalars:
+    b1, b2 = hyper.betas
+    return _StepScalars(
+        w1=1 - b1,
+        beta2=b2,
+        sq_weight=1 - b2,
+        inv_b2=1 / (1 - b2**count) ** 0.5,
+        eps=hyper.eps,
+        neg_step=-(lr / (1 - b1**count)),
+    )
+
+
+#: A range of the unit and its decay factor (1 - lr * wd), None where it does not decay.
+_Segment = tuple[int, int, float | None]
+
+
+def _segments(groups: Sequence[ParamGroupRange], n: int, lr: float) -> list[_Segment]:
+    """The groups as ordered ranges that tile [0, n); elements in no group do not decay."""
+    out: list[_Segment] = []
+    pos = 0
+    for g in sorted(groups, key=lambda g: (g.start, g.stop)):
+        if not 0 <= g.start <= g.stop <= n:
+            raise ValueError(f"group range [{g.start}, {g.stop}) lies outside the unit's [0, {n})")
+        if g.start < pos:
+            raise ValueError(f"group ranges overlap at element {g.start}; groups must be disjoint")
+        if g.start == g.stop:
+            continue
+        if g.start > pos:
+            out.append((pos, g.start, None))
+        out.append((g.start, g.stop, 1 - lr * g.weight_decay if g.weight_decay else None))
+        pos = g.stop
+    if pos < n:
+        out.append((pos, n, None))
+    return out
+
+
+def _torch_update(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    lowp_out: torch.Tensor | None,
+    segments: Sequence[_Segment],
+    s: _StepScalars,
+) -> None:
+    """The kernel's operation sequence as torch ops, chunk by chunk; each op is one IEEE op per element."""
+    n = master.numel()
+    chunk = _TORCH_CHUNK if master.device.type == "cpu" else _DEVICE_CHUNK
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        p, mc, vc = master[a:b], m[a:b], v[a:b]
+        for start, stop, decay in segments:
+            if decay is not None and start < b and stop > a:
+                master[max(start, a) : min(stop, b)].mul_(decay)
+        g = grad[a:b] if grad.dtype == torch.float32 else grad[a:b].float()
+        mc.add_((g - mc).mul_(s.w1))  # m + w1 * (g - m)
+        vc.mul_(s.beta2).add_(torch.mul(g, s.sq_weight).mul_(g))  # v * beta2 + (w2 * g) * g
+        # sqrt in FP64 (error < 1 ulp there) then rounded to FP32 is the correctly rounded FP32 sqrt.
+        denom = torch.sqrt(vc.double()).float().mul_(s.inv_b2).add_(s.eps)  # sqrt(v) * inv_b2 + eps
+        p.add_(torch.mul(mc, s.neg_step).div_(denom))  # p + (neg_step * m) / den
+        if lowp_out is not None:
+            lowp_out[a:b].copy_(p)
+
+
+def _check_inputs(
+    master: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, lowp_out: torch.Tensor | None
+) -> None:
+    n = master.numel()
+    wanted = {"master": (master, (torch.float32,)), "grad": (grad, (torch.float32, torch.bfloat16))}
+    wanted |= {"exp_avg": (m, (torch.float32,)), "exp_avg_sq": (v, (torch.float32,))}
+    if lowp_out is not None:
+        wanted["lowp_out"] = (lowp_out, (torch.bfloat16,))
+    for name, (t, dtypes) in wanted.items():
+        if t.dtype not in dtypes:
+            raise TypeError(f"layer_adam: {name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
+        if t.dim() != 1 or t.numel() != n:
+            raise ValueError(
+                f"layer_adam: {name} must be a flat vector of {n} elements, got {tuple(t.shape)}"
+            )
+        if t.device != master.device or not t.is_contiguous():
+            raise ValueError(
+                f"layer_adam: {name} must be a contiguous tensor on the master's device {master.device} "
+                f"(it is on {t.device})"
+            )
+    if n == 0:
+        return
+    spans = sorted((t.data_ptr(), t.data_ptr() + n * t.element_size(), k) for k, (t, _) in wanted.items())
+    reach, owner = spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start < reach:
+            raise ValueError(f"layer_adam: {owner} and {name} overlap in memory; pass separate buffers")
+        reach, owner = max((reach, owner), (end, name))
 
 
 class LayerAdam:
-    """AdamW with FP32 moments over a flat vector."""
+    """AdamW with FP32 moments over a flat vector.
+
+    ``impl``: "auto" (fused C++ kernel, else pure torch with a warning), "cpp"
+    (the kernel or ``KernelUnavailable`` saying why not), "torch" (pure torch).
+    The kernel is built or loaded here, when the optimizer is made, so a first
+    build never runs inside a training step. ``kernel_source`` builds it from
+    another file (tests use it to exercise a failing build). ``self.impl`` says
+    which path runs.
+    """
 
     name = "layer_adam"
+    #: ``step`` also takes tensors on a GPU (units the engine keeps resident there): the torch path runs there.
+    device_capable = True
 
-    def __init__(self, hyper: OptimizerHyper) -> None:
+    def __init__(
+        self, hyper: OptimizerHyper, *, impl: Impl = "auto", kernel_source: Path | str | None = None
+    ) -> None:
         b1, b2 = hyper.betas
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"betas must lie in [0, 1), got {hyper.betas}")
         if hyper.eps <= 0:
             raise ValueError(f"eps must be > 0, got {hyper.eps}")
+        if hyper.threads is not None and hyper.threads < 1:
+            raise ValueError(f"threads must be >= 1 or None (torch's setting), got {hyper.threads}")
+        if impl not in _IMPLS:
+            raise ValueError(f"impl must be one of {', '.join(_IMPLS)}; got {impl!r}")
         self.hyper = hyper
+        self.requested_impl: Impl = impl
+        self._source = Path(kernel_source) if kernel_source is not None else KERNEL_SOURCE
+        self._kernel: ModuleType | None = None
+        self.impl: str = "torch" if impl == "torch" else self._load()  # "cpp" or "torch": the path in use
+
+    def _load(self) -> str:
+        """Build or load the kernel now (the engine builds drivers before its threads start)."""
+        try:
+            self._kernel = load_kernel(self._source)
+        except KernelUnavailable as e:
+            if self.requested_impl == "cpp":
+                raise KernelUnavailable(
+                    f"layer_adam: impl='cpp' but the fused kernel is unavailable: {e}. "
+                    "Use impl='auto' (falls back to pure torch) or impl='torch'."
+                ) from e
+            _log_fallback_once(self._source, str(e))
+            return "torch"
+        return "cpp"
 
     def state_layout(self, numel: int) -> Mapping[str, tuple[torch.dtype, int]]:
         return {"exp_avg": (torch.float32, numel), "exp_avg_sq": (torch.float32, numel)}
@@ -55,19 +418,36 @@ class LayerAdam:
     ) -> None:
         if count < 1:
             raise ValueError(f"count is the 1-based update number, got {count}")
-        b1, b2 = self.hyper.betas
-        g = grad if grad.dtype == torch.float32 else grad.float()
-        for grp in groups:
-            if grp.weight_decay:
-                master[grp.start : grp.stop].mul_(1.0 - lr * grp.weight_decay)
         m, v = state["exp_avg"], state["exp_avg_sq"]
-        m.lerp_(g, 1.0 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-        step_size = lr / (1.0 - b1**count)
-        denom = (v.sqrt() / (1.0 - b2**count) ** 0.5).add_(self.hyper.eps)
-        master.addcdiv_(m, denom, value=-step_size)
-        if lowp_out is not None:
-            lowp_out.copy_(master)
+        _check_inputs(master, grad, m, v, lowp_out)
+        segments = _segments(groups, master.numel(), lr)
+        s = _scalars(self.hyper, lr, count)
+        if self.impl == "torch" or master.device.type != "cpu":
+            _torch_update(master, grad, m, v, lowp_out, segments, s)
+            return
+        assert self._kernel is not None
+        max_tasks = self.hyper.threads or 0
+        for a, b, decay in segments:
+            self._kernel.fused_adamw_(
+                master[a:b],
+                grad[a:b],
+                m[a:b],
+                v[a:b],
+                None if lowp_out is None else lowp_out[a:b],
+                decay is not None,
+                1.0 if decay is None else decay,
+                s.w1,
+                s.beta2,
+                s.sq_weight,
+                s.inv_b2,
+                s.eps,
+                s.neg_step,
+                max_tasks,
+            )
+
+
+def _availability() -> Availability:
+    return True, kernel_status()
 
 
 @hookimpl
@@ -75,7 +455,8 @@ def slidekit_optimizers() -> Iterator[OptimizerDescriptor]:
     yield OptimizerDescriptor(
         name="layer_adam",
         factory=LayerAdam,
+        available=_availability,
         priority=100,
         devices=("cpu", "cuda", "rocm"),
-        description="AdamW with FP32 moments, updated per unit on the CPU",
+        description="AdamW with FP32 moments, updated per unit on the CPU (fused C++ kernel or pure torch)",
     )
