@@ -122,7 +122,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             data=DataConfig(seq_len=args.seq, batch_size=args.batch),
             optim=OptimConfig(lr=1e-5, name=args.optimizer),
             engine=EngineConfig(
-                device=args.device, kernels=args.kernels, activation_tier=args.activations, window=args.window
+                device=args.device,
+                kernels=args.kernels,
+                activation_tier=args.activations,
+                window=args.window,
+                gpu_resident=args.resident,
             ),
             steps=args.steps,
         )
@@ -130,6 +134,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         trainer = Trainer(cfg)
         setup_s = time.perf_counter() - t0
         spec = trainer.spec
+        resident = f"{len(trainer.engine.window.resident)}/{len(spec.units)}"
         data = synthetic(spec.vocab_size, args.batch, args.seq)
         if trainer.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -151,6 +156,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "gpu": torch.cuda.get_device_name() if trainer.device.type == "cuda" else None,
             "activations": args.activations,
             "window": args.window,
+            "resident_units": resident,
+            "kernels": trainer.selections["kernels"].name,
             "setup_s": round(setup_s, 2),
             "median_step_s": round(step_s, 4),
             "tokens_per_s": round(tokens / step_s, 1),
@@ -180,6 +187,7 @@ def main() -> None:
     p.add_argument("--optimizer", default="layer_adam")
     p.add_argument("--activations", default="ram")
     p.add_argument("--window", type=int, default=3)
+    p.add_argument("--resident", default="auto", help="engine.gpu_resident: auto, none, all or a fraction")
     p.add_argument("--out", type=Path, default=None, help="append the JSON line to this file")
     args = p.parse_args()
     line = json.dumps(run(args))

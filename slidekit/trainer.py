@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
 import signal
 import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -344,7 +346,8 @@ class Trainer:
                 f"{str(self.model_dir)!r} has no model.safetensors or model.safetensors.index.json; "
                 "set model.random_init (CLI: --random-init) to start from random weights"
             )
-        for unit, master in zip(self.spec.units, masters, strict=True):
+
+        def load(unit: UnitLayout, master: torch.Tensor) -> None:
             host = master if master.device.type == "cpu" else torch.empty_like(master, device="cpu")
             if files:
                 load_unit_weights(unit, files, host)
@@ -352,6 +355,10 @@ class Trainer:
                 init_unit(self.spec, unit, host, mc.init_seed)
             if host is not master:  # a unit resident on the device
                 master.copy_(host)
+
+        # One generator per unit makes the result independent of the order: load units in parallel.
+        with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="slidekit-load") as pool:
+            list(pool.map(load, self.spec.units, masters))
         self._engine.sync_resident()
 
     # ------------------------------------------------------------------ data
