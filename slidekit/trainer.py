@@ -226,7 +226,7 @@ class Trainer:
         state_tiers = [slow if off else state_tier for off in offload]
         resident = self._plan_residency(optimizer, plan, state_per_param)
         if any(resident):  # resident units keep master and state on the compute device
-            device_tier = self._device_tier(state_tier)
+            device_tier = self._device_tier()
             state_tiers = [device_tier if r else t for r, t in zip(resident, state_tiers, strict=True)]
         self._check_capacity(state_tiers, state_bytes)
         host = HostStore(
@@ -305,12 +305,13 @@ class Trainer:
             )
         return resident
 
-    def _device_tier(self, host_tier: StorageTier) -> StorageTier:
-        """Where resident units keep their optimizer state: the gpu tier on CUDA, the host tier on the CPU."""
-        if self.device.type != "cuda":
-            return host_tier
-        sel = self.plugins.select("tier", "gpu", device_family(self.device))
-        return self._tier(sel)
+    def _device_tier(self) -> StorageTier:
+        """Where resident units keep their optimizer state: device memory (the gpu tier), or RAM on the CPU.
+
+        It must map: resident units are updated in place on the main thread, never streamed.
+        """
+        family = device_family(self.device)
+        return self._tier(self.plugins.select("tier", "gpu" if family != "cpu" else "ram", family))
 
     def _check_capacity(self, state_tiers: Sequence[StorageTier], state_bytes: Sequence[int]) -> None:
         """Refuse, before anything is written, a placement whose tiers lack the space for it."""

@@ -116,8 +116,11 @@ def test_deferred_tensors_are_produced_in_order_and_bounded(make_writer):
 
         return produce
 
-    writer = make_writer(chunk_bytes=SMALL_CHUNK, max_inflight=2, progress=lambda stage, d: (
-        live.__setitem__(0, live[0] - 1) if stage == "array" else None))
+    writer = make_writer(
+        chunk_bytes=SMALL_CHUNK,
+        max_inflight=2,
+        progress=lambda stage, d: live.__setitem__(0, live[0] - 1) if stage == "array" else None,
+    )
     src = {f"state/{i}": ck.Deferred(torch.float32, (5000,), maker(f"state/{i}", i)) for i in range(6)}
     path = writer.save(1, src, {}).result(timeout=30)
     assert produced == list(src)

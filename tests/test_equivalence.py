@@ -94,9 +94,34 @@ def test_resident_units_give_the_same_bits(family, resident, tiny_model):
         base = t.fit(batches)
         want = t.state_dict()
     with Trainer(_config(model_dir, gpu_resident=resident)) as t:
-        assert len(t.engine.window.resident) == (len(t.spec.units) if resident == "all" else round(0.5 * len(t.spec.units)))
+        assert len(t.engine.window.resident) == (
+            len(t.spec.units) if resident == "all" else round(0.5 * len(t.spec.units))
+        )
         got = t.fit(batches)
         state = t.state_dict()
     assert got.losses == base.losses
     for name, value in want.items():
         assert state[name].equal(value), name
+
+
+@pytest.mark.parametrize("controls", [{"max_grad_norm": 0.5}, {"on_nonfinite": "skip"}])
+def test_resident_units_with_deferred_updates(controls, tiny_model):
+    """Clipping and skip-on-NaN hold every update until the end of the step: resident ones too."""
+    model_dir = tiny_model("llama")
+    batches = random_batches(128, steps=3)
+
+    def run(resident: str):
+        cfg = _config(model_dir, gpu_resident=resident)
+        cfg = TrainConfig(
+            model=cfg.model,
+            optim=OptimConfig(lr=LR, weight_decay=WD, **controls),
+            engine=cfg.engine,
+            steps=cfg.steps,
+        )
+        with Trainer(cfg) as t:
+            return t.fit(batches).losses, t.state_dict()
+
+    base, half = run("none"), run("0.5")
+    assert half[0] == base[0]
+    for name, value in base[1].items():
+        assert half[1][name].equal(value), name

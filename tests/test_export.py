@@ -46,8 +46,14 @@ def test_bf16_sharded_export_with_tokenizer(tmp_path):
     with Trainer(cfg) as t:
         from slidekit.export import export_model
 
-        path = export_model(tmp_path / "out", hf_config=t.hf_config, state=t.engine.master_state(),
-                            tokenizer=t.tokenizer(), dtype="bfloat16", shard_bytes=1 << 20)
+        path = export_model(
+            tmp_path / "out",
+            hf_config=t.hf_config,
+            state=t.engine.master_state(),
+            tokenizer=t.tokenizer(),
+            dtype="bfloat16",
+            shard_bytes=1 << 20,
+        )
         want = t.state_dict()
     index = json.loads((path / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1

@@ -72,15 +72,19 @@ def test_nonfinite_step_stops_by_default(tiny_model):
 @pytest.mark.parametrize("clip", [None, 1.0])
 def test_nonfinite_step_is_skipped_as_if_it_never_happened(tiny_model, clip):
     batches = random_batches(128, steps=5, seed=11)
-    with Trainer(_config(tiny_model, on_nonfinite="skip", max_grad_norm=clip),
-                 plugins=Plugins(extra=[("poison", Poison({3}))])) as t:
+    with Trainer(
+        _config(tiny_model, on_nonfinite="skip", max_grad_norm=clip),
+        plugins=Plugins(extra=[("poison", Poison({3}))]),
+    ) as t:
         with pytest.warns(RuntimeWarning, match="step 3.*skipped"):
             result = t.fit(batches)
         skipped_run = t.state_dict()
     assert torch.isnan(torch.tensor(result.losses[2]))
     # The same run without the poisoned batch: bitwise the same parameters (Adam's count skips too).
-    with Trainer(_config(tiny_model, on_nonfinite="skip", max_grad_norm=clip),
-                 plugins=Plugins(extra=[("poison", Poison(set()))])) as t:
+    with Trainer(
+        _config(tiny_model, on_nonfinite="skip", max_grad_norm=clip),
+        plugins=Plugins(extra=[("poison", Poison(set()))]),
+    ) as t:
         clean = t.fit(batches[:2] + batches[3:])
         assert_states_equal(skipped_run, t.state_dict())
     assert result.losses[:2] + result.losses[3:] == clean.losses
@@ -196,14 +200,28 @@ def test_nothing_is_left_behind(tiny_model, tmp_path, fail):
     cfg = TrainConfig(
         model=ModelConfig(source=str(tiny_model("llama"))),
         optim=OptimConfig(lr=1e-3),
-        engine=EngineConfig(device=DEVICE, offload_dir=str(tmp_path), activation_tier=file_tier,
-                            state_offload_tier=file_tier, state_offload_fraction=0.5),
+        engine=EngineConfig(
+            device=DEVICE,
+            offload_dir=str(tmp_path),
+            activation_tier=file_tier,
+            state_offload_tier=file_tier,
+            state_offload_fraction=0.5,
+        ),
     )
     poison = Poison({2} if fail else set())
     trainer = Trainer(
-        TrainConfig(model=cfg.model, optim=cfg.optim, engine=EngineConfig(
-            device=DEVICE, offload_dir=str(tmp_path), activation_tier=file_tier, kernels="poisoned",
-            state_offload_tier=file_tier, state_offload_fraction=0.5)),
+        TrainConfig(
+            model=cfg.model,
+            optim=cfg.optim,
+            engine=EngineConfig(
+                device=DEVICE,
+                offload_dir=str(tmp_path),
+                activation_tier=file_tier,
+                kernels="poisoned",
+                state_offload_tier=file_tier,
+                state_offload_fraction=0.5,
+            ),
+        ),
         plugins=Plugins(extra=[("poison", poison)]),
     )
     if fail:

@@ -100,7 +100,10 @@ def test_resume_refuses_another_model(tmp_path):
     cfg = _config(tmp_path, resume=True)
     other = TrainConfig(
         model=type(cfg.model)(overrides={"num_hidden_layers": 3}),
-        data=cfg.data, optim=cfg.optim, engine=cfg.engine, run=cfg.run,
+        data=cfg.data,
+        optim=cfg.optim,
+        engine=cfg.engine,
+        run=cfg.run,
     )
     with pytest.raises(ck.CheckpointMismatch, match="model"):
         _trainer(other)
@@ -109,7 +112,7 @@ def test_resume_refuses_another_model(tmp_path):
 def test_resume_without_a_checkpoint_says_so(tmp_path):
     with pytest.raises(ConfigError, match="nothing to resume"):
         _trainer(_config(tmp_path, resume=True))
-    with pytest.raises(ConfigError, match="run.resume needs run.dir"):
+    with pytest.raises(ConfigError, match=r"run\.resume needs run\.dir"):
         RunConfig(resume=True)
 
 

@@ -64,7 +64,9 @@ def _run(model_dir, offload_dir, batches, **engine) -> tuple[list[float], dict[s
     cfg = TrainConfig(
         model=ModelConfig(source=str(model_dir)),
         optim=OptimConfig(lr=1e-3, weight_decay=0.05),
-        engine=EngineConfig(device=DEVICE, offload_dir=str(offload_dir), **engine),
+        engine=EngineConfig(
+            device=DEVICE, offload_dir=str(offload_dir), **{"gpu_resident": "none", **engine}
+        ),
     )
     with Trainer(cfg, plugins=_plugins()) as t:
         result = t.fit(batches)
@@ -79,6 +81,7 @@ placements = st.fixed_dictionaries(
         "state_offload_fraction": st.sampled_from([0.0, 0.5, 1.0]) | st.floats(0.0, 1.0),
         "state_chunk": st.sampled_from([GRANULE, 2 * GRANULE, 1 << 24]),
         "window": st.integers(2, 4),
+        "gpu_resident": st.sampled_from(["none", "0.5", "all"]),
     }
 )
 
@@ -116,7 +119,9 @@ def test_streamed_state_really_streams_in_chunks(tiny_model, tmp_path):
     cfg = TrainConfig(
         model=ModelConfig(source=str(model_dir)),
         optim=OptimConfig(lr=1e-3, weight_decay=0.05),
-        engine=EngineConfig(device=DEVICE, state_tier="unmapped_ram", state_chunk=GRANULE),
+        engine=EngineConfig(
+            device=DEVICE, state_tier="unmapped_ram", state_chunk=GRANULE, gpu_resident="none"
+        ),
     )
     with Trainer(cfg, plugins=_plugins()) as t:
         store = t.engine.host.state
@@ -130,7 +135,9 @@ def test_streamed_state_really_streams_in_chunks(tiny_model, tmp_path):
 def test_offload_fraction_places_units_evenly(tiny_model, tmp_path):
     cfg = TrainConfig(
         model=ModelConfig(source=str(tiny_model("llama"))),
-        engine=EngineConfig(device=DEVICE, state_offload_tier="unmapped_ram", state_offload_fraction=0.4),
+        engine=EngineConfig(
+            device=DEVICE, state_offload_tier="unmapped_ram", state_offload_fraction=0.4, gpu_resident="none"
+        ),
     )
     with Trainer(cfg, plugins=_plugins()) as t:
         streamed = [t.engine.host.state.streamed(u.index) for u in t.spec.units]
@@ -173,7 +180,9 @@ def test_a_placement_that_does_not_fit_is_refused_before_training(tiny_model, tm
     model_dir = tiny_model("llama", hidden_size=256, intermediate_size=512)  # ~1 M state bytes per layer
     cfg = TrainConfig(
         model=ModelConfig(source=str(model_dir)),
-        engine=EngineConfig(device=DEVICE, state_tier="tiny_disk", offload_dir=str(tmp_path)),
+        engine=EngineConfig(
+            device=DEVICE, state_tier="tiny_disk", offload_dir=str(tmp_path), gpu_resident="none"
+        ),
     )
     with pytest.raises(ConfigError, match=r"storage tier 'tiny_disk' in .* needs .* GiB \(optimizer state"):
         Trainer(cfg, plugins=plugins)
@@ -181,7 +190,7 @@ def test_a_placement_that_does_not_fit_is_refused_before_training(tiny_model, tm
     cfg = TrainConfig(
         model=ModelConfig(source=str(tiny_model("llama"))),
         data=DataConfig(batch_size=64, seq_len=512),
-        engine=EngineConfig(device=DEVICE, activation_tier="tiny_disk"),
+        engine=EngineConfig(device=DEVICE, activation_tier="tiny_disk", gpu_resident="none"),
     )
     with pytest.raises(ConfigError, match="activations"):
         Trainer(cfg, plugins=plugins)

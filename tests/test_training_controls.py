@@ -32,7 +32,10 @@ def _train(model_dir, batches, *, grad_accum=1, **optim):
 
 def _concat(batches: list[Batch], group: int) -> list[Batch]:
     return [
-        Batch(torch.cat([b.input_ids for b in batches[i : i + group]]), torch.cat([b.labels for b in batches[i : i + group]]))
+        Batch(
+            torch.cat([b.input_ids for b in batches[i : i + group]]),
+            torch.cat([b.labels for b in batches[i : i + group]]),
+        )
         for i in range(0, len(batches), group)
     ]
 
@@ -89,8 +92,14 @@ def test_chat_data_with_completion_only_loss_and_evaluation(tmp_path):
     from slidekit.models.loading import demo_dir
 
     cfg = TrainConfig(
-        data=DataConfig(path=str(demo_dir() / "chat.jsonl"), completion_only=True, seq_len=64, batch_size=2,
-                        eval_fraction=0.1, eval_every=2),
+        data=DataConfig(
+            path=str(demo_dir() / "chat.jsonl"),
+            completion_only=True,
+            seq_len=64,
+            batch_size=2,
+            eval_fraction=0.1,
+            eval_every=2,
+        ),
         optim=OptimConfig(lr=2e-3),
         engine=EngineConfig(device="cpu"),
         run=RunConfig(dir=str(tmp_path)),

@@ -310,7 +310,7 @@ class Engine:
         torch.nn.utils.clip_grad_norm_ semantics: scale = min(1, max_norm / (norm + 1e-6)).
         """
         scale = 1.0 if c["clip"] is None else min(1.0, c["clip"] / (grad_norm + 1e-6))
-        for unit in range(len(self.spec.units)):
+        for unit in sorted(c["deferred"]):  # resident units are updated on the device instead
             self.updated[unit] = self.pipeline.submit(
                 "optim", self._update, unit, c["deferred"].pop(unit), c["lr"], self.updates_applied + 1, scale
             )
@@ -329,6 +329,8 @@ class Engine:
                 self._update_on_device(unit, c["lr"], self.updates_applied + 1, scale)
 
     def _update_on_device(self, unit: int, lr: float, count: int, scale: float) -> None:
+        # Streaming uses staging buffers that belong to the optimizer thread: resident state must map.
+        assert not self.host.state.streamed(unit), f"resident unit {unit} has streamed state"
         slot = self.window.resident[unit]
         n = self.spec.units[unit].numel
         master, grad, params = self.host.masters[unit], slot.grads[:n], slot.params[:n]

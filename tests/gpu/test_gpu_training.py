@@ -52,7 +52,7 @@ def _peak_bytes(layers: int) -> int:
         ),
         data=DataConfig(seq_len=256, batch_size=8),
         optim=OptimConfig(lr=1e-4),
-        engine=EngineConfig(device="cuda", activation_tier="ram"),
+        engine=EngineConfig(device="cuda", activation_tier="ram", gpu_resident="none"),  # the sliding mode
         steps=3,
     )
     torch.cuda.synchronize()
