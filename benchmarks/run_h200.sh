@@ -19,6 +19,16 @@ case "${1:-tests}" in
   tests)
     timeout 520 python3 -m pytest -q -p no:cacheprovider -rs --durations=15 tests 2>&1 | tee "$OUT/tests.log" | tail -40
     ;;
+  quick)
+    timeout 170 python3 -m pytest -q -p no:cacheprovider -x tests/gpu tests/test_tier_placement.py tests/test_reliability.py \
+      tests/test_hostmem.py tests/plugins/test_gpu_tier.py tests/test_equivalence.py tests/plugins/test_layer_adam.py 2>&1 \
+      | tee "$OUT/tests_quick.log" | tail -15
+    B="$OUT/bench.jsonl"
+    for spec in "qwen2.5-3b 8 none" "qwen2.5-3b 8 auto" "qwen2.5-3b 32 none" "qwen2.5-7b 16 auto" "qwen2.5-7b 16 none"; do
+      set -- $spec
+      timeout 150 python3 benchmarks/train_throughput.py --model "$1" --batch "$2" --resident "$3" --steps 4 --out "$B" 2>&1 | tail -1
+    done
+    ;;
   bench)
     B="$OUT/bench.jsonl"
     for spec in "qwen2.5-3b 8 none" "qwen2.5-3b 8 auto" "qwen2.5-3b 32 none" "qwen2.5-7b 16 none" "qwen2.5-7b 16 auto"; do
