@@ -127,6 +127,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 activation_tier=args.activations,
                 window=args.window,
                 gpu_resident=args.resident,
+                state_tier=args.state_tier,
+                offload_dir=args.offload_dir,
             ),
             steps=args.steps,
         )
@@ -155,6 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "device": str(trainer.device),
             "gpu": torch.cuda.get_device_name() if trainer.device.type == "cuda" else None,
             "activations": args.activations,
+            "state_tier": args.state_tier,
             "window": args.window,
             "resident_units": resident,
             "kernels": trainer.selections["kernels"].name,
@@ -188,6 +191,8 @@ def main() -> None:
     p.add_argument("--activations", default="ram")
     p.add_argument("--window", type=int, default=3)
     p.add_argument("--resident", default="auto", help="engine.gpu_resident: auto, none, all or a fraction")
+    p.add_argument("--state-tier", default="ram", help="tier for the optimizer state of host units")
+    p.add_argument("--offload-dir", default=None, help="directory for file-backed tiers")
     p.add_argument("--out", type=Path, default=None, help="append the JSON line to this file")
     args = p.parse_args()
     line = json.dumps(run(args))

@@ -240,6 +240,14 @@ class Trainer:
             state_chunk=ec.state_chunk,
             device_masters=[self.device if r and self.device.type == "cuda" else None for r in resident],
         )
+        for unit, on_device in enumerate(resident):
+            mapped = host.state.mapped(unit) or {}
+            if not on_device and any(t.device.type != "cpu" for t in mapped.values()):
+                raise ConfigError(
+                    f"optimizer state of unit {unit} is in device memory, but the unit is updated on the CPU; "
+                    "use a host tier (ram, posix, gds) for engine.state_tier / state_offload_tier, and "
+                    "engine.gpu_resident to keep whole units on the device"
+                )
         window = Window(plan.window, plan.slot_numel, self.compute_dtype, self.device, pipeline)
         acts: ActivationStore = DeviceActivations()
         if "activation_tier" in self.selections:

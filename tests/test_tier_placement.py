@@ -58,6 +58,7 @@ def _available_tiers() -> list[str]:
 
 
 TIERS = _available_tiers()
+STATE_TIERS = [t for t in TIERS if t != "gpu"]  # device memory holds the state of resident units only
 
 
 def _run(model_dir, offload_dir, batches, **engine) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -76,8 +77,8 @@ def _run(model_dir, offload_dir, batches, **engine) -> tuple[list[float], dict[s
 placements = st.fixed_dictionaries(
     {
         "activation_tier": st.sampled_from(["device", *TIERS]),
-        "state_tier": st.sampled_from(TIERS),
-        "state_offload_tier": st.sampled_from(TIERS),
+        "state_tier": st.sampled_from(STATE_TIERS),
+        "state_offload_tier": st.sampled_from(STATE_TIERS),
         "state_offload_fraction": st.sampled_from([0.0, 0.5, 1.0]) | st.floats(0.0, 1.0),
         "state_chunk": st.sampled_from([GRANULE, 2 * GRANULE, 1 << 24]),
         "window": st.integers(2, 4),
