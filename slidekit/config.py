@@ -132,7 +132,7 @@ class EngineConfig:
     state_tier: str = "ram"  # storage tier holding optimizer state
     state_offload_tier: str | None = None  # a second, slower tier for part of the optimizer state
     state_offload_fraction: float = 0.0  # fraction of units whose state goes to state_offload_tier
-    state_chunk: int = 1 << 24  # parameters per chunk when state is streamed from a tier that cannot map
+    state_chunk: int = 1 << 22  # parameters per chunk when state is streamed from a tier that cannot map
     activation_tier: str = "device"  # "device" keeps boundary activations where computed, else a tier name
     offload_dir: str | None = None  # directory for file-backed tiers
     window: int = 3  # cache units that take turns on the device (a tied embedding adds one)

@@ -144,6 +144,11 @@ class Trainer:
         self.hf_config, self.model_dir = load_hf_config(config.model.source, config.model.overrides)
         adapter = self.plugins.adapter_for(self.hf_config.model_type)
         self.spec: ArchSpec = adapter.descriptor.factory(self.hf_config)
+        if config.data.seq_len > self.spec.max_positions:
+            raise ConfigError(
+                f"data.seq_len {config.data.seq_len} exceeds the model's max_position_embeddings "
+                f"{self.spec.max_positions}; use a seq_len of at most {self.spec.max_positions}"
+            )
 
         self.selections: dict[str, Selection] = {
             "kernels": self.plugins.select("kernels", ec.kernels, family),

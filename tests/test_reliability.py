@@ -235,3 +235,22 @@ def test_nothing_is_left_behind(tiny_model, tmp_path, fail):
     assert fds <= fds0, f"{fds - fds0} file descriptors left open"
     assert pinned == pinned0, "page-locked host memory not released"
     assert list(tmp_path.iterdir()) == [], "offload files left behind"
+
+
+def test_sequences_longer_than_the_model_are_refused(tiny_model):
+    from slidekit import DataConfig
+    from slidekit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data.seq_len 100 exceeds the model's max_position_embeddings 64"):
+        Trainer(TrainConfig(model=ModelConfig(source=str(tiny_model("llama"))), data=DataConfig(seq_len=100)))
+    with (
+        Trainer(
+            TrainConfig(
+                model=ModelConfig(source=str(tiny_model("llama"))),
+                data=DataConfig(seq_len=32),
+                engine=EngineConfig(device=DEVICE),
+            )
+        ) as t,
+        pytest.raises(ValueError, match="65 tokens"),
+    ):
+        t.fit(random_batches(128, steps=1, seq_len=65))

@@ -393,6 +393,11 @@ class Engine:
         self.pipeline.check()
         if not micro:
             raise ValueError("a step needs at least one micro-batch")
+        longest = max(ids.shape[1] for ids, _ in micro)
+        if longest > self.spec.max_positions:
+            raise ValueError(
+                f"a batch has {longest} tokens per row, more than the model's {self.spec.max_positions} positions"
+            )
         labelled = sum(int((labels != -100).sum()) for _, labels in micro)
         if labelled == 0:
             raise ValueError("the batch has no labelled token (every label is -100); nothing to learn from")

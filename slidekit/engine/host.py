@@ -60,7 +60,7 @@ class HostStore:
         grad_dtype: torch.dtype,
         grad_buffers: int,
         pipeline: Pipeline,
-        state_chunk: int = 1 << 24,
+        state_chunk: int = 1 << 22,
         device_masters: Sequence[torch.device | None] | None = None,
     ) -> None:
         self.units = units

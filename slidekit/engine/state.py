@@ -74,7 +74,7 @@ class StateStore:
         tiers: Sequence[StorageTier],
         memory: HostBuffers,
         pipeline: Pipeline,
-        chunk: int = 1 << 24,
+        chunk: int = 1 << 22,
     ) -> None:
         if len(tiers) != len(units):
             raise ValueError(f"one tier per unit: got {len(tiers)} tiers for {len(units)} units")
