@@ -41,6 +41,7 @@ PINNED_FINETUNE_OPTIONS = [
     "--activation-tier",
     "--offload-dir",
     "--window",
+    "--gpu-resident",
     "--run-dir",
     "--checkpoint-every",
     "--keep",
