@@ -144,11 +144,6 @@ class Trainer:
         self.hf_config, self.model_dir = load_hf_config(config.model.source, config.model.overrides)
         adapter = self.plugins.adapter_for(self.hf_config.model_type)
         self.spec: ArchSpec = adapter.descriptor.factory(self.hf_config)
-        if config.data.seq_len > self.spec.max_positions:
-            raise ConfigError(
-                f"data.seq_len {config.data.seq_len} exceeds the model's max_position_embeddings "
-                f"{self.spec.max_positions}; use a seq_len of at most {self.spec.max_positions}"
-            )
 
         self.selections: dict[str, Selection] = {
             "kernels": self.plugins.select("kernels", ec.kernels, family),
@@ -381,6 +376,11 @@ class Trainer:
         """The training set and the held-out set (None without ``eval_fraction``) of ``config.data``."""
         if self._datasets is None:
             dc = self.config.data
+            if dc.seq_len > self.spec.max_positions:
+                raise ConfigError(
+                    f"data.seq_len {dc.seq_len} exceeds the model's max_position_embeddings "
+                    f"{self.spec.max_positions}; use a seq_len of at most {self.spec.max_positions}"
+                )
             tokenizer = self.tokenizer()
             if tokenizer is None:
                 raise ConfigError(f"{self.model_dir} has no tokenizer; add one, or pass batches to fit()")

@@ -241,8 +241,12 @@ def test_sequences_longer_than_the_model_are_refused(tiny_model):
     from slidekit import DataConfig
     from slidekit.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"data.seq_len 100 exceeds the model's max_position_embeddings 64"):
-        Trainer(TrainConfig(model=ModelConfig(source=str(tiny_model("llama"))), data=DataConfig(seq_len=100)))
+    cfg = TrainConfig(model=ModelConfig(source=str(tiny_model("llama"))), data=DataConfig(seq_len=100))
+    with (
+        Trainer(cfg) as t,
+        pytest.raises(ConfigError, match=r"data.seq_len 100 exceeds the model's max_position_embeddings 64"),
+    ):
+        t.fit()  # the configured data is built when fit needs it
     with (
         Trainer(
             TrainConfig(

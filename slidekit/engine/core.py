@@ -279,27 +279,11 @@ class Engine:
                 "(optim.max_grad_norm), or set optim.on_nonfinite='skip' to skip such steps"
             )
         self._wait_checkpoint(unit)
-        master = self.host.masters[unit]
-        n = master.numel()
+        n = self.host.masters[unit].numel()
         grad = self.host.unit_grad(unit) if index < 0 else self.host.ring.buffers[index][:n]
-        if scale != 1.0:
-            grad.mul_(scale)
-
-        groups = self.groups[unit]
-
-        def step(start: int, stop: int, state: Mapping[str, torch.Tensor]) -> None:
-            self.optimizer.step(
-                master[start:stop],
-                grad[start:stop],
-                state,
-                lr=lr,
-                count=count,
-                groups=slice_groups(groups, start, stop),
-            )
-
         try:
             with self.timeline.host("update", unit):
-                self.host.state.update(unit, step)
+                self._apply(unit, grad, lr=lr, count=count, scale=scale, lowp_out=None)
         finally:
             if index >= 0:
                 self.host.ring.release(index)
@@ -333,11 +317,26 @@ class Engine:
         assert not self.host.state.streamed(unit), f"resident unit {unit} has streamed state"
         slot = self.window.resident[unit]
         n = self.spec.units[unit].numel
-        master, grad, params = self.host.masters[unit], slot.grads[:n], slot.params[:n]
+        params = slot.params[:n]
+        lowp = params.dtype == torch.bfloat16  # the optimizer writes the BF16 weights in the same pass
+        self._apply(unit, slot.grads[:n], lr=lr, count=count, scale=scale, lowp_out=params if lowp else None)
+        if not lowp:
+            params.copy_(self.host.masters[unit])
+
+    def _apply(
+        self,
+        unit: int,
+        grad: torch.Tensor,
+        *,
+        lr: float,
+        count: int,
+        scale: float,
+        lowp_out: torch.Tensor | None,
+    ) -> None:
+        """Scale ``grad`` (clipping) and run the optimizer over the unit's master and state, chunk by chunk."""
         if scale != 1.0:
             grad.mul_(scale)
-        groups = self.groups[unit]
-        lowp = params.dtype == torch.bfloat16  # the optimizer writes the BF16 weights in the same pass
+        master, groups = self.host.masters[unit], self.groups[unit]
 
         def step(start: int, stop: int, state: Mapping[str, torch.Tensor]) -> None:
             self.optimizer.step(
@@ -347,12 +346,10 @@ class Engine:
                 lr=lr,
                 count=count,
                 groups=slice_groups(groups, start, stop),
-                lowp_out=params[start:stop] if lowp else None,
+                lowp_out=None if lowp_out is None else lowp_out[start:stop],
             )
 
         self.host.state.update(unit, step)
-        if not lowp:
-            params.copy_(master)
 
     def sync_resident(self) -> None:
         """Refresh resident units' compute-dtype weights from their masters (after loading or restoring)."""
