@@ -27,16 +27,18 @@ import tempfile
 import threading
 import weakref
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from slidekit.errors import ConfigError
+from slidekit.interfaces import TierStats
 
 __all__ = [
     "ALIGN",
+    "FileTier",
     "Join",
     "Region",
     "RegionFiles",
@@ -286,3 +288,117 @@ class Join:
             self.future.set_result(None)
         else:
             self.future.set_exception(self._error)
+
+
+class FileTier:
+    """The surface the file-backed tiers share: regions, futures, counters, stats and closing.
+
+    A subclass calls ``_start_files`` from its constructor and supplies ``_open``
+    (how a region file is opened), ``_jobs`` (the blocking pieces of one
+    transfer, run on the tier's thread pool) and ``detail``.
+    """
+
+    name: str
+
+    def _start_files(self, files: RegionFiles, threads: int) -> None:
+        self._files = files
+        self._threads = max(1, threads)
+        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix=f"slidekit-{self.name}")
+        self._lock = threading.Lock()
+        self._written = 0
+        self._read = 0
+        self._closed = False
+
+    def _open(self, path: str) -> Any:
+        raise NotImplementedError
+
+    def _jobs(
+        self, key: str, region: Region, data: torch.Tensor, offset: int, write: bool, ready: Any
+    ) -> list[Callable[[], None]]:
+        """The pieces of one transfer of ``data`` (flat uint8) at ``offset``; each runs on the pool."""
+        raise NotImplementedError
+
+    @property
+    def detail(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def root(self) -> str:
+        """The private directory holding this tier's files."""
+        return self._files.root
+
+    # ---------------------------------------------------------------- regions
+
+    def allocate(self, key: str, nbytes: int) -> None:
+        self._check_open()
+        self._files.allocate(key, nbytes, self._open)
+
+    def map(self, key: str) -> torch.Tensor | None:
+        return None  # file regions are not addressable; every access goes through read/write
+
+    def free(self, key: str) -> None:
+        self._files.free(key)
+
+    # ---------------------------------------------------------------- I/O
+
+    def write(self, key: str, src: torch.Tensor, offset: int = 0) -> Future[None]:
+        return self._transfer(key, src, offset, write=True)
+
+    def read(self, key: str, dst: torch.Tensor, offset: int = 0) -> Future[None]:
+        return self._transfer(key, dst, offset, write=False)
+
+    def _transfer(self, key: str, t: torch.Tensor, offset: int, *, write: bool) -> Future[None]:
+        self._check_open()
+        data = as_bytes(t)  # (n,) uint8, host or CUDA
+        n = data.numel()
+        region = self._files.acquire(key, offset, n)
+        ready = None
+        if data.device.type == "cuda":
+            # Everything queued on the caller's stream so far (producing src, or still using dst)
+            # happens before the tier touches the tensor.
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(data.device))
+
+        def finish(ok: bool) -> None:
+            self._files.release(region)
+            if ok:
+                self._count(written=n if write else 0, read=0 if write else n)
+
+        jobs = self._jobs(key, region, data, offset, write, ready)
+        join = Join(len(jobs), finish)
+        for job in jobs:
+            self._pool.submit(job).add_done_callback(join.part_done)
+        return join.future
+
+    def _count(self, *, written: int = 0, read: int = 0) -> None:
+        with self._lock:
+            self._written += written
+            self._read += read
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the {self.name} tier is closed; build a new one")
+
+    # ---------------------------------------------------------------- reporting and closing
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            written, read = self._written, self._read
+        return TierStats(
+            bytes_written=written,
+            bytes_read=read,
+            bytes_allocated=self._files.disk_bytes(),
+            capacity=None if self._closed else disk_free(self.root),
+            detail=self.detail,
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._files.close()
+        self._close_more()
+
+    def _close_more(self) -> None:
+        """What a subclass releases after its files (buffers)."""

@@ -44,17 +44,15 @@ import functools
 import importlib
 import importlib.util
 import sys
-import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from slidekit.errors import ConfigError, DriverUnavailableError
 from slidekit.hookspecs import hookimpl
-from slidekit.interfaces import Availability, TierContext, TierDescriptor, TierStats
-from slidekit_tiers._files import ALIGN, Join, RegionFiles, as_bytes, disk_free
+from slidekit.interfaces import Availability, TierContext, TierDescriptor
+from slidekit_tiers._files import ALIGN, FileTier, Region, RegionFiles
 
 __all__ = ["COMPAT", "GDS", "NOT_INSTALLED", "GdsTier", "decide_availability"]
 
@@ -156,7 +154,7 @@ def _close_cufile(handle: Any) -> None:
 # --------------------------------------------------------------------------- the tier
 
 
-class GdsTier:
+class GdsTier(FileTier):
     """Named byte regions in files, read and written by kvikio CuFile (GPUDirect Storage where present)."""
 
     name = "gds"
@@ -173,51 +171,15 @@ class GdsTier:
             raise ConfigError(f"gds tier: unknown options {sorted(ctx.options)}; it takes none")
         self._kvikio = kvikio if kvikio is not None else _kvikio()
         self.mode = how
-        self._files = RegionFiles(ctx.directory, tier="gds", close_file=_close_cufile)
-        self._threads = max(1, ctx.io_threads)
-        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="slidekit-gds")
-        self._lock = threading.Lock()
-        self._written = 0
-        self._read = 0
-        self._closed = False
+        self._start_files(RegionFiles(ctx.directory, tier="gds", close_file=_close_cufile), ctx.io_threads)
 
     def _open(self, path: str) -> Any:
         return self._kvikio.CuFile(path, "r+")
 
-    @property
-    def root(self) -> str:
-        """The private directory holding this tier's files."""
-        return self._files.root
-
-    # ---------------------------------------------------------------- regions
-
-    def allocate(self, key: str, nbytes: int) -> None:
-        self._check_open()
-        self._files.allocate(key, nbytes, self._open)
-
-    def map(self, key: str) -> torch.Tensor | None:
-        return None  # file regions are not addressable
-
-    def free(self, key: str) -> None:
-        self._files.free(key)
-
-    # ---------------------------------------------------------------- I/O
-
-    def write(self, key: str, src: torch.Tensor, offset: int = 0) -> Future[None]:
-        return self._transfer(key, src, offset, write=True)
-
-    def read(self, key: str, dst: torch.Tensor, offset: int = 0) -> Future[None]:
-        return self._transfer(key, dst, offset, write=False)
-
-    def _transfer(self, key: str, t: torch.Tensor, offset: int, *, write: bool) -> Future[None]:
-        self._check_open()
-        data = as_bytes(t)  # (n,) uint8, host or CUDA
+    def _jobs(
+        self, key: str, region: Region, data: torch.Tensor, offset: int, write: bool, ready: Any
+    ) -> list[Callable[[], None]]:
         n = data.numel()
-        region = self._files.acquire(key, offset, n)
-        ready = None
-        if data.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(data.device))
         shares_block = bool(offset % ALIGN or (offset + n) % ALIGN)
 
         def run() -> None:
@@ -233,23 +195,7 @@ class GdsTier:
             if moved != n:
                 raise OSError(errno.EIO, f"kvikio moved {moved} of {n} bytes of region {key!r}")
 
-        def finish(ok: bool) -> None:
-            self._files.release(region)
-            if ok:
-                self._count(written=n if write else 0, read=0 if write else n)
-
-        join = Join(1, finish)
-        self._pool.submit(run).add_done_callback(join.part_done)
-        return join.future
-
-    def _count(self, *, written: int = 0, read: int = 0) -> None:
-        with self._lock:
-            self._written += written
-            self._read += read
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("the gds tier is closed; build a new one")
+        return [run]
 
     # ---------------------------------------------------------------- reporting
 
@@ -260,24 +206,6 @@ class GdsTier:
         return (
             f"{self.mode}; files in {self.root}; kvikio {version}, {threads} kvikio threads (KVIKIO_NTHREADS)"
         )
-
-    def stats(self) -> TierStats:
-        with self._lock:
-            written, read = self._written, self._read
-        return TierStats(
-            bytes_written=written,
-            bytes_read=read,
-            bytes_allocated=self._files.disk_bytes(),
-            capacity=None if self._closed else disk_free(self.root),
-            detail=self.detail,
-        )
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._files.close()
 
 
 @hookimpl

@@ -44,12 +44,12 @@ Test: ``pytest tests/plugins/test_posix_tier.py``; bandwidth:
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import tempfile
 import threading
-from collections.abc import Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -57,8 +57,8 @@ import torch
 from slidekit.errors import ConfigError
 from slidekit.hookspecs import hookimpl
 from slidekit.hostmem import HostBuffers
-from slidekit.interfaces import Availability, TierContext, TierDescriptor, TierStats
-from slidekit_tiers._files import ALIGN, Join, Region, RegionFiles, as_bytes, disk_free, round_up
+from slidekit.interfaces import Availability, TierContext, TierDescriptor
+from slidekit_tiers._files import ALIGN, FileTier, Region, RegionFiles, round_up
 
 __all__ = ["PosixTier", "chunk_spans", "direct_io_support", "probe_direct_io"]
 
@@ -168,28 +168,23 @@ def _parse_options(options: Mapping[str, Any]) -> tuple[int, bool | None]:
 # --------------------------------------------------------------------------- the tier
 
 
-class PosixTier:
+class PosixTier(FileTier):
     """Named byte regions in preallocated files, moved by a thread pool with positional I/O."""
 
     name = "posix"
 
     def __init__(self, ctx: TierContext) -> None:
         self.chunk, want_direct = _parse_options(ctx.options)
-        self._files = RegionFiles(ctx.directory, tier="posix", close_file=os.close)
+        files = RegionFiles(ctx.directory, tier="posix", close_file=os.close)
         try:
             self.direct, self.direct_reason = self._choose_direct(ctx.directory, want_direct)
         except BaseException:
-            self._files.close()
+            files.close()
             raise
         self._align = ALIGN if self.direct else 1
         self._host = HostBuffers(pin=torch.cuda.is_available())
-        self._threads = max(1, ctx.io_threads)
-        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="slidekit-posix")
         self._local = threading.local()  # per worker: its bounce buffer and CUDA stream
-        self._lock = threading.Lock()
-        self._written = 0
-        self._read = 0
-        self._closed = False
+        self._start_files(files, ctx.io_threads)
 
     def _choose_direct(self, directory: str | None, want: bool | None) -> tuple[bool, str]:
         if want is False:
@@ -207,54 +202,11 @@ class PosixTier:
         flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
         return os.open(path, flags)
 
-    @property
-    def root(self) -> str:
-        """The private directory holding this tier's files."""
-        return self._files.root
-
-    # ---------------------------------------------------------------- regions
-
-    def allocate(self, key: str, nbytes: int) -> None:
-        self._check_open()
-        self._files.allocate(key, nbytes, self._open)
-
-    def map(self, key: str) -> torch.Tensor | None:
-        return None  # file regions are not addressable; every access goes through read/write
-
-    def free(self, key: str) -> None:
-        self._files.free(key)
-
-    # ---------------------------------------------------------------- I/O
-
-    def write(self, key: str, src: torch.Tensor, offset: int = 0) -> Future[None]:
-        return self._transfer(key, src, offset, write=True)
-
-    def read(self, key: str, dst: torch.Tensor, offset: int = 0) -> Future[None]:
-        return self._transfer(key, dst, offset, write=False)
-
-    def _transfer(self, key: str, t: torch.Tensor, offset: int, *, write: bool) -> Future[None]:
-        self._check_open()
-        data = as_bytes(t)
-        n = data.numel()
-        region = self._files.acquire(key, offset, n)
-        ready = None
-        if data.device.type == "cuda":
-            # Everything queued on the caller's stream so far (producing src, or still using dst)
-            # happens before the side stream touches the tensor.
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(data.device))
-
-        def finish(ok: bool) -> None:
-            self._files.release(region)
-            if ok:
-                self._count(written=n if write else 0, read=0 if write else n)
-
-        spans = chunk_spans(offset, n, self._align, self.chunk)
-        join = Join(len(spans), finish)
-        for span in spans:
-            part = self._pool.submit(self._move, region, data, offset, span, write, ready)
-            part.add_done_callback(join.part_done)
-        return join.future
+    def _jobs(
+        self, key: str, region: Region, data: torch.Tensor, offset: int, write: bool, ready: Any
+    ) -> list[Callable[[], None]]:
+        spans = chunk_spans(offset, data.numel(), self._align, self.chunk)
+        return [functools.partial(self._move, region, data, offset, span, write, ready) for span in spans]
 
     def _move(
         self,
@@ -324,15 +276,6 @@ class PosixTier:
             stream = self._local.stream = torch.cuda.Stream(device)
         return stream
 
-    def _count(self, *, written: int = 0, read: int = 0) -> None:
-        with self._lock:
-            self._written += written
-            self._read += read
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError("the posix tier is closed; build a new one")
-
     # ---------------------------------------------------------------- reporting
 
     @property
@@ -345,23 +288,7 @@ class PosixTier:
         reserve = "" if self._files.reserved else "; space not reserved up front (no fallocate here)"
         return f"files in {self.root}; {how}; {self._threads} I/O threads{reserve}"
 
-    def stats(self) -> TierStats:
-        with self._lock:
-            written, read = self._written, self._read
-        return TierStats(
-            bytes_written=written,
-            bytes_read=read,
-            bytes_allocated=self._files.disk_bytes(),
-            capacity=None if self._closed else disk_free(self.root),
-            detail=self.detail,
-        )
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._files.close()
+    def _close_more(self) -> None:
         self._host.close()
 
 
