@@ -5,18 +5,20 @@
 
 Every installed optimizer driver runs through the plugin registry, as the
 engine uses it (BF16 gradient in, BF16 upload copy out, weight decay 0.1);
-``layer_adam`` runs twice, once per implementation (``impl="cpp"``, the fused
-kernel, built first if needed, and ``impl="torch"``, its pure-torch fallback).
+``layer_adam`` and ``adamw_8bit`` run twice, once per implementation
+(``impl="cpp"``, the fused kernel, built first if needed, which is what the
+engine gets, and ``impl="torch"``, the pure-torch reference and fallback).
 The baseline is ``torch.optim.AdamW(fused=True)`` on the same unit: the BF16
 gradient copied into a preallocated FP32 buffer (the fused kernel wants FP32
 gradients like its parameters), the step, then a separate BF16 copy.
 
 Each contender gets its own unit (master, state, BF16 copy), all alive at once
-(8 to 18 bytes per parameter each, about 13 GB in all at 233M), and one warm-up update;
+(8 to 18 bytes per parameter each, about 15 GB in all at 233M), and one warm-up update;
 then --repeat rounds time one update of every contender in turn, so a change
 of background load hits them all alike. Prints one JSON line:
-``<contender>_gparams_s`` (G parameters per second, median over the rounds)
-and ``layer_adam_cpp_over_baseline``.
+``<contender>_gparams_s`` (G parameters per second, median over the rounds),
+``layer_adam_cpp_over_baseline`` and ``<driver>_cpp_over_torch`` (each fused
+kernel against its own torch path).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ from slidekit import Plugins
 from slidekit.interfaces import OptimizerHyper, ParamGroupRange
 
 Step = Callable[[], None]
+
+#: Drivers with a fused C++ kernel and a pure-torch path, switched by ``impl``: both are measured.
+_TWO_PATHS = ("layer_adam", "adamw_8bit")
 
 
 def _driver_step(opt, grad: torch.Tensor, groups: list[ParamGroupRange]) -> Step:
@@ -96,9 +101,9 @@ def main() -> None:
 
     steps: dict[str, Step] = {}
     for reg in Plugins().drivers("optimizer"):
-        if reg.name == "layer_adam":
+        if reg.name in _TWO_PATHS:
             for impl in ("cpp", "torch"):  # the factory builds or loads the kernel here, untimed
-                steps[f"layer_adam_{impl}"] = _driver_step(
+                steps[f"{reg.name}_{impl}"] = _driver_step(
                     reg.descriptor.factory(hyper, impl=impl), grad, groups
                 )
         else:
@@ -118,6 +123,9 @@ def main() -> None:
         out["layer_adam_cpp_over_baseline"] = round(
             rates["layer_adam_cpp"] / rates["torch_fused_adamw_plus_copy"], 2
         )
+    for name in _TWO_PATHS:
+        if f"{name}_cpp" in rates:
+            out[f"{name}_cpp_over_torch"] = round(rates[f"{name}_cpp"] / rates[f"{name}_torch"], 2)
     print(json.dumps(out), flush=True)
 
 

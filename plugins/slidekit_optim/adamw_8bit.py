@@ -21,31 +21,75 @@ State per parameter: 2 bytes of codes + 2 * 4 / 256 bytes of scales =
 2.03 bytes, against 8 for ``layer_adam``. An all-zero state (what the engine
 hands the first step) has every scale 0 and so decodes to zero moments.
 
-The unit is processed in chunks of whole blocks (``chunk`` elements, 1 Mi by
-default), through scratch buffers allocated once per step, so memory beyond
-the state never grows with the unit. Every operation is a vectorised torch op
-on torch's intra-op threads (``OptimizerHyper.threads`` is not honoured: that
-would change torch's global setting), except that torch runs the table
-lookups (``index_select`` on a 1-D table) on one thread; they are about half
-the time on one core and bound the rate on many. Blocks are independent, so
-results do not depend on the chunk size, bit for bit. The first step from a
-zero state is AdamW's up to FP32 rounding: no quantization error enters until
-the moments are stored.
+Two implementations, chosen by ``AdamW8bit(hyper, impl=...)`` exactly as in
+``layer_adam`` (same build machinery, same cache, same switch):
 
-Test: ``pytest tests/plugins/test_adamw_8bit.py``.
+* ``"cpp"``: the fused kernel in ``csrc/adamw8.cpp``. One pass, block by
+  block, on torch's intra-op threads (``at::parallel_for``; at most
+  ``OptimizerHyper.threads`` of them take part, nothing global changes), the
+  GIL released: decode both moments into a 1 KiB stack buffer each, update,
+  write the master and the BF16 copy, find the new scales and write the new
+  codes. Built on first use (the first ``AdamW8bit`` made in a process when
+  no cached build exists) for the CPU capability torch dispatches to.
+* ``"torch"``: the reference. Vectorised torch ops over chunks of whole
+  blocks (``chunk`` elements, 1 Mi by default) through scratch buffers
+  allocated once per step, so memory beyond the state never grows with the
+  unit. It cannot honour ``threads`` without changing torch's global setting,
+  so it ignores it; torch runs its table lookups on one thread.
+* ``"auto"`` (default): ``cpp``, or ``torch`` with one logged warning saying
+  why when the kernel cannot be built.
+
+Both compute every element with the same IEEE-754 FP32 operations in the same
+order, those of ``layer_adam`` (listed in the kernel's header comment):
+``m + w1 * (g - m)`` and ``v * beta2 + (w2 * g) * g`` as separate multiplies
+and adds, a correctly rounded square root (the torch path takes it in FP64:
+torch's FP32 ``sqrt`` is not correctly rounded on x86) times
+``1 / sqrt(1 - beta2^t)``, then ``p + (-step * m) / den``; decoding is one
+multiply, re-encoding one division by the block's scale and quant8's table
+lookup (equal to nearest-value search with ties to the smaller code). So the
+two give the same master, BF16 copy, codes and scales bit for bit, whatever
+the vector width, ATen CPU capability, thread count or chunk size (NaN inputs
+aside: both produce NaN, not necessarily the same NaN). Earlier versions of
+the torch path used ``lerp_``, ``addcmul_``, ``addcdiv_`` and FP32 ``sqrt``,
+whose rounding depends on how torch was built (fused multiply-adds, MKL's
+vector math); the sequence above rounds the same everywhere, and differs from
+those by a few FP32 roundings, far inside the quantization error the tests
+allow against float64 AdamW.
+
+Only units on the CPU: the engine never keeps an ``adamw_8bit`` unit resident
+on the GPU (no ``device_capable``). The first step from a zero state is
+AdamW's up to FP32 rounding: no quantization error enters until the moments
+are stored.
+
+Test: ``pytest tests/plugins/test_adamw_8bit.py tests/plugins/test_adamw8_kernel.py``.
 Speed: ``python benchmarks/optimizer_rate.py --numel 20000000``.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import Tensor
 
 from slidekit.hookspecs import hookimpl
-from slidekit.interfaces import OptimizerDescriptor, OptimizerHyper, ParamGroupRange
+from slidekit.interfaces import Availability, OptimizerDescriptor, OptimizerHyper, ParamGroupRange
+from slidekit_optim.layer_adam import (
+    _IMPLS,
+    Impl,
+    KernelUnavailable,
+    _scalars,
+    _Segment,
+    _segments,
+    _StepScalars,
+    kernel_status,
+    load_kernel,
+)
 from slidekit_optim.quant8 import (
     BLOCK_SIZE,
     QuantMap,
@@ -55,48 +99,100 @@ from slidekit_optim.quant8 import (
     quantize_blockwise,
 )
 
-__all__ = ["DEFAULT_CHUNK", "AdamW8bit"]
+__all__ = ["DEFAULT_CHUNK", "KERNEL_SOURCE", "AdamW8bit"]
 
-#: Elements per chunk: 4 MiB per FP32 scratch buffer. A multiple of the block size.
+log = logging.getLogger(__name__)
+
+#: The fused kernel's source; ``AdamW8bit(kernel_source=...)`` builds another one instead.
+KERNEL_SOURCE = Path(__file__).resolve().parent / "csrc" / "adamw8.cpp"
+
+#: Elements per chunk of the torch path: 4 MiB per FP32 scratch buffer. A multiple of the block size.
 DEFAULT_CHUNK = 1 << 20
+
+_FELL_BACK: set[Path] = set()  # kernel sources whose fallback to pure torch has been logged
+_FELL_BACK_LOCK = threading.Lock()
 
 
 @dataclass(slots=True)
 class _Scratch:
-    """Per-step scratch, ``chunk`` elements each: reused by every chunk of the unit."""
+    """Per-step scratch of the torch path, ``chunk`` elements each: reused by every chunk of the unit."""
 
     grad: Tensor  # FP32 copy of a BF16 gradient chunk
     m: Tensor
     v: Tensor
-    denom: Tensor  # the denominator, then the scaled moment while re-encoding
+    tmp: Tensor  # FP32: update temporaries, then the scaled moments while re-encoding
+    thr: Tensor  # FP32: the step's numerator, then the lookup thresholds
+    wide: Tensor  # FP64: the square root
     index: Tensor  # int32: code indices / lookup keys
-    thr: Tensor  # FP32 lookup thresholds
 
     @classmethod
     def allocate(cls, n: int) -> _Scratch:
         f32 = [torch.empty(n) for _ in range(5)]
         return cls(
-            grad=f32[0], m=f32[1], v=f32[2], denom=f32[3], thr=f32[4], index=torch.empty(n, dtype=torch.int32)
+            grad=f32[0],
+            m=f32[1],
+            v=f32[2],
+            tmp=f32[3],
+            thr=f32[4],
+            wide=torch.empty(n, dtype=torch.float64),
+            index=torch.empty(n, dtype=torch.int32),
         )
 
 
 class AdamW8bit:
-    """AdamW with block-wise 8-bit quantized moments over a flat vector."""
+    """AdamW with block-wise 8-bit quantized moments over a flat vector.
+
+    ``impl``: "auto" (fused C++ kernel, else pure torch with a warning), "cpp"
+    (the kernel or ``KernelUnavailable`` saying why not), "torch" (pure torch).
+    The kernel is built or loaded here, when the optimizer is made, so a first
+    build never runs inside a training step. ``kernel_source`` builds it from
+    another file. ``chunk`` sets the torch path's chunk. ``self.impl`` says
+    which path runs. ``m_map``/``v_map`` are read at every step.
+    """
 
     name = "adamw_8bit"
 
-    def __init__(self, hyper: OptimizerHyper, *, chunk: int = DEFAULT_CHUNK) -> None:
+    def __init__(
+        self,
+        hyper: OptimizerHyper,
+        *,
+        chunk: int = DEFAULT_CHUNK,
+        impl: Impl = "auto",
+        kernel_source: Path | str | None = None,
+    ) -> None:
         b1, b2 = hyper.betas
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ValueError(f"betas must lie in [0, 1), got {hyper.betas}")
         if hyper.eps <= 0:
             raise ValueError(f"eps must be > 0, got {hyper.eps}")
+        if hyper.threads is not None and hyper.threads < 1:
+            raise ValueError(f"threads must be >= 1 or None (torch's setting), got {hyper.threads}")
         if chunk <= 0 or chunk % BLOCK_SIZE:
             raise ValueError(f"chunk must be a positive multiple of the block size {BLOCK_SIZE}, got {chunk}")
+        if impl not in _IMPLS:
+            raise ValueError(f"impl must be one of {', '.join(_IMPLS)}; got {impl!r}")
         self.hyper = hyper
         self.chunk = chunk
         self.m_map: QuantMap = dynamic_map(signed=True)
         self.v_map: QuantMap = dynamic_map(signed=False, keep_nonzero=True)
+        self.requested_impl: Impl = impl
+        self._source = Path(kernel_source) if kernel_source is not None else KERNEL_SOURCE
+        self._kernel: ModuleType | None = None
+        self.impl: str = "torch" if impl == "torch" else self._load()  # "cpp" or "torch": the path in use
+
+    def _load(self) -> str:
+        """Build or load the kernel now (the engine builds drivers before its threads start)."""
+        try:
+            self._kernel = load_kernel(self._source)
+        except KernelUnavailable as e:
+            if self.requested_impl == "cpp":
+                raise KernelUnavailable(
+                    f"adamw_8bit: impl='cpp' but the fused kernel is unavailable: {e}. "
+                    "Use impl='auto' (falls back to pure torch) or impl='torch'."
+                ) from e
+            _log_fallback_once(self._source, str(e))
+            return "torch"
+        return "cpp"
 
     def state_layout(self, numel: int) -> Mapping[str, tuple[torch.dtype, int]]:
         blocks = num_blocks(numel)
@@ -122,12 +218,60 @@ class AdamW8bit:
             raise ValueError(f"count is the 1-based update number, got {count}")
         self._check(master, grad, state, lowp_out)
         n = master.numel()
+        grad = grad.reshape(-1)  # a view when contiguous
+        segments = _segments(groups, n, lr)
+        scalars = _scalars(self.hyper, lr, count)
+        if self.impl == "cpp":
+            self._step_kernel(master, grad, state, segments, scalars, lowp_out)
+            return
         scratch = _Scratch.allocate(min(self.chunk, n))
         for start in range(0, n, self.chunk):
             stop = min(start + self.chunk, n)
-            self._step_chunk(master, grad, state, start, stop, scratch, lr=lr, count=count, groups=groups)
-            if lowp_out is not None:
-                lowp_out[start:stop].copy_(master[start:stop])
+            self._step_chunk(master, grad, state, start, stop, scratch, segments, scalars)
+        if lowp_out is not None:
+            lowp_out.copy_(master.view(lowp_out.shape))
+
+    def _step_kernel(
+        self,
+        master: Tensor,
+        grad: Tensor,
+        state: Mapping[str, Tensor],
+        segments: Sequence[_Segment],
+        s: _StepScalars,
+        lowp_out: Tensor | None,
+    ) -> None:
+        """The whole unit in one call of the fused kernel."""
+        assert self._kernel is not None
+        if master.numel() == 0:
+            return
+        direct = lowp_out is not None and lowp_out.dtype == torch.bfloat16 and lowp_out.is_contiguous()
+        m_map, v_map = self.m_map, self.v_map
+        self._kernel.adamw8_step_(
+            master,
+            grad if grad.is_contiguous() else grad.contiguous(),
+            state["exp_avg_codes"],
+            state["exp_avg_absmax"],
+            state["exp_avg_sq_codes"],
+            state["exp_avg_sq_absmax"],
+            lowp_out.view(-1) if direct and lowp_out is not None else None,
+            m_map.values,
+            m_map.table,
+            m_map.threshold,
+            v_map.values,
+            v_map.table,
+            v_map.threshold,
+            [stop for _, stop, _ in segments],
+            [1.0 if decay is None else decay for _, _, decay in segments],  # times 1 changes no bits
+            s.w1,
+            s.beta2,
+            s.sq_weight,
+            s.inv_b2,
+            s.eps,
+            s.neg_step,
+            self.hyper.threads or 0,
+        )
+        if lowp_out is not None and not direct:  # another dtype or layout: cast after the update
+            lowp_out.copy_(master.view(lowp_out.shape))
 
     def _step_chunk(
         self,
@@ -137,13 +281,13 @@ class AdamW8bit:
         start: int,
         stop: int,
         s: _Scratch,
-        *,
-        lr: float,
-        count: int,
-        groups: Sequence[ParamGroupRange],
+        segments: Sequence[_Segment],
+        c: _StepScalars,
     ) -> None:
-        """The update of elements [start, stop), a whole number of blocks unless it ends the unit."""
-        b1, b2 = self.hyper.betas
+        """The torch path for elements [start, stop), a whole number of blocks unless it ends the unit.
+
+        Each op is one IEEE operation per element, in the kernel's order (see the module docstring).
+        """
         n = stop - start
         blocks = slice(start // BLOCK_SIZE, num_blocks(stop))
         p = master[start:stop]
@@ -153,24 +297,25 @@ class AdamW8bit:
         m = dequantize_blockwise(m_codes, m_absmax, self.m_map, out=s.m[:n], work=s.index)
         v = dequantize_blockwise(v_codes, v_absmax, self.v_map, out=s.v[:n], work=s.index)
 
-        for grp in groups:  # decoupled weight decay first, as torch.optim.AdamW
-            lo, hi = max(grp.start, start), min(grp.stop, stop)
-            if grp.weight_decay and lo < hi:
-                master[lo:hi].mul_(1.0 - lr * grp.weight_decay)
-        m.lerp_(g, 1.0 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-        step_size = lr / (1.0 - b1**count)
-        denom = torch.sqrt(v, out=s.denom[:n]).div_((1.0 - b2**count) ** 0.5).add_(self.hyper.eps)
-        p.addcdiv_(m, denom, value=-step_size)
+        for lo, hi, decay in segments:  # decoupled weight decay first, as torch.optim.AdamW
+            lo, hi = max(lo, start), min(hi, stop)
+            if decay is not None and lo < hi:
+                master[lo:hi].mul_(decay)
+        tmp, num, wide = s.tmp[:n], s.thr[:n], s.wide[:n]
+        m.add_(torch.sub(g, m, out=tmp).mul_(c.w1))  # m + w1 * (g - m)
+        v.mul_(c.beta2).add_(torch.mul(g, c.sq_weight, out=tmp).mul_(g))  # v * beta2 + (w2 * g) * g
+        # sqrt in FP64 (error < 1 ulp there) then rounded to FP32 is the correctly rounded FP32 sqrt.
+        denom = tmp.copy_(wide.copy_(v).sqrt_()).mul_(c.inv_b2).add_(c.eps)  # sqrt(v) * inv_b2 + eps
+        p.add_(torch.mul(m, c.neg_step, out=num).div_(denom))  # p + (neg_step * m) / den
 
-        work = (s.denom, s.index, s.thr)  # the denominator is spent: its buffer holds scaled moments now
+        work = (s.tmp, s.index, s.thr)  # the denominator and numerator are spent
         quantize_blockwise(m, self.m_map, codes=m_codes, absmax=m_absmax, work=work)
         quantize_blockwise(v, self.v_map, codes=v_codes, absmax=v_absmax, work=work)
 
     def _check(
         self, master: Tensor, grad: Tensor, state: Mapping[str, Tensor], lowp_out: Tensor | None
     ) -> None:
-        """Shapes and dtypes, so a wrong buffer fails here instead of corrupting state."""
+        """Shapes, dtypes and devices, so a wrong buffer fails here instead of corrupting state."""
         n = master.numel()
         if master.dtype != torch.float32 or master.dim() != 1 or not master.is_contiguous():
             raise ValueError(
@@ -193,6 +338,30 @@ class AdamW8bit:
                     f"state {name!r} must be a contiguous {dtype} tensor of {numel} elements, "
                     f"got {t.dtype} with {t.numel()}"
                 )
+        tensors = {"master": master, "grad": grad, "lowp_out": lowp_out, **state}
+        elsewhere = [
+            f"{k} on {t.device}" for k, t in tensors.items() if t is not None and t.device.type != "cpu"
+        ]
+        if elsewhere:
+            raise ValueError(
+                f"adamw_8bit updates on the CPU only, got {', '.join(elsewhere)}; "
+                "keep the unit on the host or use layer_adam"
+            )
+
+
+def _log_fallback_once(source: Path, reason: str) -> None:
+    key = Path(source).resolve()
+    with _FELL_BACK_LOCK:
+        if key in _FELL_BACK:
+            return
+        _FELL_BACK.add(key)
+    log.warning(
+        "slidekit: adamw_8bit runs on pure torch ops, the fused CPU kernel is unavailable: %s", reason
+    )
+
+
+def _availability() -> Availability:
+    return True, kernel_status(KERNEL_SOURCE)
 
 
 @hookimpl
@@ -200,7 +369,9 @@ def slidekit_optimizers() -> Iterator[OptimizerDescriptor]:
     yield OptimizerDescriptor(
         name="adamw_8bit",
         factory=AdamW8bit,
+        available=_availability,
         priority=50,  # below layer_adam: chosen explicitly, to save host memory
         devices=("cpu", "cuda", "rocm"),
-        description="AdamW with block-wise 8-bit moments (~2 bytes/param), updated per unit on the CPU",
+        description="AdamW with block-wise 8-bit moments (~2 bytes/param), updated per unit on the CPU "
+        "(fused C++ kernel or pure torch)",
     )

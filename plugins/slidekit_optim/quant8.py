@@ -41,7 +41,9 @@ boundary, and one comparison finishes the job::
 
 This equals ``bucketize(y, b)`` for every float32 ``y``; ``QuantMap`` checks
 the one-boundary property when it builds the tables, and the tests compare
-both encoders.
+both encoders. ``adamw_8bit``'s fused C++ kernel (``csrc/adamw8.cpp``) encodes
+with these very tables, passed to it with every call; it assumes the 17-bit
+key and refuses tables of another size.
 
 ``keep_nonzero`` (used for the second moment): a nonzero value never takes
 the zero code; a value nearer to 0 than to the smallest code of its sign

@@ -4,7 +4,9 @@ The quantizer is checked element by element against an independent float64
 nearest-value search; the optimizer against a float64 AdamW (one step, with a
 tolerance derived from the quantization error bounds), against
 torch.optim.AdamW (100 steps), and end to end: the demo model fine-tuned for
-200 steps ends within 2 % of layer_adam's loss.
+200 steps ends within 2 % of layer_adam's loss. The optimizer checks run on
+both implementations (the fused C++ kernel and the torch path); that the two
+agree bit for bit is tests/plugins/test_adamw8_kernel.py's job.
 
 Run: ``pytest tests/plugins/test_adamw_8bit.py`` (``-m "not slow"`` skips the 200-step runs).
 """
@@ -18,7 +20,8 @@ import torch
 
 from slidekit import DataConfig, EngineConfig, ModelConfig, OptimConfig, Plugins, TrainConfig, Trainer
 from slidekit.interfaces import OptimizerHyper, ParamGroupRange
-from slidekit_optim.adamw_8bit import AdamW8bit
+from slidekit_optim.adamw_8bit import KERNEL_SOURCE, AdamW8bit
+from slidekit_optim.layer_adam import kernel_status
 from slidekit_optim.quant8 import (
     BLOCK_SIZE,
     dequantize_blockwise,
@@ -31,6 +34,16 @@ from slidekit_optim.quant8 import (
 )
 
 F32_EPS = 2.0**-24  # unit roundoff of FP32
+
+
+def _impls() -> list:
+    """Both paths; "cpp" skipped (saying why) only where no compiler or ninja exists to build it."""
+    status = kernel_status(KERNEL_SOURCE)
+    no_tools = status.startswith(("pure torch (no C++ compiler", "pure torch (ninja"))
+    return [pytest.param("cpp", marks=pytest.mark.skipif(no_tools, reason=status)), "torch"]
+
+
+IMPLS = _impls()
 
 
 def _state(opt: AdamW8bit, n: int) -> dict[str, torch.Tensor]:
@@ -195,14 +208,15 @@ def _groups(n: int, wd: float) -> list[ParamGroupRange]:
     ]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_first_step_from_zero_bytes_is_plain_adamw(grad_dtype):
+def test_first_step_from_zero_bytes_is_plain_adamw(grad_dtype, impl):
     """Zero bytes are zero moments, and no quantization error enters before the moments are
     stored: step 1 is AdamW from zero moments, up to FP32 rounding."""
     n, lr, betas, eps, wd = 3001, 1e-3, (0.9, 0.95), 1e-8, 0.1
     gen = torch.Generator().manual_seed(0)
     init, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen).to(grad_dtype)
-    opt = AdamW8bit(OptimizerHyper(betas=betas, eps=eps, weight_decay=wd))
+    opt = AdamW8bit(OptimizerHyper(betas=betas, eps=eps, weight_decay=wd), impl=impl)
     p, lowp = init.clone(), torch.empty(n, dtype=torch.bfloat16)
     opt.step(p, grad, _state(opt, n), lr=lr, count=1, groups=_groups(n, wd), lowp_out=lowp)
     decay = torch.zeros(n, dtype=torch.float64)  # per element, from the groups
@@ -226,13 +240,14 @@ def _adamw64(p, g, m, v, *, lr, count, betas, eps, wd):
     return p - lr / (1 - b1**count) * update, m, v, update
 
 
-def test_one_step_against_float64_adamw_within_the_quantization_error():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_one_step_against_float64_adamw_within_the_quantization_error(impl):
     n, lr, count, betas, eps, wd = 5000, 1e-3, 7, (0.9, 0.95), 1e-8, 0.1
     gen = torch.Generator().manual_seed(3)
     p0, g = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     m0 = torch.randn(n, generator=gen) * 0.3
     v0 = (torch.randn(n, generator=gen) * 0.5) ** 2 + 1e-4
-    opt = AdamW8bit(OptimizerHyper(betas=betas, eps=eps, weight_decay=wd))
+    opt = AdamW8bit(OptimizerHyper(betas=betas, eps=eps, weight_decay=wd), impl=impl)
     state = _state(opt, n)
     quantize_blockwise(m0, opt.m_map, codes=state["exp_avg_codes"], absmax=state["exp_avg_absmax"])
     quantize_blockwise(v0, opt.v_map, codes=state["exp_avg_sq_codes"], absmax=state["exp_avg_sq_absmax"])
@@ -293,9 +308,10 @@ def _run(opt: AdamW8bit, steps: int, n: int, grad_dtype: torch.dtype, seed: int 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 def test_bitwise_deterministic_and_independent_of_the_chunk_size(grad_dtype):
+    """The torch path's chunk size (and a repeat run) change no bit; the C++ kernel has no chunks."""
     n, hyper = 10_000, OptimizerHyper(betas=(0.9, 0.95), weight_decay=0.1)
     runs = [
-        _run(AdamW8bit(hyper, chunk=chunk), 5, n, grad_dtype)
+        _run(AdamW8bit(hyper, chunk=chunk, impl="torch"), 5, n, grad_dtype)
         for chunk in (BLOCK_SIZE, BLOCK_SIZE, 3 * BLOCK_SIZE, 1 << 20)
     ]
     first = runs[0]
@@ -306,14 +322,15 @@ def test_bitwise_deterministic_and_independent_of_the_chunk_size(grad_dtype):
     assert torch.equal(first[1], first[0].to(torch.bfloat16))
 
 
-def test_tracks_torch_adamw_over_100_steps():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_tracks_torch_adamw_over_100_steps(impl):
     """Quantization errors are unbiased and mostly average out: the parameters' total change stays
     within a few percent of AdamW's (about 2 % measured; 5 % leaves room across torch versions,
     while a wrong map, sign or bias correction is off by far more)."""
     n, steps, lr, betas, wd = 4099, 100, 1e-3, (0.9, 0.95), 0.1
     gen = torch.Generator().manual_seed(0)
     init = torch.randn(n, generator=gen)
-    opt = AdamW8bit(OptimizerHyper(betas=betas, weight_decay=wd))
+    opt = AdamW8bit(OptimizerHyper(betas=betas, weight_decay=wd), impl=impl)
     master, state = init.clone(), _state(opt, n)
     ref_p = torch.nn.Parameter(init.clone())
     ref = torch.optim.AdamW([ref_p], lr=lr, betas=betas, weight_decay=wd, foreach=False)
@@ -326,7 +343,8 @@ def test_tracks_torch_adamw_over_100_steps():
     assert ((change - ref_change).norm() / ref_change.norm()).item() < 0.05
 
 
-def test_small_gradients_beside_large_ones_never_get_larger_updates_than_adamw():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_small_gradients_beside_large_ones_never_get_larger_updates_than_adamw(impl):
     """Why the second moment never rounds down to zero: gradients 10^4 times smaller than their
     block's largest have v below the unsigned map's smallest code. Rounded to 0, every step would
     divide m by sqrt((1 - beta2) g^2): a far larger step than AdamW's. Rounded up, a smaller one."""
@@ -346,8 +364,8 @@ def test_small_gradients_beside_large_ones_never_get_larger_updates_than_adamw()
     for _ in range(50):
         ref_p.grad = g.clone()
         ref.step()
-    guarded = final(AdamW8bit(hyper))
-    naive = AdamW8bit(hyper)
+    guarded = final(AdamW8bit(hyper, impl=impl))
+    naive = AdamW8bit(hyper, impl=impl)
     naive.v_map = dynamic_map(signed=False)  # plain nearest rounding for v
     unguarded = final(naive)
     big = [i for i in range(n) if i not in tiny]
