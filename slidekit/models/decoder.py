@@ -54,14 +54,21 @@ def embed_forward(w: Weights, ids: Tensor) -> Tensor:
 def embed_backward(grad_weight: Tensor, ids: Tensor, dh: Tensor) -> None:
     """Add the embedding's weight gradient into ``grad_weight`` (V, H), in place.
 
-    Rows are summed in FP32 over the distinct tokens of the batch with a
-    sort-based accumulation (``index_put_(accumulate=True)``), which is
-    deterministic on CPU and GPU, then added once per distinct row.
+    Rows are summed in FP32 over the distinct tokens of the batch, then
+    added once per distinct row. The sum must not depend on thread timing:
+    on CUDA ``index_put_(accumulate=True)`` sorts and is deterministic (its
+    ``index_add_`` uses atomics); on the CPU it is the other way round
+    (``index_put_`` adds FP32 with atomics on several threads, ``index_add_``
+    walks the indices in order), so each device gets its deterministic one.
     """
     flat_ids = ids.reshape(-1)
     uniq, inverse = torch.unique(flat_ids, return_inverse=True)
     rows = torch.zeros(uniq.numel(), dh.shape[-1], dtype=torch.float32, device=dh.device)
-    rows.index_put_((inverse,), dh.reshape(-1, dh.shape[-1]).float(), accumulate=True)
+    src = dh.reshape(-1, dh.shape[-1]).float()
+    if dh.device.type == "cpu":
+        rows.index_add_(0, inverse, src)
+    else:
+        rows.index_put_((inverse,), src, accumulate=True)
     grad_weight[uniq] += rows.to(grad_weight.dtype)
 
 
