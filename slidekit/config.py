@@ -190,10 +190,13 @@ class RunConfig:
     resume: bool = False  # continue bitwise from the newest checkpoint in dir/checkpoints
     export_dir: str | None = None  # write the final model here as a Hugging Face directory
     export_dtype: str = "bfloat16"  # dtype of the exported weights: bfloat16, float16 or float32
+    trace: str | None = None  # write a Chrome trace of the pipeline here (relative: to the current directory)
 
     def __post_init__(self) -> None:
         _positive("run", "checkpoint_every", self.checkpoint_every, allow_zero=True)
         _positive("run", "keep", self.keep)
+        if self.trace is not None and not self.trace.strip():
+            raise ConfigError("run.trace must be a file path such as trace.json, or None for no trace")
         if self.resume and not self.dir:
             raise ConfigError("run.resume needs run.dir (CLI: --run-dir) to find the checkpoints in")
 

@@ -1,24 +1,83 @@
-"""What a run reports while it trains: a progress bar, and where each step's time went.
+"""What a run reports while it trains: a progress bar, step metrics, and where each step's time went.
 
 ``Progress`` wraps tqdm; it writes to stderr and disappears when disabled,
-so library use stays quiet and the CLI shows it. ``Timeline`` records the
-time every pipeline lane spent per unit, from which the engine reports
-per-step totals and the hiding factor eta = T_bwd / (T_d2h + T_update).
+so library use stays quiet and the CLI shows it. Each step it shows the
+loss, tokens/s, model TFLOPS, peak GPU memory (on CUDA) and host RSS.
+
+``model_flops`` is the one FLOP count slidekit reports (PaLM convention,
+recompute not counted) for a step of ``tokens`` tokens in rows of
+``seq_len``::
+
+    6 * params * tokens  +  12 * layers * (heads * head_dim) * seq_len * tokens
+
+The first term is the weights (2 forward + 4 backward FLOPs per parameter
+and token), the second the attention scores and their weighted sum.
+
+``Timeline`` records the time every pipeline lane spent per unit, from which
+the engine reports per-step totals and the hiding factor
+eta = T_bwd / (T_d2h + T_update). With ``record_spans(True)`` it also keeps
+every span with absolute ``perf_counter`` times (``take_spans``), which
+``slidekit.trace`` writes as a Chrome trace.
+
+Test: ``pytest tests/test_telemetry.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import resource
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["Progress", "Timeline"]
+if TYPE_CHECKING:
+    import torch
+
+    from slidekit.models.base import ArchSpec
+
+__all__ = ["GIB", "Progress", "Span", "Timeline", "host_rss_bytes", "memory_metrics", "model_flops"]
+
+GIB = float(2**30)
+
+
+def model_flops(spec: ArchSpec, tokens: int, seq_len: int) -> float:
+    """Model FLOPs of one training step over ``tokens`` tokens in rows of ``seq_len`` (recompute not counted).
+
+    6 * params * tokens + 12 * layers * (heads * head_dim) * seq_len * tokens.
+    """
+    weights = 6 * spec.num_params * tokens
+    attention = 12 * spec.num_layers * spec.num_heads * spec.head_dim * seq_len * tokens
+    return float(weights + attention)
+
+
+def host_rss_bytes() -> int:
+    """Resident set size of this process now, from /proc/self/statm (peak RSS where /proc is missing)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return peak if sys.platform == "darwin" else peak * 1024
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """``gpu_mem_gib`` (peak allocated on ``device``, CUDA only) and ``host_rss_gib`` (RSS now), in GiB."""
+    out: dict[str, float] = {}
+    if device.type == "cuda":
+        import torch
+
+        out["gpu_mem_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+    out["host_rss_gib"] = host_rss_bytes() / GIB
+    return out
 
 
 class Progress:
-    """A progress bar over the steps of a run, showing loss and tokens/s."""
+    """A progress bar over the steps of a run: loss, tokens/s, TFLOPS, GPU memory, host RSS."""
 
     def __init__(self, total: int, *, enabled: bool, desc: str = "finetune") -> None:
         self._bar: Any = None
@@ -27,12 +86,22 @@ class Progress:
 
             self._bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True)
 
+    @staticmethod
+    def postfix(metrics: Mapping[str, float]) -> dict[str, str]:
+        """What the bar shows after the step counter; quantities missing from ``metrics`` are left out."""
+        shown = {"loss": f"{metrics['loss']:.4f}", "tok_s": f"{metrics['tokens_per_s']:.0f}"}
+        if "tflops" in metrics:
+            shown["tflops"] = f"{metrics['tflops']:.3g}"
+        if "gpu_mem_gib" in metrics:
+            shown["gpu"] = f"{metrics['gpu_mem_gib']:.1f}GiB"
+        if "host_rss_gib" in metrics:
+            shown["rss"] = f"{metrics['host_rss_gib']:.1f}GiB"
+        return shown
+
     def update(self, metrics: Mapping[str, float]) -> None:
         if self._bar is None:
             return
-        self._bar.set_postfix(
-            loss=f"{metrics['loss']:.4f}", tok_s=f"{metrics['tokens_per_s']:.0f}", refresh=False
-        )
+        self._bar.set_postfix(self.postfix(metrics), refresh=False)
         self._bar.update(1)
 
     def write(self, line: str) -> None:
@@ -45,6 +114,21 @@ class Progress:
             self._bar = None
 
 
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One piece of work of one lane on one unit, in ``time.perf_counter`` seconds."""
+
+    lane: str  # "fwd", "head", "bwd", "h2d", "d2h", "update", "stall", ...
+    unit: int
+    start: float
+    end: float
+    track: str  # where it ran: the thread's name, or "cuda:N" for work timed on a CUDA stream
+    device: bool  # True when timed by CUDA events (device time aligned to the host clock)
+
+
+_Anchor = tuple[Any, float]  # (a completed CUDA event, perf_counter when it completed)
+
+
 class Timeline:
     """What each lane of the pipeline spent on each unit during one step.
 
@@ -54,6 +138,15 @@ class Timeline:
     (``device``) bracket work queued on a CUDA stream with events, resolved
     when the step ends; on the CPU they are host spans, since compute there
     is synchronous. ``finish`` returns seconds per lane and clears the record.
+
+    Spans for a trace (``record_spans``) are kept apart from the totals, so
+    ``finish`` is unaffected by them. A device span is placed on the host
+    clock through an *anchor*: a CUDA event recorded on the span's stream
+    and waited for, with the ``perf_counter`` reading taken when the wait
+    returns; the span starts ``anchor.elapsed_time(start)`` after that
+    reading. The anchor is renewed every step (on the first device span after
+    ``finish``), since ``elapsed_time`` is a 32-bit float of milliseconds and
+    loses precision over long intervals.
     """
 
     def __init__(self, cuda: bool) -> None:
@@ -61,6 +154,12 @@ class Timeline:
         self._lock = threading.Lock()
         self._host: list[tuple[str, int, float, float]] = []
         self._device: list[tuple[str, int, Any, Any]] = []
+        self._keep = False
+        self._anchors: dict[Any, _Anchor] = {}  # device -> anchor of the current step
+        self._kept: list[Span] = []
+        self._kept_device: list[tuple[str, int, Any, Any, _Anchor, str]] = []
+
+    # ------------------------------------------------------------------ recording
 
     @contextlib.contextmanager
     def host(self, lane: str, unit: int) -> Iterator[None]:
@@ -71,6 +170,9 @@ class Timeline:
             t1 = time.perf_counter()
             with self._lock:
                 self._host.append((lane, unit, t0, t1))
+                if self._keep:
+                    track = threading.current_thread().name
+                    self._kept.append(Span(lane, unit, t0, t1, track, device=False))
 
     @contextlib.contextmanager
     def device(self, lane: str, unit: int, stream: Any) -> Iterator[None]:
@@ -80,6 +182,7 @@ class Timeline:
             return
         import torch
 
+        anchor = self._anchor(stream) if self._keep else None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(stream)
         try:
@@ -88,12 +191,31 @@ class Timeline:
             end.record(stream)
             with self._lock:
                 self._device.append((lane, unit, start, end))
+                if anchor is not None and self._keep:
+                    self._kept_device.append((lane, unit, start, end, anchor, str(stream.device)))
+
+    def _anchor(self, stream: Any) -> _Anchor:
+        """This step's anchor on ``stream``'s device, recorded (and waited for) on first use."""
+        with self._lock:
+            anchor = self._anchors.get(stream.device)
+        if anchor is None:
+            import torch
+
+            ref = torch.cuda.Event(enable_timing=True)
+            ref.record(stream)
+            ref.synchronize()  # the reading below is taken as the event completes on the device
+            with self._lock:
+                anchor = self._anchors.setdefault(stream.device, (ref, time.perf_counter()))
+        return anchor
+
+    # ------------------------------------------------------------------ reading
 
     def finish(self) -> dict[str, float]:
         """Seconds per lane over the step (device events are waited for), then reset."""
         with self._lock:
             host, device = self._host, self._device
             self._host, self._device = [], []
+            self._anchors = {}  # the next step's device spans get a fresh anchor
         totals: dict[str, float] = {}
         for lane, _, t0, t1 in host:
             totals[lane] = totals.get(lane, 0.0) + (t1 - t0)
@@ -101,3 +223,22 @@ class Timeline:
             end.synchronize()
             totals[lane] = totals.get(lane, 0.0) + start.elapsed_time(end) / 1e3
         return totals
+
+    def record_spans(self, enabled: bool = True) -> None:
+        """Keep (or stop keeping) every span for ``take_spans``; turning it off drops what was kept."""
+        with self._lock:
+            self._keep = enabled
+            if not enabled:
+                self._kept, self._kept_device = [], []
+
+    def take_spans(self) -> list[Span]:
+        """The spans kept since the last call, in absolute ``perf_counter`` seconds (waits for the device)."""
+        with self._lock:
+            spans, device = self._kept, self._kept_device
+            self._kept, self._kept_device = [], []
+        for lane, unit, start, end, (ref, t_ref), track in device:
+            end.synchronize()
+            t0 = t_ref + ref.elapsed_time(start) / 1e3
+            t1 = t_ref + ref.elapsed_time(end) / 1e3
+            spans.append(Span(lane, unit, t0, t1, track, device=True))
+        return spans

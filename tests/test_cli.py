@@ -48,6 +48,7 @@ PINNED_FINETUNE_OPTIONS = [
     "--resume",
     "--export",
     "--export-dtype",
+    "--trace",
     "--block",
     "--quiet",
 ]

@@ -501,7 +501,8 @@ class Engine:
                 self.acts.prefetch((visit.unit, mb + 1))
             elif visit.unit > 1:
                 self.acts.prefetch((visit.unit - 1, 0))
-            x = self.acts.load((visit.unit, mb)).detach().requires_grad_(True)
+            with self.timeline.host("act_load", visit.unit):  # the main thread waiting for the tier's read
+                x = self.acts.load((visit.unit, mb)).detach().requires_grad_(True)
             with torch.enable_grad(), self.timeline.device("bwd", visit.unit, self.streams.compute):
                 y = layer_forward(self.spec, w, x, c["cos"], c["sin"], self.kernels)
                 torch.autograd.backward(y, c["dx"][mb])

@@ -1,0 +1,213 @@
+"""Telemetry: the FLOP formula by hand, memory readings, the progress bar, and the Chrome trace of a fit.
+
+The trace tests run short CPU fits of the embedded demo model and check the
+file against what the engine itself reported: every lane it ran has a span
+for every unit it ran on, the spans of each row never overlap, and the
+main-thread lanes add up to exactly the per-step lane totals of the metrics.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import resource
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+from slidekit import DataConfig, EngineConfig, OptimConfig, Plugins, RunConfig, TrainConfig, Trainer
+from slidekit.config import from_dict
+from slidekit.errors import ConfigError
+from slidekit.telemetry import GIB, Progress, Timeline, host_rss_bytes, memory_metrics, model_flops
+from slidekit.testing.models import tiny_config
+from slidekit.trace import TraceWriter
+
+#: Lanes timed entirely inside Engine.train_step: their trace spans add up to the step totals exactly.
+IN_STEP_LANES = ("fwd", "head", "bwd", "stall", "act_load", "h2d", "update_gpu")
+
+
+def test_model_flops_by_hand():
+    spec = Plugins().adapter_for("llama").descriptor.factory(tiny_config("llama", attention_bias=False))
+    # vocab 128, hidden 64, intermediate 96, 3 layers, 4 heads of 16 over 2 KV heads, untied head
+    layer = 64 + 64 * 64 + 2 * (32 * 64) + 64 * 64 + 64 + 3 * (64 * 96)
+    params = 128 * 64 + 3 * layer + 64 + 128 * 64
+    assert spec.num_params == params == 108992
+    tokens, seq = 2 * 16, 16
+    assert model_flops(spec, tokens, seq) == 6 * 108992 * 32 + 12 * 3 * (4 * 16) * 16 * 32 == 22106112
+
+
+def test_host_rss_agrees_with_the_kernel():
+    vmrss = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith("VmRSS:"))
+    kernel = int(vmrss.split()[1]) * 1024
+    assert abs(host_rss_bytes() - kernel) < 0.1 * kernel
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    assert 0 < host_rss_bytes() <= peak * 1.01
+    import torch
+
+    got = memory_metrics(torch.device("cpu"))
+    assert set(got) == {"host_rss_gib"} and got["host_rss_gib"] == pytest.approx(kernel / GIB, rel=0.1)
+
+
+def test_progress_shows_throughput_and_memory(capsys):
+    base = {"loss": 2.5, "tokens_per_s": 1234.0, "tflops": 0.0123, "host_rss_gib": 3.21}
+    assert Progress.postfix(base) == {"loss": "2.5000", "tok_s": "1234", "tflops": "0.0123", "rss": "3.2GiB"}
+    assert Progress.postfix({**base, "gpu_mem_gib": 40.04})["gpu"] == "40.0GiB"
+    bar = Progress(1, enabled=True)
+    bar.update({**base, "gpu_mem_gib": 40.04})
+    bar.close()
+    err = capsys.readouterr().err
+    assert "tflops=0.0123" in err and "gpu=40.0GiB" in err and "rss=3.2GiB" in err
+
+
+def test_timeline_totals_are_unchanged_by_span_recording():
+    tl = Timeline(cuda=False)
+    tl.record_spans(True)
+    with tl.host("update", 3):
+        pass
+    with tl.device("bwd", 2, None):
+        pass
+    spans = tl.take_spans()
+    totals = tl.finish()
+    assert [(s.lane, s.unit, s.device) for s in spans] == [("update", 3, False), ("bwd", 2, False)]
+    assert totals == {s.lane: s.end - s.start for s in spans}
+    assert tl.take_spans() == [] and tl.finish() == {}
+    tl.record_spans(False)
+    with tl.host("update", 1):
+        pass
+    assert tl.take_spans() == [] and set(tl.finish()) == {"update"}
+
+
+def test_run_trace_is_a_validated_config_field(tmp_path):
+    with pytest.raises(ConfigError, match=r"run.trace must be a file path"):
+        RunConfig(trace=" ")
+    cfg = TrainConfig(run=RunConfig(trace="t.json"))
+    assert cfg.to_dict()["run"]["trace"] == "t.json" and from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ConfigError, match="is a directory"):
+        TraceWriter(tmp_path, Timeline(cuda=False))
+
+
+def _config(trace: Path, *, resident: str, run_dir: Path | None = None, steps: int = 3) -> TrainConfig:
+    return TrainConfig(
+        data=DataConfig(seq_len=32, batch_size=2),
+        optim=OptimConfig(lr=1e-3),
+        engine=EngineConfig(device="cpu", gpu_resident=resident, activation_tier="ram"),
+        run=RunConfig(dir=str(run_dir) if run_dir else None, checkpoint_every=2, trace=str(trace)),
+        grad_accum=2,
+        steps=steps,
+    )
+
+
+def _spans(doc: dict) -> list[dict]:
+    return [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] != "step"]
+
+
+def _expected_units(lane: str, layers: int, resident: set[int], micro: int) -> Counter[int] | None:
+    """Spans per unit and step of ``lane``, where the schedule fixes them (None: it does not)."""
+    units = range(layers + 2)
+    streamed = [u for u in units if u not in resident]
+    fixed: dict[str, Counter[int]] = {
+        "fwd": Counter(range(layers + 1)),
+        "head": Counter([layers + 1]),
+        "bwd": Counter({0: 1, **{u: micro for u in range(1, layers + 1)}}),
+        "act_load": Counter({u: micro for u in range(1, layers + 1)}),
+        "stall": Counter({0: 1, layers + 1: 1, **{u: 2 for u in range(1, layers + 1)}}),
+        "d2h": Counter(streamed),
+        "update": Counter(streamed),
+        "update_gpu": Counter(sorted(resident)),
+    }
+    return fixed.get(lane)
+
+
+@pytest.mark.parametrize("resident", ["none", "0.5"])
+def test_trace_of_a_fit_covers_every_lane_and_unit(tmp_path, resident):
+    trace = tmp_path / "out" / "trace.json"
+    steps, micro = 3, 2
+    with Trainer(_config(trace, resident=resident, run_dir=tmp_path / "run", steps=steps)) as t:
+        layers, on_device = t.spec.num_layers, set(t.engine.window.resident)
+        result = t.fit()
+    assert (resident == "none") == (not on_device)
+    doc = json.loads(trace.read_text())
+    events = doc["traceEvents"]
+    spans = _spans(doc)
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+
+    # Well-formed complete events, each on a named row, named after its lane and unit.
+    for e in [*spans, *(e for e in events if e["ph"] == "X")]:
+        assert e["ts"] >= 0 and e["dur"] >= 0 and (e["pid"], e["tid"]) in names
+    assert all(e["name"] == f"{e['cat']} {e['args']['unit']}" for e in spans)
+
+    # Every lane the engine ran has its spans for every unit of the schedule, every step.
+    lanes = {lane for timings in result.timings for lane in timings}
+    assert lanes == {e["cat"] for e in spans}
+    by_lane: dict[str, Counter[int]] = defaultdict(Counter)
+    for e in spans:
+        by_lane[e["cat"]][e["args"]["unit"]] += 1
+    all_units = set(range(layers + 2))
+    for lane in lanes:
+        want = _expected_units(lane, layers, on_device, micro)
+        if want is not None:
+            assert by_lane[lane] == Counter({u: n * steps for u, n in want.items()}), lane
+        else:
+            assert set(by_lane[lane]) <= all_units, lane
+    assert set(by_lane["h2d"]) == all_units - on_device  # each streamed unit is uploaded anew every step
+    assert "checkpoint_wait" in lanes  # the updates after the checkpoint of step 2 waited on it
+
+    # No row holds overlapping spans.
+    rows: dict[tuple[int, int], list[dict]] = defaultdict(list)
+    for e in events:
+        if e["ph"] == "X":
+            rows[(e["pid"], e["tid"])].append(e)
+    for row in rows.values():
+        row.sort(key=lambda e: e["ts"])
+        for a, b in itertools.pairwise(row):
+            assert a["ts"] + a["dur"] <= b["ts"] + 1e-3, (names[(a["pid"], a["tid"])], a, b)
+
+    # Lanes timed inside the step add up to the step totals; the rest lag into later steps or the end.
+    for lane in lanes:
+        traced = sum(e["dur"] for e in spans if e["cat"] == lane) / 1e6
+        reported = sum(timings.get(lane, 0.0) for timings in result.timings)
+        if lane in IN_STEP_LANES:
+            assert traced == pytest.approx(reported, abs=1e-8 * len(spans)), lane
+        else:
+            assert traced >= reported - 1e-8 * len(spans), lane
+
+    # Step rows carry the losses; compute spans lie inside their step.
+    marks = sorted((e for e in events if e["ph"] == "X" and e["cat"] == "step"), key=lambda e: e["ts"])
+    assert [m["args"]["step"] for m in marks] == [1, 2, 3]
+    assert [m["args"]["loss"] for m in marks] == result.losses
+    for e in spans:
+        if e["cat"] in ("fwd", "head", "bwd"):
+            assert any(m["ts"] <= e["ts"] and e["ts"] + e["dur"] <= m["ts"] + m["dur"] + 1e-3 for m in marks)
+
+
+def test_metrics_carry_flops_and_memory(tmp_path):
+    with Trainer(_config(tmp_path / "t.json", resident="none", run_dir=tmp_path / "run", steps=2)) as t:
+        spec = t.spec
+        t.fit()
+    rows = [json.loads(ln) for ln in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        flops = model_flops(spec, int(row["tokens"]), 32)
+        assert row["tflops"] == pytest.approx(flops / row["seconds"] / 1e12, rel=1e-12)
+        assert 0.01 < row["host_rss_gib"] < 1024 and "gpu_mem_gib" not in row
+        assert math.isfinite(row["t_fwd"]) and row["t_fwd"] > 0
+
+
+def test_trace_is_written_when_fit_fails(tmp_path):
+    calls = Counter()
+
+    def hook(lane: str) -> None:
+        calls[lane] += 1
+        if lane == "optim" and calls[lane] == 9:  # an update of the second step
+            raise OSError("injected failure")
+
+    trace = tmp_path / "trace.json"
+    trainer = Trainer(_config(trace, resident="none"), fault_hook=hook)
+    with pytest.raises(OSError, match="injected failure"):
+        trainer.fit()
+    doc = json.loads(trace.read_text())
+    assert doc["otherData"]["error"] == "OSError: injected failure"
+    marks = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] == "step"]
+    assert len(marks) >= 1 and {"fwd", "bwd", "update"} <= {e["cat"] for e in _spans(doc)}
