@@ -1,0 +1,51 @@
+"""No offload: the whole training state on the GPU, the plain PyTorch recipe slidekit is measured against.
+
+    python benchmarks/baselines/no_offload.py --model qwen2.5-3b --batch 8 --seq 1024
+    python benchmarks/baselines/no_offload.py --model tiny --device cpu --batch 2 --seq 64   # anywhere
+
+FP32 master weights on the device, forward and backward under
+``torch.autocast(bfloat16)``, ``torch.optim.AdamW(fused=True)``: 16 bytes per
+parameter (weights, gradients, two moments) plus activations, with gradient
+checkpointing. A model that does not fit reports "does not fit" instead of
+failing. On the CPU (smoke tests) compute stays FP32, as slidekit's does there. Prints one JSON line (see common.py); ``slidekit bench --baselines none`` runs it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from common import build_model, fits, loss_of, measure, parser, resolve_device
+
+SYSTEM = "no_offload"
+
+
+def main() -> None:
+    args = parser(__doc__).parse_args()
+    device = resolve_device(args.device)
+    with fits(SYSTEM):
+        t0 = time.perf_counter()
+        model = build_model(args.model, args.seq, device, torch.float32, args.seed)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
+        setup_s = round(time.perf_counter() - t0, 2)
+
+        def step(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss = loss_of(model, inputs, labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        measure(
+            SYSTEM,
+            args,
+            device,
+            step,
+            setup_s=setup_s,
+            optimizer="torch.optim.AdamW(fused=True), FP32 master",
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,665 @@
+"""``slidekit bench``: slidekit and the usual alternatives on the same model, batch and tokens, in one run.
+
+    slidekit bench --model qwen2.5-3b --batch 8,16,32 --seq 1024 --steps 3 --warmup 2 \\
+        --resident none,auto --baselines none,torchao,deepspeed --out bench.jsonl --markdown bench.md
+    slidekit bench --model tiny --device cpu --batch 2 --seq 64 --steps 2 --baselines none   # anywhere
+
+For each batch size it runs slidekit once per ``--resident`` mode, then each
+requested alternative, every run in its own subprocess: peak GPU memory and
+peak host RSS are that run's own, and a run that cannot work (a package
+missing, no CUDA, out of memory, a crash, a timeout) becomes a row
+``unavailable: <reason>`` instead of stopping the benchmark.
+
+- slidekit: ``python -m slidekit.bench`` (``main`` below; ``benchmarks/train_throughput.py`` wraps it).
+- ``none``: ``benchmarks/baselines/no_offload.py``: FP32 master weights and AdamW on the GPU.
+- ``torchao``: ``benchmarks/baselines/torchao_offload.py``: torchao's CPUOffloadOptimizer.
+- ``deepspeed``: ``benchmarks/baselines/deepspeed_offload.py``: ZeRO-2, optimizer offloaded to the CPU.
+
+The alternatives build the same model (``hf_config``: a preset's published
+shapes, random weights) with transformers and train on the same synthetic
+tokens (``synthetic_tokens``). Every run prints one JSON line with:
+
+- ``tokens_per_s`` = batch * seq / median timed step, ``model_tflops`` = model FLOPs
+  (``slidekit.telemetry.model_flops``: 6 * params * tokens + 12 * layers * heads * head_dim
+  * seq * tokens, recompute not counted, the same parameter count for every system) / median step;
+- ``peak_gpu_gib`` (``torch.cuda.max_memory_allocated``), ``peak_host_rss_gib``
+  (``getrusage(RUSAGE_SELF).ru_maxrss`` of the run's own process);
+- slidekit only: per unit (median lane seconds per step / layers) ``t_fwd_s``, ``t_bwd_s``,
+  ``t_d2h_s``, ``t_update_s``; ``eta`` = T_bwd / (T_d2h + T_update) (null when nothing is
+  offloaded); ``gpu_busy`` = compute-lane time (fwd, head, bwd, update_gpu) / step wall time;
+  and ``vs_<alternative>`` = slidekit tokens/s / the alternative's at the same batch.
+
+``bench`` appends the lines to ``--out`` and prints a markdown table.
+Test: ``pytest tests/test_bench.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from statistics import median
+from typing import TYPE_CHECKING, Any
+
+from slidekit.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from slidekit.models.base import ArchSpec
+
+__all__ = [
+    "BASELINES",
+    "COMPUTE_LANES",
+    "PRESETS",
+    "add_arguments",
+    "add_ratios",
+    "arch_spec",
+    "bench",
+    "hf_config",
+    "lane_metrics",
+    "main",
+    "markdown_table",
+    "measure_slidekit",
+    "peak_gpu_gib",
+    "peak_rss_gib",
+    "run_child",
+    "run_command",
+    "slidekit_parser",
+    "synthetic_tokens",
+    "throughput",
+    "write_config",
+]
+
+
+def _rope(theta: float, **scaling: Any) -> dict[str, Any]:
+    return {"rope_type": scaling.pop("rope_type", "default"), "rope_theta": theta, **scaling}
+
+
+#: Shapes from each model's published config.json (weights are random here). "tiny" is for CPU smoke tests.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "vocab_size": 2048,
+        "tie_word_embeddings": False,
+        "rope_parameters": _rope(10000.0),
+    },
+    "qwen2.5-1.5b": {  # Qwen/Qwen2.5-1.5B
+        "model_type": "qwen2",
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 131072,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": _rope(1000000.0),
+    },
+    "qwen2.5-3b": {  # Qwen/Qwen2.5-3B
+        "model_type": "qwen2",
+        "hidden_size": 2048,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": _rope(1000000.0),
+    },
+    "qwen2.5-7b": {  # Qwen/Qwen2.5-7B
+        "model_type": "qwen2",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 131072,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": _rope(1000000.0),
+    },
+    "llama-3.1-8b": {  # meta-llama/Llama-3.1-8B
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": _rope(
+            500000.0,
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
+    },
+    "qwen2.5-14b": {  # Qwen/Qwen2.5-14B
+        "model_type": "qwen2",
+        "hidden_size": 5120,
+        "intermediate_size": 13824,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": _rope(1000000.0),
+    },
+    "mistral-small-24b": {  # mistralai/Mistral-Small-24B-Base-2501
+        "model_type": "mistral",
+        "hidden_size": 5120,
+        "intermediate_size": 32768,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,  # not hidden_size / heads (160)
+        "max_position_embeddings": 32768,
+        "vocab_size": 131072,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-5,
+        "sliding_window": None,  # full attention (MistralConfig's default is a 4096-token window)
+        "rope_parameters": _rope(100000000.0),
+    },
+}
+
+#: ``--baselines`` name -> (system name in the results, script in benchmarks/baselines).
+BASELINES: dict[str, tuple[str, str]] = {
+    "none": ("no_offload", "no_offload.py"),
+    "torchao": ("torchao", "torchao_offload.py"),
+    "deepspeed": ("deepspeed", "deepspeed_offload.py"),
+}
+
+#: Lanes that keep the GPU computing (device time from CUDA events; host time on the CPU).
+COMPUTE_LANES = ("fwd", "head", "bwd", "update_gpu")
+
+_GIB = float(2**30)
+
+
+# ---------------------------------------------------------------------------- the model and the tokens
+
+
+def _preset(name: str) -> dict[str, Any]:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    return dict(PRESETS[name])
+
+
+def hf_config(name: str, seq: int) -> Any:
+    """The transformers config of preset ``name``, with room for rows of ``seq`` tokens."""
+    from transformers import AutoConfig
+
+    values = _preset(name)
+    model_type = values.pop("model_type")
+    values["max_position_embeddings"] = max(seq, values["max_position_embeddings"])
+    values["use_cache"] = False
+    return AutoConfig.for_model(model_type, **values)
+
+
+def write_config(name: str, directory: Path, seq: int) -> None:
+    """Write preset ``name`` as ``directory/config.json`` (a model directory without weights)."""
+    hf_config(name, seq).save_pretrained(directory)
+
+
+def arch_spec(name: str, seq: int = 4096) -> ArchSpec:
+    """slidekit's ArchSpec of preset ``name``, from its adapter: dimensions and layouts, no weights."""
+    from slidekit.plugins import Plugins
+
+    config = hf_config(name, seq)
+    adapter = Plugins().adapter_for(config.model_type)
+    spec: ArchSpec = adapter.descriptor.factory(config)
+    return spec
+
+
+def synthetic_tokens(
+    vocab: int, batch: int, seq: int, seed: int = 0
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless uniform-random (inputs, labels), each (batch, seq), labels = inputs shifted by one token."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        ids = torch.randint(0, vocab, (batch, seq + 1), generator=gen)  # (B, T + 1)
+        yield ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+def peak_rss_gib() -> float:
+    """Peak resident set size of this process (getrusage ru_maxrss), GiB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return round(peak / (_GIB if sys.platform == "darwin" else 2**20), 3)
+
+
+def peak_gpu_gib(device: torch.device) -> float | None:
+    """Peak memory allocated through torch on ``device`` (None off CUDA), GiB."""
+    if device.type != "cuda":
+        return None
+    import torch
+
+    return round(torch.cuda.max_memory_allocated(device) / _GIB, 3)
+
+
+def throughput(spec: ArchSpec, batch: int, seq: int, step_seconds: Sequence[float]) -> dict[str, Any]:
+    """median_step_s, tokens_per_s and model_tflops of timed steps of ``batch`` rows of ``seq`` tokens."""
+    from slidekit.telemetry import model_flops
+
+    step_s = median(step_seconds)
+    tokens = batch * seq
+    return {
+        "params": spec.num_params,
+        "median_step_s": round(step_s, 4),
+        "tokens_per_s": round(tokens / step_s, 1),
+        "model_tflops": float(f"{model_flops(spec, tokens, seq) / step_s / 1e12:.4g}"),
+    }
+
+
+def lane_metrics(
+    timings: Sequence[dict[str, float]], step_seconds: Sequence[float], num_layers: int
+) -> dict[str, Any]:
+    """Median seconds per lane, per-unit T_fwd/T_bwd/T_d2h/T_update, eta and the GPU busy fraction."""
+    lanes = {
+        lane: median(t.get(lane, 0.0) for t in timings) for lane in sorted({k for t in timings for k in t})
+    }
+    out: dict[str, Any] = {"lanes_s": {k: round(v, 4) for k, v in lanes.items()}}
+    for lane in ("fwd", "bwd", "d2h", "update"):
+        out[f"t_{lane}_s"] = round(lanes.get(lane, 0.0) / num_layers, 6)
+    cpu = lanes.get("d2h", 0.0) + lanes.get("update", 0.0)
+    out["eta"] = round(lanes.get("bwd", 0.0) / cpu, 3) if cpu > 0 else None
+    busy = [sum(t.get(k, 0.0) for k in COMPUTE_LANES) / s for t, s in zip(timings, step_seconds, strict=True)]
+    out["gpu_busy"] = round(median(busy), 3)
+    return out
+
+
+# ---------------------------------------------------------------------------- one slidekit run
+
+
+def measure_slidekit(args: argparse.Namespace) -> dict[str, Any]:
+    """Train ``args.warmup`` + ``args.steps`` steps of preset ``args.model`` on synthetic tokens; the record."""
+    import torch
+
+    from slidekit import (
+        Batch,
+        DataConfig,
+        EngineConfig,
+        ModelConfig,
+        OptimConfig,
+        RunConfig,
+        TrainConfig,
+        Trainer,
+    )
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_config(args.model, Path(tmp), args.seq)
+        cfg = TrainConfig(
+            model=ModelConfig(source=tmp, random_init=True),
+            data=DataConfig(seq_len=args.seq, batch_size=args.batch),
+            optim=OptimConfig(lr=1e-5, name=args.optimizer),
+            engine=EngineConfig(
+                device=args.device,
+                kernels=args.kernels,
+                activation_tier=args.activations,
+                window=args.window,
+                gpu_resident=args.resident,
+                state_tier=args.state_tier,
+                offload_dir=args.offload_dir,
+            ),
+            run=RunConfig(trace=getattr(args, "trace", None)),
+            steps=args.warmup + args.steps,
+        )
+        t0 = time.perf_counter()
+        trainer = Trainer(cfg)
+        setup_s = time.perf_counter() - t0
+        spec, device = trainer.spec, trainer.device
+        resident = f"{len(trainer.engine.window.resident)}/{len(spec.units)}"
+        data = (Batch(x, y) for x, y in synthetic_tokens(spec.vocab_size, args.batch, args.seq, args.seed))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        with trainer:
+            if args.warmup:
+                trainer.fit(data, steps=args.warmup)
+            result = trainer.fit(data, steps=args.steps)
+            kernels, optimizer = trainer.selections["kernels"].name, trainer.selections["optimizer"].name
+    return {
+        "system": "slidekit",
+        "status": "ok",
+        "model": args.model,
+        "batch": args.batch,
+        "seq": args.seq,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "resident": args.resident,
+        "resident_units": resident,
+        "activations": args.activations,
+        "state_tier": args.state_tier,
+        "window": args.window,
+        "kernels": kernels,
+        "optimizer": optimizer,
+        "setup_s": round(setup_s, 2),
+        **throughput(spec, args.batch, args.seq, result.step_seconds),
+        "peak_gpu_gib": peak_gpu_gib(device),
+        "peak_host_rss_gib": peak_rss_gib(),
+        **lane_metrics(result.timings, result.step_seconds, spec.num_layers),
+        "losses": [round(x, 4) for x in result.losses],
+    }
+
+
+def slidekit_parser() -> argparse.ArgumentParser:
+    """Options of one slidekit throughput run (``python -m slidekit.bench``, benchmarks/train_throughput.py)."""
+    p = argparse.ArgumentParser(description="Training throughput of slidekit on a preset model shape.")
+    p.add_argument("--model", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=5, help="timed steps (the median is reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens")
+    _engine_arguments(p, resident_help="engine.gpu_resident: auto, none, all or a fraction")
+    p.add_argument("--out", type=Path, default=None, help="append the JSON line to this file")
+    p.add_argument("--trace", default=None, help="Chrome trace of the timed steps (open in Perfetto)")
+    return p
+
+
+def _engine_arguments(p: argparse.ArgumentParser, *, resident_help: str) -> None:
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--kernels", default="auto", help="kernel-set driver, or auto")
+    p.add_argument("--optimizer", default="layer_adam", help="slidekit optimizer driver")
+    p.add_argument("--activations", default="ram", help="'device' or a tier for boundary activations")
+    p.add_argument("--window", type=int, default=3, help="cache units taking turns on the device")
+    p.add_argument("--resident", default="auto", help=resident_help)
+    p.add_argument("--state-tier", default="ram", help="tier for the optimizer state of host units")
+    p.add_argument("--offload-dir", default=None, help="directory for file-backed tiers")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """One slidekit run: print its JSON line (and append it to --out)."""
+    args = slidekit_parser().parse_args(argv)
+    line = json.dumps(measure_slidekit(args))
+    print(line, flush=True)
+    if args.out:
+        with args.out.open("a") as f:
+            f.write(line + "\n")
+    return 0
+
+
+# ---------------------------------------------------------------------------- runs in subprocesses
+
+
+def _last_record(stdout: str) -> dict[str, Any] | None:
+    for line in reversed(stdout.splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and "status" in record:
+                return record
+    return None
+
+
+def _last_error(stderr: str) -> str:
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return ((errors or lines or ["no output"])[-1])[:400]
+
+
+def run_child(cmd: Sequence[str], *, timeout: float, log: Path | None = None) -> dict[str, Any]:
+    """Run ``cmd`` (a run printing one JSON line) in its own process group; its record, or why there is none.
+
+    A run past ``timeout`` seconds is killed with everything it started.
+    """
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        reason = None
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        reason = f"timed out after {timeout:.0f} s (raise --timeout or --time-budget)"
+    wall = round(time.perf_counter() - t0, 1)
+    if log is not None:
+        log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{out}\n--- stderr\n{err}\n")
+    record = _last_record(out) if reason is None else None
+    if record is None:
+        reason = reason or f"exit code {proc.returncode}: {_last_error(err)}"
+        record = {"status": "unavailable", "reason": reason}
+    record["wall_s"] = wall
+    return record
+
+
+def _slidekit_cmd(args: argparse.Namespace, batch: int, resident: str) -> list[str]:
+    cmd = [sys.executable, "-m", "slidekit.bench", *_common_flags(args, batch)]
+    cmd += ["--kernels", args.kernels, "--optimizer", args.optimizer, "--activations", args.activations]
+    cmd += ["--window", str(args.window), "--resident", resident, "--state-tier", args.state_tier]
+    if args.offload_dir:
+        cmd += ["--offload-dir", args.offload_dir]
+    return cmd
+
+
+def _common_flags(args: argparse.Namespace, batch: int) -> list[str]:
+    return [
+        *("--model", args.model, "--batch", str(batch), "--seq", str(args.seq)),
+        *("--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed)),
+        *("--device", args.device),
+    ]
+
+
+def _baselines_dir(args: argparse.Namespace) -> Path:
+    if args.baselines_dir:
+        return Path(args.baselines_dir)
+    return Path(__file__).resolve().parents[1] / "benchmarks" / "baselines"
+
+
+def _runs(args: argparse.Namespace, batch: int) -> Iterator[tuple[dict[str, Any], list[str] | None]]:
+    """(the row's identity, the command; None when there is nothing to run) for every run at ``batch``."""
+    for resident in _split(args.resident):
+        yield (
+            {"system": "slidekit", "label": f"slidekit (resident {resident})", "resident": resident},
+            _slidekit_cmd(args, batch, resident),
+        )
+    for name in _split(args.baselines):
+        system, script = BASELINES[name]
+        path = _baselines_dir(args) / script
+        row = {"system": system, "label": system}
+        if not path.is_file():
+            row["reason"] = f"script {path} not found (pass --baselines-dir)"
+            yield row, None
+        else:
+            yield row, [sys.executable, str(path), *_common_flags(args, batch)]
+
+
+def _split(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every run for every batch of ``args`` (see ``add_arguments``), with ratios; appended to ``args.out``."""
+    _validate(args)
+    start = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    for batch in [int(b) for b in _split(args.batch)]:
+        done: list[dict[str, Any]] = []
+        for ident, cmd in _runs(args, batch):
+            left = args.time_budget - (time.perf_counter() - start) if args.time_budget else args.timeout
+            row = {"model": args.model, "batch": batch, "seq": args.seq, **ident}
+            row.update(_outcome(args, cmd, min(args.timeout, left), f"{ident['label']}_b{batch}"))
+            row.update(ident)  # the parent's names win over what the run calls itself
+            print(_progress_line(row), file=sys.stderr, flush=True)
+            done.append(row)
+        add_ratios(done)
+        if args.out:
+            with Path(args.out).open("a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in done)
+        rows += done
+    return rows
+
+
+def _outcome(args: argparse.Namespace, cmd: list[str] | None, seconds: float, name: str) -> dict[str, Any]:
+    """The record of one run given ``seconds`` at most (its log under ``args.logs``), or why it did not run."""
+    if cmd is None:
+        return {"status": "unavailable"}  # the reason is already in the row
+    if seconds < 15:  # too little to build a model and time a step
+        return {
+            "status": "unavailable",
+            "reason": f"not run: the time budget ({args.time_budget} s) is spent",
+        }
+    log = Path(args.logs) / (re.sub(r"[^A-Za-z0-9.-]+", "_", name).strip("_") + ".log") if args.logs else None
+    return run_child(cmd, timeout=seconds, log=log)
+
+
+def _validate(args: argparse.Namespace) -> None:
+    _preset(args.model)
+    unknown = [b for b in _split(args.baselines) if b not in BASELINES]
+    if unknown:
+        raise ConfigError(f"unknown baseline(s) {unknown}; choose from: {', '.join(BASELINES)}")
+    try:
+        batches = [int(b) for b in _split(args.batch)]
+    except ValueError:
+        raise ConfigError(f"--batch {args.batch!r}: give batch sizes as integers, e.g. 8,16,32") from None
+    if not batches or min(batches) < 1 or args.steps < 1 or args.warmup < 0:
+        raise ConfigError("--batch needs positive sizes, --steps >= 1 and --warmup >= 0")
+    if not _split(args.resident):
+        raise ConfigError("--resident needs at least one mode: auto, none, all or a fraction")
+
+
+def _progress_line(row: dict[str, Any]) -> str:
+    what = f"{row['label']} batch {row['batch']}"
+    if row.get("status") != "ok":
+        return f"{what}: unavailable: {row.get('reason', '?')}"
+    return f"{what}: {row['tokens_per_s']:.0f} tokens/s, {row['model_tflops']:.1f} TFLOPS ({row['wall_s']} s)"
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Give every slidekit row ``vs_<system>`` = its tokens/s / that alternative's at the same batch (None if
+    the alternative has no result)."""
+    for row in rows:
+        if row["system"] != "slidekit":
+            continue
+        for other in rows:
+            if other["system"] == "slidekit" or other["batch"] != row["batch"]:
+                continue
+            ok = row.get("status") == "ok" and other.get("status") == "ok"
+            row[f"vs_{other['system']}"] = (
+                round(row["tokens_per_s"] / other["tokens_per_s"], 3) if ok else None
+            )
+
+
+# ---------------------------------------------------------------------------- the table
+
+
+def _cell(value: Any, scale: float = 1.0, fmt: str = "{:.3g}") -> str:
+    return "-" if value is None else fmt.format(value * scale)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+    """One line per run; slidekit rows carry their throughput as a ratio of each alternative's."""
+    alternatives = list(dict.fromkeys(r["system"] for r in rows if r["system"] != "slidekit"))
+    head = ["run", "batch", "tokens/s", "TFLOPS", "step s", "peak GPU GiB", "peak RSS GiB"]
+    head += ["T_fwd ms", "T_bwd ms", "T_d2h ms", "T_update ms", "eta", "GPU busy"]
+    head += [f"vs {a}" for a in alternatives]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        if r.get("status") != "ok":
+            cells = [r["label"], str(r["batch"]), f"unavailable: {r.get('reason', '?')}"]
+            cells += ["-"] * (len(head) - 3)
+        else:
+            cells = [r["label"], str(r["batch"]), f"{r['tokens_per_s']:,.0f}", _cell(r.get("model_tflops"))]
+            cells += [_cell(r.get(k)) for k in ("median_step_s", "peak_gpu_gib", "peak_host_rss_gib")]
+            cells += [_cell(r.get(f"t_{k}_s"), 1e3) for k in ("fwd", "bwd", "d2h", "update")]
+            cells += [_cell(r.get("eta")), _cell(r.get("gpu_busy"), fmt="{:.2f}")]
+            cells += [_cell(r.get(f"vs_{a}"), fmt="{:.2f}x") for a in alternatives]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _caption(args: argparse.Namespace, rows: Sequence[dict[str, Any]]) -> str:
+    params = next((r["params"] for r in rows if r.get("params")), None)
+    size = f" ({params / 1e9:.2f} B parameters)" if params and params >= 1e8 else ""
+    size = f" ({params / 1e6:.1f} M parameters)" if params and params < 1e8 else size
+    return (
+        f"{args.model}{size}, seq {args.seq}, synthetic tokens; median of {args.steps} timed steps after "
+        f"{args.warmup} warm-up steps, each run in its own process. TFLOPS = (6 x params x tokens + 12 x "
+        "layers x heads x head_dim x seq x tokens) / step s, recompute not counted. T_* = lane seconds per "
+        "step / layers; eta = T_bwd / (T_d2h + T_update); GPU busy = compute-lane time / step time; "
+        "vs X = slidekit tokens/s / X's at the same batch."
+    )
+
+
+# ---------------------------------------------------------------------------- the command line
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``slidekit bench``."""
+    p.add_argument("--model", default="tiny", help=f"model preset: {', '.join(PRESETS)}")
+    p.add_argument("--batch", default="8", help="batch sizes, comma-separated (e.g. 8,16,32)")
+    p.add_argument("--seq", type=int, default=1024, help="tokens per row")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per run (the median is reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the synthetic tokens (the same for every run)"
+    )
+    p.add_argument(
+        "--baselines",
+        default="none,torchao,deepspeed",
+        help=f"alternatives, comma-separated, from: {', '.join(BASELINES)} ('none' = no offload); '' for none",
+    )
+    _engine_arguments(
+        p, resident_help="slidekit residency modes, comma-separated: one run each (e.g. none,auto)"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds one run may take before it is killed"
+    )
+    p.add_argument("--time-budget", type=float, default=0.0, help="seconds for the whole benchmark (0: none)")
+    p.add_argument("--out", default=None, metavar="FILE.jsonl", help="append one JSON line per run")
+    p.add_argument("--markdown", default=None, metavar="FILE.md", help="also write the table here")
+    p.add_argument("--logs", default=None, metavar="DIR", help="keep each run's stdout and stderr here")
+    p.add_argument(
+        "--baselines-dir", default=None, help="where the baseline scripts are (default: the checkout's)"
+    )
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """``slidekit bench``: run, print the table (and write it to --markdown)."""
+    if args.logs:
+        Path(args.logs).mkdir(parents=True, exist_ok=True)
+    rows = bench(args)
+    text = _caption(args, rows) + "\n\n" + markdown_table(rows) + "\n"
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    return 0 if any(r.get("status") == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
