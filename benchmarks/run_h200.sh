@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the H200 machine (the device tool), from the repository root:
-#   bash benchmarks/run_h200.sh tests|bench   (results under $OUT)
-# Installs the project without the network, plus carried wheels in .whl/ (kvikio, Liger) when present.
+#   bash benchmarks/run_h200.sh tests|quick|final|bench|micro|bench-3b   (results under $OUT)
+# Installs the project without the network, plus carried wheels in .whl/ (kvikio, Liger, torchao, DeepSpeed and
+# what DeepSpeed needs beyond the image: hjson, pydantic) when present.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "install failed"; exit 1; }
@@ -41,6 +42,29 @@ case "${1:-tests}" in
     done
     timeout 150 python3 benchmarks/kernels.py > "$OUT/kernels.jsonl" 2> "$OUT/kernels.txt"; tail -25 "$OUT/kernels.txt"
     ;;
+  verify)  # GPU tests (faults, soak, planner estimates), the end-to-end job, the kernel sweep
+    export SLIDEKIT_PLANNER_LOG="$OUT/planner.jsonl"
+    timeout 170 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_reliability.py tests/test_failures.py \
+      tests/test_hostmem.py tests/plugins/test_gpu_tier.py tests/test_planner.py 2>&1 | tee "$OUT/tests_verify.log" | tail -12
+    timeout 240 python3 benchmarks/e2e_finetune.py --preset qwen2.5-1.5b --work /tmp/e2e --steps 10 --kill-after 5 \
+      --out "$OUT/e2e.json" 2>&1 | tail -2
+    cp /tmp/e2e/b/report.png "$OUT/e2e_report.png" 2>/dev/null; rm -rf /tmp/e2e
+    timeout 150 python3 benchmarks/kernels.py --tune > "$OUT/tune.jsonl" 2>&1; tail -8 "$OUT/tune.jsonl"
+    ;;
+  big)  # the largest model: Mistral-Small-24B shape, adamw_8bit state on NVMe; host RSS with state on posix
+    B="$OUT/big.jsonl"
+    python3 benchmarks/optimizer_rate.py --numel 233000000 --repeat 3 2>&1 | tee "$OUT/optimizer.json" | tail -1
+    for tier in ram posix; do
+      timeout 100 python3 benchmarks/train_throughput.py --model qwen2.5-1.5b --batch 8 --resident none --state-tier $tier \
+        --offload-dir /tmp/slidekit-off --steps 1 --warmup 1 --out "$B" 2>&1 | tail -1
+    done
+    df -h /tmp | tail -1; free -g | head -2
+    python3 -c "from pathlib import Path; from slidekit.bench import write_config; write_config('mistral-small-24b', Path('/tmp/m24'), 1024)"
+    python3 -m slidekit.cli plan --model /tmp/m24 --random-init --optimizer adamw_8bit --state-tier posix \
+      --offload-dir /tmp/slidekit-off --batch-size 8 --seq-len 1024 2>&1 | tee "$OUT/plan_24b.txt" | tail -4
+    timeout 330 python3 benchmarks/train_throughput.py --model mistral-small-24b --batch 8 --optimizer adamw_8bit \
+      --state-tier posix --offload-dir /tmp/slidekit-off --steps 2 --warmup 1 --out "$B" 2>&1 | tail -3
+    ;;
   bench)
     B="$OUT/bench.jsonl"
     for spec in "qwen2.5-3b 8 none" "qwen2.5-3b 8 auto" "qwen2.5-3b 32 none" "qwen2.5-7b 16 none" "qwen2.5-7b 16 auto"; do
@@ -52,5 +76,19 @@ case "${1:-tests}" in
     python3 benchmarks/optimizer_rate.py --numel 233000000 --repeat 3 2>&1 | tee "$OUT/optimizer.json" | tail -2
     timeout 200 python3 benchmarks/tier_bandwidth.py --dir /tmp/slidekit-bench --size-gb 0.5 > "$OUT/tiers.jsonl" 2> "$OUT/tiers.txt"; tail -20 "$OUT/tiers.txt"
     timeout 200 python3 benchmarks/kernels.py > "$OUT/kernels.jsonl" 2> "$OUT/kernels.txt"; tail -30 "$OUT/kernels.txt"
+    ;;
+  bench-3b)
+    # slidekit (forced full offload, then auto residency) vs no offload, torchao and DeepSpeed ZeRO-Offload:
+    # same model, batches and tokens, every run its own process, all inside 570 s of this script. The two
+    # CPU Adam extensions (slidekit's layer_adam, DeepSpeed's cpu_adam) are built first, side by side.
+    export DS_ACCELERATOR=cuda DS_SKIP_CUDA_CHECK=1
+    timeout 120 python3 -c "from slidekit_optim.layer_adam import load_kernel; load_kernel()" > "$OUT/build_layer_adam.log" 2>&1 &
+    timeout 120 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
+      > "$OUT/build_ds_cpu_adam.log" 2>&1 &
+    wait
+    echo "extensions built at ${SECONDS} s:"; tail -n 2 "$OUT"/build_*.log
+    python3 -m slidekit.cli bench --model qwen2.5-3b --batch 8,16,32 --seq 1024 --warmup 2 --steps 3 \
+      --resident none,auto --baselines none,torchao,deepspeed --timeout 120 --time-budget $((560 - SECONDS)) \
+      --out "$OUT/bench_3b.jsonl" --markdown "$OUT/bench_3b.md" --logs "$OUT/bench_3b_logs" 2>&1 | tail -40
     ;;
 esac

@@ -1,9 +1,12 @@
-"""The command line: ``slidekit plugins`` and ``slidekit finetune``.
+"""The command line: ``slidekit plugins``, ``finetune``, ``plan`` and ``report``.
 
     slidekit plugins                 # every driver, available or not, and why
     slidekit finetune                # fine-tune the embedded demo model on the sample corpus
     slidekit finetune --model DIR --data FILE.jsonl --steps 500 --lr 2e-5
     slidekit finetune --config run.toml --lr 1e-5       # a TOML file, with flags taking precedence
+    slidekit plan --model DIR --batch-size 16 --seq-len 1024   # memory needed, fits or not, best placement
+    slidekit finetune --run-dir runs/a --trace runs/a/trace.json   # metrics and a Chrome trace
+    slidekit report runs/a                              # loss curve and pipeline timeline -> runs/a/report.png
 
 Every option of ``finetune`` maps onto one field of ``slidekit.config``
 (``FLAGS`` below); a TOML file has the same shape as ``TrainConfig.to_dict()``.
@@ -64,6 +67,7 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--resume": ("run.resume", "flag", "continue from the newest checkpoint in --run-dir"),
     "--export": ("run.export_dir", str, "write the fine-tuned model here as a Hugging Face directory"),
     "--export-dtype": ("run.export_dtype", str, "bfloat16, float16 or float32"),
+    "--trace": ("run.trace", str, "write a Chrome trace of the pipeline (open in Perfetto)"),
 }
 
 
@@ -80,18 +84,50 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     f = sub.add_parser("finetune", help="fine-tune a model (default: the embedded demo model and corpus)")
-    f.add_argument("--config", default=None, metavar="FILE.toml", help="settings file; flags override it")
+    _add_run_options(f)
+    f.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    p = sub.add_parser(
+        "plan",
+        help="GPU memory, host RAM and disk a run needs, whether it fits, and the fastest placement that does",
+    )
+    _add_run_options(p)
+    for flag, what in (
+        ("--gpu-gib", "GPU memory free"),
+        ("--ram-gib", "host RAM available"),
+        ("--disk-gib", "disk free"),
+    ):
+        p.add_argument(
+            flag, type=float, default=None, metavar="GIB", help=f"plan for this much {what} (what-if)"
+        )
+
+    r = sub.add_parser("report", help="draw a run's loss curve and pipeline timeline as a PNG")
+    r.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a finetune run")
+    r.add_argument(
+        "--out", default=None, metavar="FILE.png", help="where to write (default RUN_DIR/report.png)"
+    )
+
+    from slidekit.bench import add_arguments as add_bench_arguments
+
+    b = sub.add_parser("bench", help="throughput of slidekit vs no offload, torchao and DeepSpeed")
+    add_bench_arguments(b)
+    return parser
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options that describe a run (``FLAGS``), shared by ``finetune`` and ``plan``."""
+    parser.add_argument(
+        "--config", default=None, metavar="FILE.toml", help="settings file; flags override it"
+    )
     for flag, (path, kind, text) in FLAGS.items():
         if kind in ("flag", "noflag"):
             const = kind == "flag"
-            f.add_argument(flag, dest=path, action="store_const", const=const, default=None, help=text)
+            parser.add_argument(flag, dest=path, action="store_const", const=const, default=None, help=text)
         else:
-            f.add_argument(flag, dest=path, type=kind, default=None, help=text)
-    f.add_argument(
+            parser.add_argument(flag, dest=path, type=kind, default=None, help=text)
+    parser.add_argument(
         "--block", action="append", default=None, metavar="NAME", help="plugin to leave out (repeatable)"
     )
-    f.add_argument("--quiet", action="store_true", help="no progress bar")
-    return parser
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -130,6 +166,30 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from slidekit.report import draw_report
+
+    print(f"wrote {draw_report(args.run_dir, args.out)}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Print the plan; exit status 1 when the requested placement does not fit."""
+    import dataclasses
+
+    from slidekit.planner import GIB, Machine, plan_run
+    from slidekit.resolve import resolve_device
+
+    config = config_from_args(args)
+    machine = Machine.probe(resolve_device(config.engine.device), config.engine.offload_dir)
+    given = {"device_free": args.gpu_gib, "host_available": args.ram_gib, "disk_free": args.disk_gib}
+    what_if: dict[str, Any] = {k: int(v * GIB) for k, v in given.items() if v is not None}
+    machine = dataclasses.replace(machine, **what_if)
+    report = plan_run(config, machine=machine)
+    print(report.render())
+    return 0 if report.fits else 1
+
+
 def _finetune(args: argparse.Namespace) -> int:
     from slidekit.trainer import Trainer
 
@@ -142,6 +202,7 @@ def _finetune(args: argparse.Namespace) -> int:
             f"drivers: " + ", ".join(f"{k}={s.name}" for k, s in trainer.selections.items()),
             flush=True,
         )
+        left = config.steps - trainer.engine.steps_done
         result = trainer.fit()
         if config.run.export_dir:
             path = trainer.export(config.run.export_dir, dtype=config.run.export_dtype, overwrite=True)
@@ -149,6 +210,9 @@ def _finetune(args: argparse.Namespace) -> int:
     if result.interrupted:
         print(f"stopped by {result.interrupted} after {len(result.losses)} steps")
     if not result.losses:
+        if left <= 0:
+            print(f"nothing left to do: the run already took its {config.steps} steps")
+            return 0
         print("no step was run: the data ran out", file=sys.stderr)
         return 1
     head = sum(result.losses[:5]) / min(5, len(result.losses))
@@ -165,6 +229,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "plugins":
             return _plugins(args)
+        if args.command == "report":
+            return _report(args)
+        if args.command == "plan":
+            return _plan(args)
+        if args.command == "bench":
+            from slidekit.bench import run_command
+
+            return run_command(args)
         return _finetune(args)
     except SlidekitError as exc:
         print(f"slidekit: error: {exc}", file=sys.stderr)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 __all__ = [
+    "TIER_MEDIA",
     "Availability",
     "DriverDescriptor",
     "KernelSet",
@@ -51,6 +52,10 @@ def always_available() -> Availability:
 
 
 # --------------------------------------------------------------------------- descriptors
+
+
+#: Where a storage tier keeps its bytes (``TierDescriptor.medium``).
+TIER_MEDIA = ("device", "host", "disk")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -87,7 +92,19 @@ class DriverDescriptor:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TierDescriptor(DriverDescriptor):
-    """A storage tier. ``factory(ctx: TierContext) -> StorageTier``."""
+    """A storage tier. ``factory(ctx: TierContext) -> StorageTier``.
+
+    ``medium`` says where the tier keeps its bytes, for the memory planner:
+    "device" (the accelerator's memory), "host" (RAM) or "disk" (files in
+    ``engine.offload_dir``).
+    """
+
+    medium: str = "host"
+
+    def __post_init__(self) -> None:
+        DriverDescriptor.__post_init__(self)
+        if self.medium not in TIER_MEDIA:
+            raise ValueError(f"tier {self.name!r}: medium must be one of {TIER_MEDIA}, got {self.medium!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,7 +114,14 @@ class OptimizerDescriptor(DriverDescriptor):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class KernelSetDescriptor(DriverDescriptor):
-    """A kernel set. ``factory() -> KernelSet``."""
+    """A kernel set. ``factory() -> KernelSet``.
+
+    ``loss_workspace_bytes``: device memory the fused linear + cross-entropy
+    holds beyond its inputs and the gradients it returns (its logits chunks),
+    for the memory planner. The default is a conservative 768 MiB.
+    """
+
+    loss_workspace_bytes: int = 768 << 20
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["MemoryPlan", "Visit", "place_state", "plan_memory", "plan_residency", "schedule", "working_bytes"]
+__all__ = ["MemoryPlan", "Visit", "place_state", "plan_memory", "plan_residency", "schedule"]
 
 FWD, HEAD, BWD = "fwd", "head", "bwd"
 
@@ -131,10 +131,3 @@ def plan_residency(
         used += cost if fits else 0.0
         chosen.append(fits)
     return chosen
-
-
-def working_bytes(*, tokens: int, hidden: int, intermediate: int, vocab: int, itemsize: int) -> int:
-    """A generous bound on the device memory one layer's recompute + backward and the fused head need."""
-    layer = tokens * (12 * hidden + 8 * intermediate) * itemsize
-    head = 3 * (1 << 26) * 4 + tokens * hidden * 4  # FP32 logits chunk, its gradient, and dh
-    return max(layer, head) + (vocab * hidden * itemsize if vocab else 0)

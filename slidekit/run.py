@@ -107,7 +107,27 @@ class RunDirectory:
         engine.steps_done = int(meta["step"])
         engine.updates_applied = int(meta["updates_applied"])
         self.last_saved = engine.steps_done
+        self._drop_metrics_after(engine.steps_done)
         return meta
+
+    def _drop_metrics_after(self, step: int) -> None:
+        """Forget the metrics of steps after ``step``: the resumed run computes them again.
+
+        A run killed after its last checkpoint logged steps that never reached
+        a checkpoint; keeping them would leave two records of those steps.
+        """
+        self._metrics.close()
+        path = self.path / "metrics.jsonl"
+        kept = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by the kill
+            if int(record.get("step", 0)) <= step:
+                kept.append(line)
+        _write_atomically(path, "".join(f"{line}\n" for line in kept))
+        self._metrics = path.open("a", encoding="utf-8")
 
     @staticmethod
     def model_identity(engine: Engine) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import torch
 
 from slidekit.config import DEFAULT_LR, DEMO_LR, TrainConfig
 from slidekit.data import Batch, DataSpec, PackedDataset, build_datasets, load_tokenizer
-from slidekit.devices import device_family, resolve_device
+from slidekit.devices import device_family
 from slidekit.engine import (
     ActivationStore,
     DeviceActivations,
@@ -44,20 +44,22 @@ from slidekit.engine import (
 from slidekit.errors import ConfigError, ModelLoadError
 from slidekit.export import export_model
 from slidekit.interfaces import OptimizerHyper, ParamGroupRange, StorageTier, TierContext
-from slidekit.models.base import ArchSpec, UnitLayout
+from slidekit.models.base import UnitLayout
 from slidekit.models.loading import (
     DEMO_MODEL,
     demo_dir,
     init_unit,
-    load_hf_config,
     load_unit_weights,
     weight_files,
 )
-from slidekit.plan import MemoryPlan, place_state, plan_memory, plan_residency, working_bytes
+from slidekit.plan import place_state, plan_memory
+from slidekit.planner import Estimate, Machine, Placement, Planner
 from slidekit.plugins import Plugins, Selection
+from slidekit.resolve import resolve
 from slidekit.run import RunDirectory
 from slidekit.schedules import lr_factor
-from slidekit.telemetry import Progress
+from slidekit.telemetry import Progress, memory_metrics, model_flops
+from slidekit.trace import TraceWriter
 
 __all__ = ["FitResult", "Trainer", "param_groups"]
 
@@ -127,33 +129,25 @@ class Trainer:
         plugins: Plugins | None = None,
         progress: bool = False,
         fault_hook: Callable[[str], None] | None = None,
+        machine: Machine | None = None,
     ) -> None:
         """Build everything a run needs. ``fault_hook(lane)`` is called before every pipeline task
         ("h2d", "d2h", "optim") and every visit of the main thread ("main"): a seam for fault and
-        delay injection in tests."""
+        delay injection in tests. ``machine`` stands in for this machine's measured memory and disk
+        (what-if planning, tests); the run is refused when it does not fit (``slidekit.planner``)."""
         self.config = config
+        self._machine = machine
+        self.planner: Planner | None = None
+        self.estimate: Estimate | None = None
         self._fault_hook = fault_hook
         self.progress = progress
         self.plugins = plugins or Plugins(
             entry_points=config.plugins.entry_points, block=config.plugins.block
         )
-        ec = config.engine
-        self.device = resolve_device(ec.device)
-        family = device_family(self.device)
-        self.compute_dtype = self._dtype(ec.compute_dtype)
-        self.hf_config, self.model_dir = load_hf_config(config.model.source, config.model.overrides)
-        adapter = self.plugins.adapter_for(self.hf_config.model_type)
-        self.spec: ArchSpec = adapter.descriptor.factory(self.hf_config)
-
-        self.selections: dict[str, Selection] = {
-            "kernels": self.plugins.select("kernels", ec.kernels, family),
-            "optimizer": self.plugins.select("optimizer", config.optim.name, family),
-            "state_tier": self.plugins.select("tier", ec.state_tier, family),
-        }
-        if ec.activation_tier != "device":
-            self.selections["activation_tier"] = self.plugins.select("tier", ec.activation_tier, family)
-        if ec.state_offload_fraction > 0 and ec.state_offload_tier:
-            self.selections["state_offload_tier"] = self.plugins.select("tier", ec.state_offload_tier, family)
+        setup = resolve(config, self.plugins)
+        self.device, self.compute_dtype, self.spec = setup.device, setup.compute_dtype, setup.spec
+        self.hf_config, self.model_dir = setup.hf_config, setup.model_dir
+        self.selections: dict[str, Selection] = setup.selections
         self.notes = [s.reason for s in self.selections.values() if s.automatic]
         default_lr = DEMO_LR if config.model.source == DEMO_MODEL else DEFAULT_LR
         self.lr: float = config.optim.lr if config.optim.lr is not None else default_lr
@@ -184,11 +178,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ building
 
-    def _dtype(self, name: str) -> torch.dtype:
-        if name == "auto":
-            return torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
-
     def _tier(self, sel: Selection) -> StorageTier:
         if sel.name not in self._tiers:
             ctx = TierContext(device=self.device, directory=self.config.engine.offload_dir)
@@ -203,18 +192,22 @@ class Trainer:
         )
         units = self.spec.units
         itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
-        state_bytes = [
-            sum(
-                n * torch.empty((), dtype=dt).element_size()
-                for dt, n in optimizer.state_layout(u.numel).values()
-            )
-            for u in units
-        ]
-        state_per_param = sum(state_bytes) / sum(u.numel for u in units)
-        plan = plan_memory(
-            [u.numel for u in units],
+        self.planner = planner = Planner.for_run(
+            self.config,
+            self.spec,
+            optimizer=optimizer,
+            kernels=self.selections["kernels"].descriptor,
+            plugins=self.plugins,
+            device_type=device_family(self.device),
             compute_itemsize=itemsize,
-            state_bytes_per_param=state_per_param,
+        )
+        state_bytes = planner.state
+        resident = self._plan_residency(planner, optimizer)
+        self._check_fit(planner, resident)
+        plan = plan_memory(
+            [u.numel for u, r in zip(units, resident, strict=True) if not r] or [1],
+            compute_itemsize=itemsize,
+            state_bytes_per_param=planner.state_per_param,
             window=ec.window,
             grad_buffers=ec.grad_buffers,
             tied=self.spec.tie_embeddings,
@@ -224,7 +217,6 @@ class Trainer:
         offload = place_state(len(units), ec.state_offload_fraction)
         slow = self._tier(self.selections["state_offload_tier"]) if any(offload) else state_tier
         state_tiers = [slow if off else state_tier for off in offload]
-        resident = self._plan_residency(optimizer, plan, state_per_param)
         if any(resident):  # resident units keep master and state on the compute device
             device_tier = self._device_tier()
             state_tiers = [device_tier if r else t for r, t in zip(resident, state_tiers, strict=True)]
@@ -270,48 +262,54 @@ class Trainer:
             prefetch=ec.window - 1,
         )
 
-    def _plan_residency(self, optimizer: Any, plan: MemoryPlan, state_per_param: float) -> list[bool]:
+    def machine(self) -> Machine:
+        """What this machine has for the run (measured once, unless given to the constructor)."""
+        if self._machine is None:
+            self._machine = Machine.probe(self.device, self.config.engine.offload_dir)
+        return self._machine
+
+    def _plan_residency(self, planner: Planner, optimizer: Any) -> list[bool]:
         """Units to keep on the compute device for good (``engine.gpu_resident``), with a note saying so."""
-        ec, dc, spec = self.config.engine, self.config.data, self.spec
-        numels = [u.numel for u in spec.units]
-        fraction = ec.resident_fraction()
-        on_gpu = self.device.type == "cuda"
-        if on_gpu and not getattr(optimizer, "device_capable", False):
-            if fraction:
-                raise ConfigError(
-                    f"optimizer {optimizer.name!r} updates on the CPU only, so no unit can be resident on the "
-                    "GPU; set engine.gpu_resident='none' or use layer_adam"
-                )
-            return [False] * len(numels)
-        if fraction is None and not on_gpu:
-            return [False] * len(numels)  # "auto" on the CPU: nothing to gain
-        itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
-        per_param = 4 + state_per_param + 2 * itemsize  # master, state, weights and gradients
-        budget = 0
-        if fraction is None:
-            free, total = torch.cuda.mem_get_info(self.device)
-            tokens = dc.batch_size * dc.seq_len
-            acts = spec.num_layers * tokens * spec.hidden_size * itemsize * self.config.grad_accum
-            work = working_bytes(
-                tokens=tokens,
-                hidden=spec.hidden_size,
-                intermediate=spec.intermediate_size,
-                vocab=0,
-                itemsize=itemsize,
+        ec = self.config.engine
+        numels = [u.numel for u in self.spec.units]
+        if self.device.type == "cuda" and ec.resident_fraction() and not planner.device_updates:
+            raise ConfigError(
+                f"optimizer {optimizer.name!r} updates on the CPU only, so no unit can be resident on the "
+                "GPU; set engine.gpu_resident='none' or use layer_adam"
             )
-            keep = (
-                acts if ec.activation_tier in ("device", "gpu") else 2 * tokens * spec.hidden_size * itemsize
-            )
-            budget = free - plan.device_bytes - keep - work - max(4 << 30, total // 20)
-        resident = plan_residency(numels, bytes_per_param=per_param, budget=budget, fraction=fraction)
+        resident = planner.residency(Placement.of(ec), self.machine())
         count = sum(resident)
         if count:
-            gib = sum(n for n, r in zip(numels, resident, strict=True) if r) * per_param / 2**30
+            gib = sum(planner.resident_cost(u) for u, r in enumerate(resident) if r) / 2**30
             self.notes.append(
                 f"{count} of {len(numels)} units resident on {self.device} ({gib:.1f} GiB: master, optimizer "
                 "state, weights, gradients; updated there)"
             )
         return resident
+
+    def _check_fit(self, planner: Planner, resident: Sequence[bool]) -> None:
+        """Refuse, before anything is allocated, a configuration this machine cannot hold, with the numbers
+        and the fastest placement that would fit."""
+        placement = Placement.of(self.config.engine)
+        machine = self.machine()
+        self.estimate = planner.estimate(placement, machine, resident)
+        problems = self.estimate.shortfalls(machine)
+        if not problems:
+            return
+        disk = "posix" if self.config.engine.offload_dir else None
+        better = planner.recommend(placement, machine, disk)
+        if better is not None:
+            fix = f"this placement fits: {better.placement.flags()}"
+        else:
+            fix = (
+                "no placement fits this batch: lower data.batch_size (and raise grad_accum to keep the tokens "
+                "per step), use optim.name='adamw_8bit', or set engine.offload_dir so state can go to disk"
+            )
+        raise ConfigError(
+            f"this configuration does not fit on this machine ({machine.describe()}):\n  "
+            + "\n  ".join(problems)
+            + f"\n{fix} (see `slidekit plan`)"
+        )
 
     def _device_tier(self) -> StorageTier:
         """Where resident units keep their optimizer state: device memory (the gpu tier), or RAM on the CPU.
@@ -422,7 +420,10 @@ class Trainer:
         return self._engine
 
     def fit(self, batches: Iterable[Batch] | None = None, *, steps: int | None = None) -> FitResult:
-        """Train ``steps`` steps (default ``config.steps``) on ``batches`` (default: ``config.data``).
+        """Train ``steps`` steps on ``batches`` (default: ``config.data``).
+
+        ``steps`` defaults to the steps left to ``config.steps``: all of them
+        for a fresh run, the rest for a resumed one.
 
         Each step takes ``config.grad_accum`` batches as micro-batches. The
         learning-rate schedule counts steps across calls, over ``config.steps``.
@@ -431,13 +432,16 @@ class Trainer:
         trainer closes (threads, buffers and tier storage are released).
         """
         engine = self.engine
-        steps = self.config.steps if steps is None else steps
+        steps = max(0, self.config.steps - engine.steps_done) if steps is None else steps
         configured = batches is None
         data = (
             iter(batches)
             if batches is not None
             else itertools.islice(self.default_batches(), self._consumed, None)
         )
+        trace = None
+        if self.config.run.trace:  # every span of every step, written when fit ends (also on failure)
+            trace = TraceWriter(self.config.run.trace, engine.timeline, device=str(self.device))
         drivers = {k: s.name for k, s in self.selections.items()}
         self.plugins.hook.slidekit_fit_start(config=self.config, drivers=drivers)
         bar = Progress(steps, enabled=self.progress)
@@ -451,7 +455,10 @@ class Trainer:
                     micro = list(itertools.islice(data, self.config.grad_accum))
                     if stop.signal or len(micro) < self.config.grad_accum:
                         break  # interrupted, or the data ran out: no partial step
+                    t_step = time.perf_counter()
                     metrics = self._step(engine, step, micro, result)
+                    if trace is not None:
+                        trace.step(engine.steps_done, t_step, time.perf_counter(), metrics)
                     self._consumed += len(micro) if configured else 0
                     self._after_step(engine, metrics, last=step == steps)
                     bar.update(metrics)
@@ -462,10 +469,14 @@ class Trainer:
                     self.run.wait()
         except BaseException as exc:
             bar.close()
+            if trace is not None:
+                trace.close(error=exc)
             self.plugins.hook.slidekit_fit_end(steps=len(result.losses), error=exc)
             self.close()  # the pipeline is in an unknown state: release everything
             raise
         bar.close()
+        if trace is not None:
+            trace.close()
         self.plugins.hook.slidekit_fit_end(steps=len(result.losses), error=None)
         result.seconds = time.perf_counter() - t0
         result.interrupted = stop.signal
@@ -522,6 +533,7 @@ class Trainer:
         result.timings.append(res.timings)
         result.grad_norms.append(res.grad_norm)
         result.tokens += res.tokens
+        flops = sum(model_flops(self.spec, b.input_ids.numel(), b.input_ids.shape[1]) for b in micro)
         return {
             "loss": res.loss,
             "tokens": float(res.tokens),
@@ -531,6 +543,8 @@ class Trainer:
             "grad_norm": res.grad_norm,
             "skipped": float(res.skipped),
             "lr": lr,
+            "tflops": flops / res.seconds / 1e12 if res.seconds else 0.0,
+            **memory_metrics(self.device),  # gpu_mem_gib (CUDA only), host_rss_gib
             **{f"t_{lane}": t for lane, t in res.timings.items()},
         }
 

@@ -56,6 +56,8 @@ def test_resume_continues_bitwise(tmp_path, clip):
         want = t.state_dict()
     with _trainer(_config(tmp_path / "b", max_grad_norm=clip)) as t:
         first = t.fit(steps=4)  # "killed" after step 4 (checkpoint at 4 and at the end of fit)
+    with (tmp_path / "b" / "metrics.jsonl").open("a") as f:  # steps the killed run logged after it, one cut short
+        f.write('{"step": 5, "loss": 99.0}\n{"step": 6, "lo')
     with _trainer(_config(tmp_path / "b", resume=True, max_grad_norm=clip)) as t:
         assert t.engine.steps_done == 4
         rest = t.fit(steps=2)
@@ -63,7 +65,8 @@ def test_resume_continues_bitwise(tmp_path, clip):
     assert first.losses + rest.losses == whole.losses
     assert_states_equal(got, want)
     metrics = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]  # the resumed run's steps 5 and 6, once
+    assert [m["loss"] for m in metrics[4:]] == rest.losses
     assert json.loads((tmp_path / "b" / "config.json").read_text())["run"]["resume"] is True
 
 

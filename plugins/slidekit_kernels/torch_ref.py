@@ -161,6 +161,7 @@ def slidekit_kernel_sets() -> Iterator[KernelSetDescriptor]:
     yield KernelSetDescriptor(
         name="torch_ref",
         factory=TorchRef,
+        loss_workspace_bytes=3 * 4 * _LOGITS_BUDGET,  # FP32 logits, their softmax, the cast gradient
         priority=0,
         description="plain PyTorch reference kernels (SDPA attention, chunked linear + cross-entropy)",
     )

@@ -39,6 +39,7 @@ def slidekit_kernel_sets() -> Iterator[KernelSetDescriptor]:
     yield KernelSetDescriptor(
         name=NAME,
         factory=build,
+        loss_workspace_bytes=128 << 20,  # one chunk of logits in the compute dtype (cross_entropy.py)
         available=available,
         priority=100,
         devices=("rocm",),

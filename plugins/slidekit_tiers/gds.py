@@ -212,6 +212,7 @@ class GdsTier(FileTier):
 def slidekit_storage_tiers() -> Iterator[TierDescriptor]:
     yield TierDescriptor(
         name="gds",
+        medium="disk",
         factory=GdsTier,
         available=_available,
         priority=20,

@@ -67,6 +67,7 @@ class GpuTier(RamTier):
 def slidekit_storage_tiers() -> Iterator[TierDescriptor]:
     yield TierDescriptor(
         name="gpu",
+        medium="device",
         factory=GpuTier,
         available=_available,
         priority=200,

@@ -296,6 +296,7 @@ class PosixTier(FileTier):
 def slidekit_storage_tiers() -> Iterator[TierDescriptor]:
     yield TierDescriptor(
         name="posix",
+        medium="disk",
         factory=PosixTier,
         available=_available,
         priority=10,

@@ -73,7 +73,8 @@ class HostStore:
             else torch.empty(u.numel, dtype=torch.float32, device=dev)
             for u, dev in zip(units, on, strict=True)
         ]
-        self.ring = GradRing(grad_buffers, max(u.numel for u in units), grad_dtype, self.memory, pipeline)
+        sliding = [u.numel for u, dev in zip(units, on, strict=True) if dev is None]  # resident ones never come down
+        self.ring = GradRing(grad_buffers, max(sliding, default=1), grad_dtype, self.memory, pipeline)
         self.state = StateStore(
             units,
             optimizer=optimizer,

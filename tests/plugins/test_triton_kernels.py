@@ -6,6 +6,9 @@ One file, two modes:
   (``slidekit.testing.kernels``) runs both launch tables, NVIDIA's and AMD's
   (on an NVIDIA GPU the AMD table is just other block sizes), in float32 and
   bfloat16, and a tiny model trains 100 BF16 steps with each set and with torch_ref.
+  RMSNorm and RoPE also run with every tiling ``benchmarks/kernels.py --tune``
+  may pick (multi-row tiles over row counts they do not divide, dW partial
+  grids from one program to more programs than tiles), and with strided inputs.
 * Without a GPU, ``test_interpreted_run`` runs this file again in a subprocess
   with ``TRITON_INTERPRET=1`` (set there before triton is imported, so it never
   leaks into other tests), where the same tests run on CPU tensors in float32
@@ -24,6 +27,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -33,9 +37,24 @@ from slidekit import Batch, EngineConfig, ModelConfig, OptimConfig, Plugins, Tra
 from slidekit.errors import DriverUnavailableError
 from slidekit.hookspecs import hookimpl
 from slidekit.interfaces import KernelSet, KernelSetDescriptor
-from slidekit.testing.kernels import conformance_cases
+from slidekit.testing.kernels import (
+    TOLERANCES,
+    assert_close,
+    check_rms_norm,
+    check_rope,
+    conformance_cases,
+    reference_kernels,
+)
 from slidekit_kernels import triton_cuda, triton_rocm
-from slidekit_kernels.triton_common.vendors import AMD, LAUNCH_CONFIGS, NVIDIA, LaunchConfig, availability
+from slidekit_kernels.triton_common.vendors import (
+    AMD,
+    LAUNCH_CONFIGS,
+    NVIDIA,
+    TUNE_SPACE,
+    LaunchConfig,
+    availability,
+    tune_configs,
+)
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -238,14 +257,133 @@ def test_launch_tables():
     for cfg in (NVIDIA, AMD):
         assert cfg.warp_size * cfg.max_warps == 1024
         for elements in (1, 100, 4096, 1 << 20):
-            warps = cfg.num_warps(elements)
-            assert 1 <= warps <= cfg.max_warps and warps & (warps - 1) == 0
-        assert cfg.rows_per_tile(1 << 16) == 1 and cfg.rows_per_tile(64) == cfg.row_tile // 64
-    with pytest.raises(ValueError, match="power of two"):
-        LaunchConfig(
-            vendor="x", warp_size=32, max_warps=32, elems_per_thread=8, row_tile=3000,
-            rms_bwd_programs_per_sm=1, elementwise_block=1024, ce_block=1024,
-        )  # fmt: skip
+            for per_thread in (None, 1, 4, 64):
+                warps = cfg.num_warps(elements, per_thread)
+                assert 1 <= warps <= cfg.max_warps and warps & (warps - 1) == 0
+        assert cfg.rows_per_tile(cfg.rms_fwd_tile, 1 << 16) == 1 and cfg.rows_per_tile(4096, 64) == 64
+    with pytest.raises(ValueError, match="rms_bwd_tile must be a power of two"):
+        replace(NVIDIA, rms_bwd_tile=3000)
+    with pytest.raises(ValueError, match="rms_bwd_programs_per_sm must be a positive integer"):
+        replace(NVIDIA, rms_bwd_programs_per_sm=0)
+
+
+@outer_run
+def test_tune_space_configs_are_valid_and_vary_one_group_at_a_time():
+    fields = set(LaunchConfig.__dataclass_fields__)
+    seen: dict[str, int] = {}
+    for cfg in (NVIDIA, AMD):
+        for group, tuned in tune_configs(cfg):
+            assert set(TUNE_SPACE[group]) <= fields
+            changed = {f for f in fields if getattr(tuned, f) != getattr(cfg, f)}
+            assert changed <= set(TUNE_SPACE[group]), (group, changed)
+            seen[group] = seen.get(group, 0) + 1
+    for group, values in TUNE_SPACE.items():
+        n = 1
+        for v in values.values():
+            n *= len(v)
+        assert seen[group] == 2 * n
+
+
+@outer_run
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton installed")
+@pytest.mark.parametrize("programs_per_sm", [1, 2, 3, 16])
+@pytest.mark.parametrize("tile", [1, 2, 4096])
+def test_rms_norm_backward_plan_covers_every_row_once(programs_per_sm, tile):
+    """Persistent programs own contiguous ranges of tiles: every tile once, no program without rows."""
+    from slidekit_kernels.triton_common.rms_norm import backward_plan
+
+    for h in (8, 123, 4096):
+        for n_rows in (1, 2, 7, 37, 210, 8192, 8193):
+            cfg = replace(NVIDIA, rms_bwd_tile=tile * 4096, rms_bwd_programs_per_sm=programs_per_sm)
+            plan = backward_plan(n_rows, h, cfg, sms=3)
+            tiles = -(-n_rows // plan.rows)
+            assert plan.rows == max(1, tile * 4096 // plan.block_n) and plan.block_n >= h
+            assert 1 <= plan.programs <= min(tiles, 3 * programs_per_sm)  # dW partials: never more than tiles
+            assert (plan.programs - 1) * plan.steps < tiles <= plan.programs * plan.steps
+
+
+_TILING = ("rms_fwd_tile", "rms_bwd_tile", "rms_bwd_programs_per_sm", "rope_tile")
+
+
+def _tilings(*groups: str) -> list[LaunchConfig]:
+    """The distinct tilings the tune space gives ``groups`` (warp counts: test_triton_compile and --tune)."""
+    out: dict[tuple[int, ...], LaunchConfig] = {}
+    for group, cfg in tune_configs(NVIDIA):
+        if group in groups:
+            out.setdefault(tuple(getattr(cfg, f) for f in _TILING), cfg)
+    return list(out.values())
+
+
+def _tiling_id(cfg: LaunchConfig) -> str:
+    return "-".join(f"{f}={getattr(cfg, f)}" for f in _TILING)
+
+
+def _tuned_set(cfg: LaunchConfig) -> KernelSet:
+    from slidekit_kernels.triton_common.kernel_set import TritonKernelSet
+
+    return TritonKernelSet("triton_cuda_tuned", cfg)
+
+
+@needs_kernels
+@pytest.mark.parametrize("cfg", _tilings("rms_norm backward", "rms_norm forward"), ids=_tiling_id)
+def test_rms_norm_every_tuned_tiling(cfg):
+    """Tiles of 32 or 64 rows over 210 rows (partial last tile), 1-3 programs per SM; H = 4096 too."""
+    ks = _tuned_set(cfg)
+    for shape in ((3, 70, 123), (9, 4096)):
+        for dtype in DTYPES:
+            check_rms_norm(ks, shape, dtype=dtype, device=DEVICE)
+
+
+@needs_kernels
+@pytest.mark.parametrize("cfg", _tilings("rope"), ids=_tiling_id)
+def test_rope_every_tuned_tiling(cfg):
+    """Several positions per program over position counts they do not divide; odd head counts."""
+    ks = _tuned_set(cfg)
+    for shape in ((2, 3, 3, 17, 80), (1, 8, 2, 33, 128)):
+        for layout in ("bhtd", "bthd"):
+            for dtype in DTYPES:
+                check_rope(ks, shape, dtype=dtype, device=DEVICE, layout=layout)
+
+
+@needs_kernels
+@pytest.mark.parametrize("layout", ["rows_apart", "transposed"])
+def test_rms_norm_strided_input_and_gradient(layout):
+    """x with rows further apart than H (a slice) or with no unit stride (a copy), and a strided dy."""
+    ks, ref = _build("triton_cuda"), reference_kernels()
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 5, 96, generator=gen)
+    x = base[..., :80] if layout == "rows_apart" else base[..., :80].transpose(0, 1)
+    w = torch.randn(80, generator=gen) * 0.2 + 1.0
+    dy = torch.randn(80, *x.shape[:-1], generator=gen).movedim(0, -1)  # last stride is not 1
+    results = []
+    for kernels in (ks, ref):
+        xl = x.to(DEVICE).requires_grad_()
+        wl = w.to(DEVICE).requires_grad_()
+        y = kernels.rms_norm(xl, wl, 1e-6)
+        results.append((y, *torch.autograd.grad(y, [xl, wl], dy.to(DEVICE))))
+    tol = TOLERANCES[torch.float32]
+    for name, a, e in zip(("y", "dx", "dw"), *results, strict=True):
+        assert_close(a, e, tol["rms_norm.grad" if name != "y" else "rms_norm"], f"{layout} {name}")
+        assert a.shape == e.shape
+
+
+@needs_kernels
+def test_launchers_make_no_copies_of_dense_inputs():
+    """Contiguous x is read in place and y, dx come out in x's shape; RoPE outputs keep a transposed layout."""
+    from slidekit_kernels.triton_common.rms_norm import rms_norm_backward, rms_norm_forward
+    from slidekit_kernels.triton_common.rope import rope_apply
+
+    x, w = torch.randn(2, 3, 64, device=DEVICE), torch.ones(64, device=DEVICE)
+    y, x2, rstd = rms_norm_forward(x, w, 1e-6, NVIDIA)
+    assert x2 is x and y.shape == x.shape and y.is_contiguous() and rstd.shape == (6,)
+    dx, dw = rms_norm_backward(torch.randn_like(y), x2, w, rstd, NVIDIA)
+    assert dx.shape == x.shape and dw is not None and dw.shape == (64,)
+    assert rms_norm_backward(torch.randn_like(y), x2, w, rstd, NVIDIA, want_dw=False)[1] is None
+    q = torch.randn(2, 9, 4, 16, device=DEVICE).transpose(1, 2)  # (B, heads, T, D) view of (B, T, heads, D)
+    k = torch.randn(2, 9, 2, 16, device=DEVICE).transpose(1, 2)
+    cos, sin = torch.randn(9, 16, device=DEVICE), torch.randn(9, 16, device=DEVICE)
+    qo, ko = rope_apply(q, k, cos, sin, NVIDIA)
+    assert qo.stride() == q.stride() and ko.stride() == k.stride()
 
 
 @pytest.mark.skipif(INTERPRETED or not HAVE_TRITON, reason="checks the compiled kernels' device check")

@@ -3,6 +3,11 @@
 Triton compiles for GPUs; under ``TRITON_INTERPRET=1`` (set before the
 kernel modules are imported) the same kernels run in NumPy on CPU tensors,
 which is how the tests exercise them without a GPU.
+
+These run on every launch, and a training step launches hundreds of small
+kernels, so they stay cheap: no device-context switch when the tensor's GPU is
+already the current one, integer arithmetic instead of ``triton.cdiv`` (a
+constexpr function, several microseconds per call on the host).
 """
 
 from __future__ import annotations
@@ -14,18 +19,24 @@ from typing import Any
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
-__all__ = ["check_device", "multiprocessors", "on_device"]
+__all__ = ["cdiv", "check_device", "multiprocessors", "on_device"]
 
 #: Programs the interpreter pretends a CPU has, so multi-program reductions are exercised there too.
 _INTERPRETER_SMS = 3
+#: Reusable: entering and leaving a nullcontext keeps no state.
+_NO_SWITCH = contextlib.nullcontext()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive ``b``, in integer arithmetic."""
+    return -(-a // b)
 
 
 def check_device(kernel: Any, *tensors: torch.Tensor) -> None:
     """Raise unless every tensor is on one device the (compiled or interpreted) ``kernel`` can reach."""
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
-    (device,) = devices
+    device = tensors[0].device
+    if any(t.device != device for t in tensors[1:]):
+        raise ValueError(f"all tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
     interpreted = isinstance(kernel, InterpretedFunction)
     if device.type == "cpu" and not interpreted:
         raise RuntimeError(
@@ -52,6 +63,17 @@ def multiprocessors(device: torch.device) -> int:
     return _sm_count(index)
 
 
+@functools.cache
+def _one_gpu() -> bool:
+    return torch.cuda.device_count() <= 1
+
+
 def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager[Any]:
-    """Make ``t``'s GPU the current one while launching: Triton launches on the current device."""
-    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+    """Make ``t``'s GPU the current one while launching (Triton launches on the current device).
+
+    A no-op when it already is, which is every launch of a single-GPU run.
+    """
+    device = t.device
+    if device.type != "cuda" or _one_gpu() or device.index == torch.cuda.current_device():
+        return _NO_SWITCH
+    return torch.cuda.device(device)

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from slidekit_kernels.triton_common._launch import check_device, on_device
+from slidekit_kernels.triton_common._launch import cdiv, check_device, on_device
 from slidekit_kernels.triton_common.vendors import LaunchConfig, next_pow2
 
 __all__ = [
@@ -162,7 +162,7 @@ def linear_cross_entropy_forward(
         logits = buffer[: b - a]  # (c, V)
         torch.mm(h, weight.T, out=logits)
         with on_device(logits):
-            _cross_entropy_fwd_kernel[(triton.cdiv(b - a, rows),)](
+            _cross_entropy_fwd_kernel[(cdiv(b - a, rows),)](
                 logits, labels[a:b], losses[a:b], logits.stride(0), b - a, v, ignore_index,
                 WRITE_GRAD=write_grad, ROWS=rows, BLOCK_V=block_v, num_warps=cfg.num_warps(rows * block_v),
             )  # fmt: skip
@@ -180,7 +180,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd wrapper: the forward pass computes the gradients; backward scales them in place."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: Tensor,
         weight: Tensor,
@@ -197,7 +197,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         dh, dw = ctx.dh, ctx.dw
         ctx.dh = ctx.dw = None
         # The scale stays a device tensor: no host sync. In BF16 it is rounded to BF16 first,

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from slidekit_kernels.triton_common._launch import check_device, on_device
+from slidekit_kernels.triton_common._launch import cdiv, check_device, on_device
 from slidekit_kernels.triton_common.vendors import LaunchConfig
 
 __all__ = ["SwiGLUFunction", "swiglu", "swiglu_backward", "swiglu_forward"]
@@ -58,7 +58,7 @@ def _launch(kernel: Any, cfg: LaunchConfig, n: int, *args: Any) -> None:
     if n:
         block = cfg.elementwise_block
         with on_device(args[0]):
-            kernel[(triton.cdiv(n, block),)](*args, n, BLOCK=block, num_warps=cfg.num_warps(block))
+            kernel[(cdiv(n, block),)](*args, n, BLOCK=block, num_warps=cfg.num_warps(block))
 
 
 def swiglu_forward(gate: Tensor, up: Tensor, cfg: LaunchConfig) -> tuple[Tensor, Tensor, Tensor]:
@@ -84,14 +84,14 @@ class SwiGLUFunction(torch.autograd.Function):
     """Autograd wrapper: saves gate and up (contiguous); the backward pass recomputes the sigmoid."""
 
     @staticmethod
-    def forward(ctx: Any, gate: Tensor, up: Tensor, cfg: LaunchConfig) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, gate: Tensor, up: Tensor, cfg: LaunchConfig) -> Tensor:
         out, g, u = swiglu_forward(gate, up, cfg)
         ctx.save_for_backward(g, u)
         ctx.cfg = cfg
         return out
 
     @staticmethod
-    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         gate, up = ctx.saved_tensors
         dg, du = swiglu_backward(dout, gate, up, ctx.cfg)
         return dg, du, None

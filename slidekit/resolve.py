@@ -1,0 +1,76 @@
+"""From a configuration to the concrete pieces of a run, before anything is allocated.
+
+``resolve(config, plugins)`` picks the device and compute dtype, reads the
+model's config.json, finds its adapter (the ``ArchSpec``), and selects every
+driver the configuration names (explicit names must be available; "auto"
+says what it chose). The trainer builds a run from it; ``slidekit plan``
+plans one from it without loading a single weight.
+
+Test: ``pytest tests/test_planner.py tests/test_plugins.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slidekit.config import TrainConfig
+from slidekit.devices import device_family, resolve_device
+from slidekit.models.base import ArchSpec
+from slidekit.models.loading import load_hf_config
+from slidekit.plugins import Plugins, Selection
+
+__all__ = ["RunSetup", "compute_dtype", "resolve", "resolve_device"]
+
+
+@dataclass(frozen=True, slots=True)
+class RunSetup:
+    device: torch.device
+    family: str  # "cpu", "cuda" or "rocm"
+    compute_dtype: torch.dtype
+    hf_config: Any
+    model_dir: Path
+    spec: ArchSpec
+    selections: dict[str, Selection]  # kernels, optimizer, state_tier[, activation_tier, state_offload_tier]
+
+    @property
+    def itemsize(self) -> int:
+        return self.compute_dtype.itemsize
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``engine.compute_dtype``: "auto" is BF16 on an accelerator and FP32 on the CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def resolve(config: TrainConfig, plugins: Plugins) -> RunSetup:
+    """Device, dtype, model spec and drivers of ``config`` (errors name what is missing and the fix)."""
+    ec = config.engine
+    device = resolve_device(ec.device)
+    family = device_family(device)
+    hf_config, model_dir = load_hf_config(config.model.source, config.model.overrides)
+    adapter = plugins.adapter_for(hf_config.model_type)
+    spec: ArchSpec = adapter.descriptor.factory(hf_config)
+    selections = {
+        "kernels": plugins.select("kernels", ec.kernels, family),
+        "optimizer": plugins.select("optimizer", config.optim.name, family),
+        "state_tier": plugins.select("tier", ec.state_tier, family),
+    }
+    if ec.activation_tier != "device":
+        selections["activation_tier"] = plugins.select("tier", ec.activation_tier, family)
+    if ec.state_offload_fraction > 0 and ec.state_offload_tier:
+        selections["state_offload_tier"] = plugins.select("tier", ec.state_offload_tier, family)
+    return RunSetup(
+        device=device,
+        family=family,
+        compute_dtype=compute_dtype(ec.compute_dtype, device),
+        hf_config=hf_config,
+        model_dir=model_dir,
+        spec=spec,
+        selections=selections,
+    )

@@ -1,0 +1,265 @@
+"""The memory planner: its numbers track what the engine allocates; it refuses what cannot fit, and recommends.
+
+The GPU totals are checked against measured peaks in ``tests/gpu/test_planner_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from slidekit import EngineConfig, ModelConfig, OptimConfig, TrainConfig, Trainer
+from slidekit.cli import main
+from slidekit.config import DataConfig
+from slidekit.errors import ConfigError
+from slidekit.hostmem import registered_bytes
+from slidekit.models.base import ArchSpec
+from slidekit.planner import GIB, Machine, Placement, Planner, Workload, plan_run
+from slidekit.plugins import Plugins
+from slidekit.testing.models import save_tiny_model, tiny_config
+
+MEDIA = {"ram": "host", "posix": "disk", "gds": "disk", "gpu": "device"}
+
+
+def _spec(family: str = "llama", **overrides: object) -> ArchSpec:
+    hf = tiny_config(family, **overrides)
+    return Plugins().adapter_for(hf.model_type).descriptor.factory(hf)
+
+
+def _planner(spec: ArchSpec, *, batch: int = 4, seq: int = 32, accum: int = 1, **kw: object) -> Planner:
+    args: dict[str, object] = {
+        "compute_itemsize": 2,
+        "state_bytes": lambda n: 8 * n,
+        "media": MEDIA,
+        "device_type": "cuda",
+    }
+    args.update(kw)
+    return Planner(spec, Workload(batch_size=batch, seq_len=seq, grad_accum=accum), **args)  # type: ignore[arg-type]
+
+
+def _cuda_machine(gpu: float, ram: float = 64.0, disk: float | None = None) -> Machine:
+    return Machine(
+        device_type="cuda",
+        device_free=int(gpu * GIB),
+        device_total=int(gpu * GIB),
+        host_available=int(ram * GIB),
+        host_total=int(ram * GIB),
+        disk_free=None if disk is None else int(disk * GIB),
+    )
+
+
+def test_components_follow_the_formulas():
+    spec = _spec("qwen2")  # tied embeddings: one more cache unit
+    p = _planner(spec, batch=2, seq=16, accum=3)
+    numels = [u.numel for u in spec.units]
+    est = p.estimate(Placement(gpu_resident="none"), _cuda_machine(80))
+    assert est.device["window"] == 2 * (3 + 1) * max(numels) * 2
+    assert est.device["activations"] == spec.num_layers * 3 * 2 * 16 * spec.hidden_size * 2
+    assert est.device["hidden"] == 3 * 2 * 16 * spec.hidden_size * 2
+    assert est.host["masters"] == 4 * sum(numels)
+    assert est.host["state"] == 8 * sum(numels)
+    assert est.host["gradients"] == 2 * max(numels) * 2
+    assert est.disk == {}
+    # activations on ram move to the host; the device keeps the two in flight
+    est2 = p.estimate(Placement(gpu_resident="none", activation_tier="ram"), _cuda_machine(80))
+    assert est2.host["activations"] == est.device["activations"]
+    assert est2.device["activations"] == 2 * 2 * 16 * spec.hidden_size * 2
+
+
+def test_resident_units_move_master_and_state_to_the_device_and_shrink_the_window():
+    spec = _spec("llama", vocab_size=4096)  # embedding and head far larger than a layer
+    p = _planner(spec)
+    numels = [u.numel for u in spec.units]
+    all_res = p.estimate(Placement(gpu_resident="all"), _cuda_machine(80))
+    assert all(all_res.resident)
+    assert all_res.device["resident"] == sum(n * (4 + 2 * 2 + 8) for n in numels)
+    assert all_res.host["masters"] == 0 and all_res.host["state"] == 0
+    # the first half resident: the window is sized for the largest unit still sliding (the head)
+    half = p.estimate(Placement(gpu_resident="0.5"), _cuda_machine(80))
+    assert half.resident == tuple(i < round(0.5 * len(numels)) for i in range(len(numels)))
+    assert half.device["window"] == 2 * 3 * numels[-1] * 2
+    layers_only = p.estimate(
+        Placement(), _cuda_machine(80), resident=[True] + [False] * (len(numels) - 2) + [True]
+    )
+    assert layers_only.device["window"] == 2 * 3 * numels[1] * 2
+
+
+def test_auto_residency_takes_what_the_spare_memory_holds_in_forward_order():
+    spec = _spec("llama", num_hidden_layers=8, vocab_size=512)
+    p = _planner(spec)
+    none = p.estimate(Placement(gpu_resident="none"), _cuda_machine(80))
+    per_unit = [p.resident_cost(u) for u in range(len(spec.units))]
+    reserve = 4 * GIB
+    for count in (0, 3, len(per_unit)):
+        budget = (
+            none.device_bytes
+            + reserve
+            + sum(per_unit[:count])
+            + (per_unit[count] // 2 if count < len(per_unit) else 0)
+        )
+        machine = dataclasses.replace(_cuda_machine(80), device_free=budget, device_total=budget)
+        res = p.residency(Placement(), machine)
+        assert res == [i < count for i in range(len(per_unit))], count
+
+
+def test_optimizer_without_device_updates_keeps_everything_on_the_host():
+    p = _planner(_spec(), device_updates=False)
+    assert not any(p.estimate(Placement(gpu_resident="auto"), _cuda_machine(80)).resident)
+
+
+def test_state_fraction_goes_to_disk_and_is_streamed():
+    spec = _spec("llama", num_hidden_layers=6)
+    p = _planner(spec, state_chunk=1024)
+    place = Placement(gpu_resident="none", state_offload_tier="posix", state_offload_fraction=0.5)
+    est = p.estimate(place, _cuda_machine(80, disk=10))
+    numels = [u.numel for u in spec.units]
+    assert est.disk["state"] + est.host["state"] == 8 * sum(numels)
+    assert est.disk["state"] > 0 and est.host["state"] > 0
+    assert est.host["state staging"] == 3 * 1024 * 8
+    assert _planner(spec).estimate(place, _cuda_machine(80)).host["state staging"] == 3 * 8 * max(numels)
+    # no offload directory: the disk need is a shortfall that says how to fix it
+    problems = est.shortfalls(_cuda_machine(80, disk=None))
+    assert len(problems) == 1 and "offload_dir" in problems[0]
+    tiny_disk = est.shortfalls(_cuda_machine(80, disk=1e-6))
+    assert len(tiny_disk) == 1 and tiny_disk[0].startswith("disk: needs")
+
+
+def test_shortfalls_name_each_medium_with_numbers():
+    p = _planner(_spec(), batch=64, seq=64)
+    est = p.estimate(Placement(gpu_resident="none"), _cuda_machine(1e-3, ram=1e-3))
+    problems = est.shortfalls(_cuda_machine(1e-3, ram=1e-3))
+    assert [x.split(":")[0] for x in problems] == ["GPU memory", "host RAM"]
+    assert "window" in problems[0] and "GiB free" in problems[0]
+    assert "masters" in problems[1] and "available" in problems[1]
+    assert est.fits(_cuda_machine(80))
+
+
+def test_recommendation_is_the_fastest_placement_that_fits():
+    spec = _spec("llama", num_hidden_layers=8, vocab_size=512)
+    p = _planner(spec, batch=8, seq=64)
+    base = Placement(gpu_resident="none")
+    roomy = p.recommend(base, _cuda_machine(80))
+    assert roomy is not None and roomy.placement.gpu_resident == "all"
+    # A device too small for the activations (and an optimizer that cannot update there): activations to RAM.
+    p = _planner(spec, batch=8, seq=64, device_updates=False)
+    sliding = p.estimate(Placement(gpu_resident="none"), _cuda_machine(80))
+    acts = sliding.device["activations"]
+    tight = sliding.device_bytes * 1.05 + (512 << 20) - acts / 2
+    rec = p.recommend(
+        base, dataclasses.replace(_cuda_machine(80), device_free=int(tight), device_total=int(tight))
+    )
+    assert rec is not None and rec.placement.activation_tier == "ram" and not any(rec.resident)
+    # Host RAM too small for all the state: part of it goes to disk, the smallest share that fits.
+    host = sliding.host_bytes - 0.4 * sliding.host["state"]
+    machine = dataclasses.replace(_cuda_machine(1e-3, ram=0, disk=100), host_available=int(host))
+    machine = dataclasses.replace(machine, device_free=int(tight * 2), device_total=int(tight * 2))
+    rec = p.recommend(base, machine, "posix")
+    assert rec is not None and rec.placement.state_offload_tier == "posix"
+    assert 0 < rec.placement.state_offload_fraction < 1 and rec.fits(machine)
+    # every faster candidate does not fit
+    order = p.candidates(base, "posix")
+    assert all(not p.estimate(c, machine).fits(machine) for c in order[: order.index(rec.placement)])
+    # Without a disk tier nothing fits.
+    assert p.recommend(base, dataclasses.replace(machine, disk_free=None), "posix") is None
+
+
+def test_candidates_run_from_fastest_to_slowest():
+    p = _planner(_spec())
+    order = p.candidates(Placement(), "posix")
+    assert order[0] == Placement(gpu_resident="all") and order[1] == Placement(gpu_resident="auto")
+    fractions = [c.state_offload_fraction for c in order]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0
+    assert order[-1].activation_tier == "posix"
+    assert len(order) == len(set(order))
+    assert all(c.state_offload_fraction == 0 for c in p.candidates(Placement(), None))
+
+
+def test_planner_matches_what_the_engine_allocates(tmp_path):
+    """Window, masters, state and gradient ring as the CPU engine allocates them, byte for byte."""
+    model = save_tiny_model("qwen2", tmp_path / "m")
+    config = TrainConfig(
+        model=ModelConfig(source=str(model)),
+        data=DataConfig(batch_size=2, seq_len=16),
+        engine=EngineConfig(device="cpu", gpu_resident="none"),
+    )
+    with Trainer(config) as t:
+        est = t.estimate
+        assert est is not None
+        engine = t.engine
+        window = sum(s.params.nbytes + s.grads.nbytes for s in engine.window.slots)
+        assert est.device["window"] == window
+        assert est.host["masters"] == sum(m.nbytes for m in engine.host.masters)
+        assert est.host["state"] == sum(engine.host.state.nbytes(u) for u in range(len(t.spec.units)))
+        assert est.host["gradients"] == sum(b.nbytes for b in engine.host.ring.buffers)
+
+
+def test_trainer_refuses_what_does_not_fit_before_allocating(tmp_path):
+    model = save_tiny_model("llama", tmp_path / "m")
+    config = TrainConfig(
+        model=ModelConfig(source=str(model)),
+        engine=EngineConfig(device="cpu", state_tier="posix", offload_dir=str(tmp_path / "off")),
+    )
+    small = Machine(device_type="cpu", host_available=8 * GIB, host_total=8 * GIB, disk_free=100)
+    before = registered_bytes()
+    with pytest.raises(ConfigError) as err:
+        Trainer(config, machine=small)
+    text = str(err.value)
+    assert "does not fit" in text and "disk: needs" in text and "GiB free" in text
+    assert "--state-tier ram" in text  # the fix: state in RAM fits
+    assert registered_bytes() == before
+    assert not any((tmp_path / "off").glob("*")) if (tmp_path / "off").exists() else True
+    # nothing fits at all: the message says what to change
+    tiny = dataclasses.replace(small, host_available=1 << 20)
+    with pytest.raises(ConfigError, match=r"no placement fits this batch: lower data\.batch_size"):
+        Trainer(config, machine=tiny)
+
+
+def test_plan_run_and_cli(tmp_path, capsys):
+    config = TrainConfig(engine=EngineConfig(device="cpu"))
+    report = plan_run(config)
+    assert report.fits and "verdict: fits" in report.render()
+    assert main(["plan", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "host RAM" in out and "verdict: fits" in out
+    assert main(["plan", "--device", "cpu", "--ram-gib", "0.5"]) == 1
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "host RAM: needs" in out
+    # with a disk tier allowed, the plan recommends moving state there
+    off = tmp_path / "off"
+    config = TrainConfig(engine=EngineConfig(device="cpu", offload_dir=str(off)))
+    need = plan_run(config).requested
+    host = need.host_bytes + need.device_bytes - need.host["state"] // 2
+    report = plan_run(
+        config, machine=Machine(device_type="cpu", host_available=host, host_total=host, disk_free=GIB)
+    )
+    out = report.render()
+    assert not report.fits and "fastest placement that fits" in out and "--state-offload-tier posix" in out
+    assert report.recommended is not None and report.recommended.placement.state_offload_fraction > 0
+
+
+def test_placement_flags_round_trip_through_the_cli_parser():
+    from slidekit.cli import build_parser, config_from_args
+
+    place = Placement(
+        gpu_resident="0.25",
+        state_tier="ram",
+        state_offload_tier="posix",
+        state_offload_fraction=0.75,
+        activation_tier="ram",
+    )
+    args = build_parser().parse_args(["finetune", *place.flags().split(), "--offload-dir", "/tmp/x"])
+    assert Placement.of(config_from_args(args).engine) == place
+
+
+def test_machine_probe_reads_this_machine(tmp_path):
+    m = Machine.probe(torch.device("cpu"), str(tmp_path / "not" / "yet"))
+    assert m.device_free is None and 0 < m.host_available <= m.host_total
+    assert m.disk_free is not None and m.disk_free > 0
+
+
+def test_optimizer_state_bytes_come_from_the_optimizer(tmp_path):
+    config = TrainConfig(engine=EngineConfig(device="cpu"), optim=OptimConfig(name="adamw_8bit"))
+    report = plan_run(config)
+    assert "adamw_8bit (2.0" in report.summary
