@@ -67,8 +67,6 @@ Speed: ``python benchmarks/optimizer_rate.py --numel 20000000``.
 
 from __future__ import annotations
 
-import logging
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,13 +80,12 @@ from slidekit.interfaces import Availability, OptimizerDescriptor, OptimizerHype
 from slidekit_optim.layer_adam import (
     _IMPLS,
     Impl,
-    KernelUnavailable,
     _scalars,
     _Segment,
     _segments,
     _StepScalars,
     kernel_status,
-    load_kernel,
+    load_or_fallback,
 )
 from slidekit_optim.quant8 import (
     BLOCK_SIZE,
@@ -101,16 +98,12 @@ from slidekit_optim.quant8 import (
 
 __all__ = ["DEFAULT_CHUNK", "KERNEL_SOURCE", "AdamW8bit"]
 
-log = logging.getLogger(__name__)
 
 #: The fused kernel's source; ``AdamW8bit(kernel_source=...)`` builds another one instead.
 KERNEL_SOURCE = Path(__file__).resolve().parent / "csrc" / "adamw8.cpp"
 
 #: Elements per chunk of the torch path: 4 MiB per FP32 scratch buffer. A multiple of the block size.
 DEFAULT_CHUNK = 1 << 20
-
-_FELL_BACK: set[Path] = set()  # kernel sources whose fallback to pure torch has been logged
-_FELL_BACK_LOCK = threading.Lock()
 
 
 @dataclass(slots=True)
@@ -177,22 +170,8 @@ class AdamW8bit:
         self.v_map: QuantMap = dynamic_map(signed=False, keep_nonzero=True)
         self.requested_impl: Impl = impl
         self._source = Path(kernel_source) if kernel_source is not None else KERNEL_SOURCE
-        self._kernel: ModuleType | None = None
-        self.impl: str = "torch" if impl == "torch" else self._load()  # "cpp" or "torch": the path in use
-
-    def _load(self) -> str:
-        """Build or load the kernel now (the engine builds drivers before its threads start)."""
-        try:
-            self._kernel = load_kernel(self._source)
-        except KernelUnavailable as e:
-            if self.requested_impl == "cpp":
-                raise KernelUnavailable(
-                    f"adamw_8bit: impl='cpp' but the fused kernel is unavailable: {e}. "
-                    "Use impl='auto' (falls back to pure torch) or impl='torch'."
-                ) from e
-            _log_fallback_once(self._source, str(e))
-            return "torch"
-        return "cpp"
+        self._kernel: ModuleType | None = load_or_fallback(self._source, impl, "adamw_8bit")
+        self.impl: str = "cpp" if self._kernel is not None else "torch"  # the path in use
 
     def state_layout(self, numel: int) -> Mapping[str, tuple[torch.dtype, int]]:
         blocks = num_blocks(numel)
@@ -347,17 +326,6 @@ class AdamW8bit:
                 f"adamw_8bit updates on the CPU only, got {', '.join(elsewhere)}; "
                 "keep the unit on the host or use layer_adam"
             )
-
-
-def _log_fallback_once(source: Path, reason: str) -> None:
-    key = Path(source).resolve()
-    with _FELL_BACK_LOCK:
-        if key in _FELL_BACK:
-            return
-        _FELL_BACK.add(key)
-    log.warning(
-        "slidekit: adamw_8bit runs on pure torch ops, the fused CPU kernel is unavailable: %s", reason
-    )
 
 
 def _availability() -> Availability:

@@ -76,7 +76,15 @@ import torch
 from slidekit.hookspecs import hookimpl
 from slidekit.interfaces import Availability, OptimizerDescriptor, OptimizerHyper, ParamGroupRange
 
-__all__ = ["KERNEL_SOURCE", "Impl", "KernelUnavailable", "LayerAdam", "kernel_status", "load_kernel"]
+__all__ = [
+    "KERNEL_SOURCE",
+    "Impl",
+    "KernelUnavailable",
+    "LayerAdam",
+    "kernel_status",
+    "load_kernel",
+    "load_or_fallback",
+]
 
 log = logging.getLogger(__name__)
 
@@ -216,15 +224,34 @@ def load_kernel(source: Path = KERNEL_SOURCE) -> ModuleType:
     return kernel
 
 
-def _log_fallback_once(source: Path, reason: str) -> None:
+def _log_fallback_once(source: Path, reason: str, owner: str = "layer_adam") -> None:
     key = Path(source).resolve()
     with _KERNELS_LOCK:
         if key in _FELL_BACK:
             return
         _FELL_BACK.add(key)
-    log.warning(
-        "slidekit: layer_adam runs on pure torch ops, the fused CPU kernel is unavailable: %s", reason
-    )
+    log.warning("slidekit: %s runs on pure torch ops, the fused CPU kernel is unavailable: %s", owner, reason)
+
+
+def load_or_fallback(source: Path, requested: str, owner: str) -> ModuleType | None:
+    """The fused kernel built from ``source``, or None where the torch path must serve.
+
+    ``requested`` is the optimizer's ``impl``: "torch" never builds; "cpp"
+    raises ``KernelUnavailable`` (naming ``owner``) when the kernel cannot be
+    built; "auto" falls back to torch with one logged warning per source.
+    """
+    if requested == "torch":
+        return None
+    try:
+        return load_kernel(source)
+    except KernelUnavailable as e:
+        if requested == "cpp":
+            raise KernelUnavailable(
+                f"{owner}: impl='cpp' but the fused kernel is unavailable: {e}. "
+                "Use impl='auto' (falls back to pure torch) or impl='torch'."
+            ) from e
+        _log_fallback_once(source, str(e), owner)
+        return None
 
 
 def kernel_status(source: Path = KERNEL_SOURCE) -> str:
@@ -385,22 +412,8 @@ class LayerAdam:
         self.hyper = hyper
         self.requested_impl: Impl = impl
         self._source = Path(kernel_source) if kernel_source is not None else KERNEL_SOURCE
-        self._kernel: ModuleType | None = None
-        self.impl: str = "torch" if impl == "torch" else self._load()  # "cpp" or "torch": the path in use
-
-    def _load(self) -> str:
-        """Build or load the kernel now (the engine builds drivers before its threads start)."""
-        try:
-            self._kernel = load_kernel(self._source)
-        except KernelUnavailable as e:
-            if self.requested_impl == "cpp":
-                raise KernelUnavailable(
-                    f"layer_adam: impl='cpp' but the fused kernel is unavailable: {e}. "
-                    "Use impl='auto' (falls back to pure torch) or impl='torch'."
-                ) from e
-            _log_fallback_once(self._source, str(e))
-            return "torch"
-        return "cpp"
+        self._kernel: ModuleType | None = load_or_fallback(self._source, impl, "layer_adam")
+        self.impl: str = "cpp" if self._kernel is not None else "torch"  # the path in use
 
     def state_layout(self, numel: int) -> Mapping[str, tuple[torch.dtype, int]]:
         return {"exp_avg": (torch.float32, numel), "exp_avg_sq": (torch.float32, numel)}
