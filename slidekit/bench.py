@@ -74,6 +74,7 @@ __all__ = [
     "peak_rss_gib",
     "run_child",
     "run_command",
+    "run_header",
     "slidekit_parser",
     "synthetic_tokens",
     "throughput",
@@ -266,6 +267,21 @@ def peak_gpu_gib(device: torch.device) -> float | None:
     return round(torch.cuda.max_memory_allocated(device) / _GIB, 3)
 
 
+def run_header(system: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The fields every benchmark record starts with: what ran, on what, for how many steps."""
+    return {
+        "system": system,
+        "status": "ok",
+        "model": args.model,
+        "batch": args.batch,
+        "seq": args.seq,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    }
+
+
 def throughput(spec: ArchSpec, batch: int, seq: int, step_seconds: Sequence[float]) -> dict[str, Any]:
     """median_step_s, tokens_per_s and model_tflops of timed steps of ``batch`` rows of ``seq`` tokens."""
     from slidekit.telemetry import model_flops
@@ -347,15 +363,7 @@ def measure_slidekit(args: argparse.Namespace) -> dict[str, Any]:
             result = trainer.fit(data, steps=args.steps)
             kernels, optimizer = trainer.selections["kernels"].name, trainer.selections["optimizer"].name
     return {
-        "system": "slidekit",
-        "status": "ok",
-        "model": args.model,
-        "batch": args.batch,
-        "seq": args.seq,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        **run_header("slidekit", args, device),
         "resident": args.resident,
         "resident_units": resident,
         "activations": args.activations,

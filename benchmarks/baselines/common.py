@@ -33,6 +33,7 @@ from slidekit.bench import (
     hf_config,
     peak_gpu_gib,
     peak_rss_gib,
+    run_header,
     synthetic_tokens,
     throughput,
 )
@@ -124,15 +125,7 @@ def measure(
             seconds.append(time.perf_counter() - t0)
             losses.append(round(loss, 4))
     record = {
-        "system": system,
-        "status": "ok",
-        "model": args.model,
-        "batch": args.batch,
-        "seq": args.seq,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if cuda else None,
+        **run_header(system, args, device),
         **throughput(spec, args.batch, args.seq, seconds),
         "peak_gpu_gib": peak_gpu_gib(device),
         "peak_host_rss_gib": peak_rss_gib(),

@@ -62,7 +62,9 @@ def build_engine(args: Any, device: torch.device) -> Any:
 
     single_process_env()
     if device.type == "cuda":  # set_device needs an index ("cuda" alone has none): LOCAL_RANK's, i.e. 0
-        torch.cuda.set_device(device.index if device.index is not None else int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(
+            device.index if device.index is not None else int(os.environ.get("LOCAL_RANK", 0))
+        )
     deepspeed.init_distributed(verbose=False)
     model = build_model(args.model, args.seq, device, torch.bfloat16, args.seed)
     try:
