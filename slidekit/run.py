@@ -16,13 +16,12 @@ Test: ``pytest tests/test_resume.py``.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slidekit import checkpoint as ck
+from slidekit.atomic import write_text_atomically
 from slidekit.engine import snapshot
 from slidekit.errors import ConfigError
 
@@ -31,15 +30,6 @@ if TYPE_CHECKING:
     from slidekit.engine import Engine
 
 __all__ = ["RunDirectory"]
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class RunDirectory:
@@ -55,7 +45,7 @@ class RunDirectory:
             raise ConfigError(f"cannot create the run directory {str(self.path)!r}: {exc}") from exc
         self.config = config
         self.checkpoints = self.path / "checkpoints"
-        _write_atomically(self.path / "config.json", json.dumps(config.to_dict(), indent=1) + "\n")
+        write_text_atomically(self.path / "config.json", json.dumps(config.to_dict(), indent=1) + "\n")
         self.writer = ck.CheckpointWriter(self.checkpoints, keep=rc.keep, progress=progress)
         self._metrics = (self.path / "metrics.jsonl").open("a", encoding="utf-8")
         self.last_saved: int | None = None
@@ -126,7 +116,7 @@ class RunDirectory:
                 continue  # a line cut short by the kill
             if int(record.get("step", 0)) <= step:
                 kept.append(line)
-        _write_atomically(path, "".join(f"{line}\n" for line in kept))
+        write_text_atomically(path, "".join(f"{line}\n" for line in kept))
         self._metrics = path.open("a", encoding="utf-8")
 
     @staticmethod

@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from slidekit.atomic import write_text_atomically
 from slidekit.errors import ConfigError
 from slidekit.telemetry import Span, Timeline
 
@@ -196,8 +197,6 @@ class TraceWriter:
         return self.path
 
     def _write(self, error: BaseException | None) -> None:
-        from slidekit.run import _write_atomically  # lazily: slidekit.run imports the engine
-
         doc = {
             "traceEvents": trace_events(self._spans, self._steps, self._origin, self.device),
             "displayTimeUnit": "ms",
@@ -208,7 +207,7 @@ class TraceWriter:
             },
         }
         try:
-            _write_atomically(self.path, json.dumps(doc, separators=(",", ":")) + "\n")
+            write_text_atomically(self.path, json.dumps(doc, separators=(",", ":")) + "\n")
         except OSError as exc:
             raise ConfigError(
                 f"cannot write the trace {str(self.path)!r}: {exc}; choose a writable path for run.trace (--trace)"
