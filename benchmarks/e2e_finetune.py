@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from slidekit import EngineConfig, ModelConfig, TrainConfig, Trainer
-from slidekit.bench import write_config
+from slidekit.presets import write_config
 from slidekit.models.loading import demo_dir
 
 

@@ -3,7 +3,7 @@
     python benchmarks/train_throughput.py --model qwen2.5-1.5b --batch 8 --seq 1024 --steps 6
     python benchmarks/train_throughput.py --model tiny --device cpu      # a smoke run anywhere
 
-A thin wrapper: the presets (``slidekit.bench.PRESETS``), the run and its
+A thin wrapper: the presets (``slidekit.presets.PRESETS``), the run and its
 record live in ``slidekit.bench`` (this is ``python -m slidekit.bench``), which
 ``slidekit bench`` also uses to compare slidekit with the alternatives in
 benchmarks/baselines. The record: tokens/s and model TFLOPS of the median timed
