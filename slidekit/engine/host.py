@@ -73,7 +73,8 @@ class HostStore:
             else torch.empty(u.numel, dtype=torch.float32, device=dev)
             for u, dev in zip(units, on, strict=True)
         ]
-        sliding = [u.numel for u, dev in zip(units, on, strict=True) if dev is None]  # resident ones never come down
+        # The ring holds gradients on their way down: resident units never come down.
+        sliding = [u.numel for u, dev in zip(units, on, strict=True) if dev is None]
         self.ring = GradRing(grad_buffers, max(sliding, default=1), grad_dtype, self.memory, pipeline)
         self.state = StateStore(
             units,
