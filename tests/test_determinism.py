@@ -46,5 +46,7 @@ def test_embedding_gradient_does_not_depend_on_thread_timing():
         again = torch.zeros(300, 256)
         embed_backward(again, ids, dh)
         assert torch.equal(first, again)
-    want = torch.zeros(300, 256, dtype=torch.float64).index_add_(0, ids.reshape(-1), dh.reshape(-1, 256).double())
+    want = torch.zeros(300, 256, dtype=torch.float64).index_add_(
+        0, ids.reshape(-1), dh.reshape(-1, 256).double()
+    )
     torch.testing.assert_close(first, want.float(), rtol=1e-5, atol=1e-4)

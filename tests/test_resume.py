@@ -56,7 +56,9 @@ def test_resume_continues_bitwise(tmp_path, clip):
         want = t.state_dict()
     with _trainer(_config(tmp_path / "b", max_grad_norm=clip)) as t:
         first = t.fit(steps=4)  # "killed" after step 4 (checkpoint at 4 and at the end of fit)
-    with (tmp_path / "b" / "metrics.jsonl").open("a") as f:  # steps the killed run logged after it, one cut short
+    with (tmp_path / "b" / "metrics.jsonl").open(
+        "a"
+    ) as f:  # steps the killed run logged after it, one cut short
         f.write('{"step": 5, "loss": 99.0}\n{"step": 6, "lo')
     with _trainer(_config(tmp_path / "b", resume=True, max_grad_norm=clip)) as t:
         assert t.engine.steps_done == 4
