@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from slidekit import EngineConfig, ModelConfig, TrainConfig, Trainer
-from slidekit.presets import write_config
 from slidekit.models.loading import demo_dir
+from slidekit.presets import write_config
 
 
 def make_model(preset: str, directory: Path, seq: int, device: str) -> float:
