@@ -37,6 +37,7 @@ __all__ = [
     "TrainConfig",
     "from_dict",
     "load_toml",
+    "resident_fraction",
 ]
 
 _DTYPES = ("auto", "float32", "bfloat16")
@@ -166,18 +167,23 @@ class EngineConfig:
 
     def resident_fraction(self) -> float | None:
         """``gpu_resident`` as a fraction of units, or None for "auto"."""
-        named = {"auto": None, "none": 0.0, "all": 1.0}
-        if self.gpu_resident in named:
-            return named[self.gpu_resident]
-        try:
-            value = float(self.gpu_resident)
-        except ValueError:
-            value = -1.0
-        if not 0.0 <= value <= 1.0:
-            raise ConfigError(
-                f"engine.gpu_resident must be 'auto', 'none', 'all' or a fraction in [0, 1], got {self.gpu_resident!r}"
-            )
-        return value
+        return resident_fraction(self.gpu_resident)
+
+
+def resident_fraction(gpu_resident: str) -> float | None:
+    """An ``engine.gpu_resident`` value as a fraction of units: "none" 0, "all" 1, "auto" None."""
+    named = {"auto": None, "none": 0.0, "all": 1.0}
+    if gpu_resident in named:
+        return named[gpu_resident]
+    try:
+        value = float(gpu_resident)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(
+            f"engine.gpu_resident must be 'auto', 'none', 'all' or a fraction in [0, 1], got {gpu_resident!r}"
+        )
+    return value
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -54,14 +54,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from slidekit.config import resident_fraction
 from slidekit.errors import ConfigError
 from slidekit.models.base import ArchSpec
 from slidekit.plan import place_state, plan_residency
 
 if TYPE_CHECKING:
     from slidekit.config import TrainConfig
-    from slidekit.interfaces import KernelSetDescriptor, UnitOptimizer
+    from slidekit.interfaces import UnitOptimizer
     from slidekit.plugins import Plugins
+    from slidekit.resolve import RunSetup
 
 __all__ = [
     "GIB",
@@ -315,15 +317,7 @@ class Planner:
 
     @classmethod
     def for_run(
-        cls,
-        config: TrainConfig,
-        spec: ArchSpec,
-        *,
-        optimizer: UnitOptimizer,
-        kernels: KernelSetDescriptor,
-        plugins: Plugins,
-        device_type: str,
-        compute_itemsize: int,
+        cls, config: TrainConfig, setup: RunSetup, *, optimizer: UnitOptimizer, plugins: Plugins
     ) -> Planner:
         """The planner of a configured run: its model, workload, engine settings and drivers."""
         ec, dc, oc = config.engine, config.data, config.optim
@@ -332,16 +326,16 @@ class Planner:
             return sum(n * dt.itemsize for dt, n in optimizer.state_layout(numel).values())
 
         return cls(
-            spec,
+            setup.spec,
             Workload(batch_size=dc.batch_size, seq_len=dc.seq_len, grad_accum=config.grad_accum),
-            compute_itemsize=compute_itemsize,
+            compute_itemsize=setup.itemsize,
             state_bytes=state_bytes,
             media={r.name: r.descriptor.medium for r in plugins.drivers("tier")},
-            device_type=device_type,
+            device_type=setup.family,
             window=ec.window,
             grad_buffers=ec.grad_buffers,
             state_chunk=ec.state_chunk,
-            loss_workspace=kernels.loss_workspace_bytes,
+            loss_workspace=setup.selections["kernels"].descriptor.loss_workspace_bytes,
             device_updates=bool(getattr(optimizer, "device_capable", False)),
             keep_grads=oc.max_grad_norm is not None or oc.on_nonfinite == "skip",
         )
@@ -396,7 +390,7 @@ class Planner:
 
     def residency(self, placement: Placement, machine: Machine) -> list[bool]:
         """Units kept on the device: the configured share, or for "auto" what the device's spare memory holds."""
-        fraction = _resident_fraction(placement.gpu_resident)
+        fraction = resident_fraction(placement.gpu_resident)
         units = len(self.numels)
         free = machine.device_free
         on_cpu = free is None
@@ -500,18 +494,16 @@ class Planner:
             out.append(dataclasses.replace(out[-1], activation_tier=disk_tier))
         return list(dict.fromkeys(out))
 
-    def recommend(self, base: Placement, machine: Machine, disk_tier: str | None = None) -> Estimate | None:
-        """The fastest placement that fits ``machine`` (``disk_tier``: a tier allowed to hold state), or None."""
+    def recommend(
+        self, base: Placement, machine: Machine, disk_tier: str | None = "posix"
+    ) -> Estimate | None:
+        """The fastest placement that fits ``machine``, or None. ``disk_tier`` may hold optimizer state
+        where the machine has an offload directory (``disk_free`` known)."""
         for placement in self.candidates(base, disk_tier if machine.disk_free is not None else None):
             est = self.estimate(placement, machine)
             if est.fits(machine):
                 return est
         return None
-
-
-def _resident_fraction(value: str) -> float | None:
-    named = {"auto": None, "none": 0.0, "all": 1.0}
-    return named[value] if value in named else float(value)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -551,30 +543,17 @@ def plan_run(
     config: TrainConfig, *, plugins: Plugins | None = None, machine: Machine | None = None
 ) -> PlanReport:
     """Plan ``config`` on this machine (or on ``machine``) without loading any weight."""
-    from slidekit.interfaces import OptimizerHyper
     from slidekit.plugins import Plugins
-    from slidekit.resolve import resolve
+    from slidekit.resolve import build_optimizer, resolve
 
     plugins = plugins or Plugins(entry_points=config.plugins.entry_points, block=config.plugins.block)
     setup = resolve(config, plugins)
-    oc = config.optim
-    optimizer = setup.selections["optimizer"].descriptor.factory(
-        OptimizerHyper(betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay, threads=oc.threads)
-    )
-    planner = Planner.for_run(
-        config,
-        setup.spec,
-        optimizer=optimizer,
-        kernels=setup.selections["kernels"].descriptor,
-        plugins=plugins,
-        device_type=setup.family,
-        compute_itemsize=setup.itemsize,
-    )
+    optimizer = build_optimizer(config, setup)
+    planner = Planner.for_run(config, setup, optimizer=optimizer, plugins=plugins)
     machine = machine or Machine.probe(setup.device, config.engine.offload_dir)
     placement = Placement.of(config.engine)
     requested = planner.estimate(placement, machine)
-    disk = "posix" if config.engine.offload_dir else None
-    recommended = planner.recommend(placement, machine, disk)
+    recommended = planner.recommend(placement, machine)
     spec, dc = setup.spec, config.data
     summary = (
         f"model: {config.model.source} ({spec.family}, {spec.num_layers} layers, {_count(spec.num_params)} "

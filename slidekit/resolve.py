@@ -19,11 +19,12 @@ import torch
 
 from slidekit.config import TrainConfig
 from slidekit.devices import device_family, resolve_device
+from slidekit.interfaces import OptimizerHyper, UnitOptimizer
 from slidekit.models.base import ArchSpec
 from slidekit.models.loading import load_hf_config
 from slidekit.plugins import Plugins, Selection
 
-__all__ = ["RunSetup", "compute_dtype", "resolve", "resolve_device"]
+__all__ = ["RunSetup", "build_optimizer", "compute_dtype", "resolve", "resolve_device"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,3 +75,11 @@ def resolve(config: TrainConfig, plugins: Plugins) -> RunSetup:
         spec=spec,
         selections=selections,
     )
+
+
+def build_optimizer(config: TrainConfig, setup: RunSetup) -> UnitOptimizer:
+    """The selected optimizer driver, built with ``config.optim``'s hyperparameters."""
+    oc = config.optim
+    hyper = OptimizerHyper(betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay, threads=oc.threads)
+    optimizer: UnitOptimizer = setup.selections["optimizer"].descriptor.factory(hyper)
+    return optimizer

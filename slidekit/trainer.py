@@ -43,7 +43,7 @@ from slidekit.engine import (
 )
 from slidekit.errors import ConfigError, ModelLoadError
 from slidekit.export import export_model
-from slidekit.interfaces import OptimizerHyper, ParamGroupRange, StorageTier, TierContext
+from slidekit.interfaces import ParamGroupRange, StorageTier, TierContext
 from slidekit.models.base import UnitLayout
 from slidekit.models.loading import (
     DEMO_MODEL,
@@ -55,7 +55,7 @@ from slidekit.models.loading import (
 from slidekit.plan import place_state, plan_memory
 from slidekit.planner import Estimate, Machine, Placement, Planner
 from slidekit.plugins import Plugins, Selection
-from slidekit.resolve import resolve
+from slidekit.resolve import build_optimizer, resolve
 from slidekit.run import RunDirectory
 from slidekit.schedules import lr_factor
 from slidekit.telemetry import Progress, memory_metrics, model_flops
@@ -144,7 +144,7 @@ class Trainer:
         self.plugins = plugins or Plugins(
             entry_points=config.plugins.entry_points, block=config.plugins.block
         )
-        setup = resolve(config, self.plugins)
+        self.setup = setup = resolve(config, self.plugins)
         self.device, self.compute_dtype, self.spec = setup.device, setup.compute_dtype, setup.spec
         self.hf_config, self.model_dir = setup.hf_config, setup.model_dir
         self.selections: dict[str, Selection] = setup.selections
@@ -187,19 +187,11 @@ class Trainer:
     def _build_engine(self) -> Engine:
         ec, oc = self.config.engine, self.config.optim
         kernels = self.selections["kernels"].descriptor.factory()
-        optimizer = self.selections["optimizer"].descriptor.factory(
-            OptimizerHyper(betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay, threads=oc.threads)
-        )
+        optimizer = build_optimizer(self.config, self.setup)
         units = self.spec.units
-        itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
+        itemsize = self.setup.itemsize
         self.planner = planner = Planner.for_run(
-            self.config,
-            self.spec,
-            optimizer=optimizer,
-            kernels=self.selections["kernels"].descriptor,
-            plugins=self.plugins,
-            device_type=device_family(self.device),
-            compute_itemsize=itemsize,
+            self.config, self.setup, optimizer=optimizer, plugins=self.plugins
         )
         state_bytes = planner.state
         resident = self._plan_residency(planner, optimizer)
@@ -296,8 +288,7 @@ class Trainer:
         problems = self.estimate.shortfalls(machine)
         if not problems:
             return
-        disk = "posix" if self.config.engine.offload_dir else None
-        better = planner.recommend(placement, machine, disk)
+        better = planner.recommend(placement, machine)
         if better is not None:
             fix = f"this placement fits: {better.placement.flags()}"
         else:
