@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import signal
 import subprocess
 import sys
@@ -116,17 +115,18 @@ def synthetic_tokens(
 
 def peak_rss_gib() -> float:
     """Peak resident set size of this process (getrusage ru_maxrss), GiB."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return round(peak / (_GIB if sys.platform == "darwin" else 2**20), 3)
+    from slidekit.telemetry import peak_rss_bytes
+
+    return round(peak_rss_bytes() / _GIB, 3)
 
 
 def peak_gpu_gib(device: torch.device) -> float | None:
     """Peak memory allocated through torch on ``device`` (None off CUDA), GiB."""
     if device.type != "cuda":
         return None
-    import torch
+    from slidekit.telemetry import memory_metrics
 
-    return round(torch.cuda.max_memory_allocated(device) / _GIB, 3)
+    return round(memory_metrics(device)["gpu_mem_gib"], 3)
 
 
 def run_header(system: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:

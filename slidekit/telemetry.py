@@ -39,7 +39,16 @@ if TYPE_CHECKING:
 
     from slidekit.models.base import ArchSpec
 
-__all__ = ["GIB", "Progress", "Span", "Timeline", "host_rss_bytes", "memory_metrics", "model_flops"]
+__all__ = [
+    "GIB",
+    "Progress",
+    "Span",
+    "Timeline",
+    "host_rss_bytes",
+    "memory_metrics",
+    "model_flops",
+    "peak_rss_bytes",
+]
 
 GIB = float(2**30)
 
@@ -54,6 +63,12 @@ def model_flops(spec: ArchSpec, tokens: int, seq_len: int) -> float:
     return float(weights + attention)
 
 
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (getrusage ``ru_maxrss``)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 def host_rss_bytes() -> int:
     """Resident set size of this process now, from /proc/self/statm (peak RSS where /proc is missing)."""
     try:
@@ -61,8 +76,7 @@ def host_rss_bytes() -> int:
             pages = int(f.read().split()[1])
         return pages * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-        return peak if sys.platform == "darwin" else peak * 1024
+        return peak_rss_bytes()
 
 
 def memory_metrics(device: torch.device) -> dict[str, float]:
