@@ -39,6 +39,7 @@ import torch
 from slidekit import EngineConfig, ModelConfig, TrainConfig, Trainer
 from slidekit.models.loading import demo_dir
 from slidekit.presets import write_config
+from slidekit.report import load_metrics
 
 
 def make_model(preset: str, directory: Path, seq: int, device: str) -> float:
@@ -77,11 +78,8 @@ def finetune(args: argparse.Namespace, model: Path, data: Path, run: Path, *extr
 
 
 def losses(run: Path) -> dict[int, float]:
-    out = {}
-    for line in (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
-        record = json.loads(line)
-        out[int(record["step"])] = float(record["loss"])
-    return out
+    """Loss per step of a run directory (a torn last line, as a kill leaves, is skipped)."""
+    return {int(row["step"]): float(row["loss"]) for row in load_metrics(run)}
 
 
 def run_killed(cmd: list[str], run: Path, after: int, timeout: float) -> int:
