@@ -28,11 +28,12 @@ Two implementations, chosen by ``LayerAdam(hyper, impl=...)``:
 * ``"auto"`` (default): ``cpp``, or ``torch`` with one logged warning saying
   why when the kernel cannot be built.
 
-Tensors on a GPU (units the engine keeps resident on the device) always take
-the torch path, in chunks of 2^24 elements, on the current CUDA stream: the
-same operations, so the same results as on the CPU up to the GPU's own
-rounding of each IEEE operation (which is exact for add, mul, div and the
-FP64 square root).
+Tensors on a GPU (units the engine keeps resident on the device) take the
+fused Triton kernel of ``adam_triton.py`` on the current stream: the C++
+kernel's operation sequence with correctly rounded divide and square root and
+no FMA contraction, so bitwise the CPU's results. Where Triton is missing, or
+with ``impl="torch"``, they take the torch path in chunks of 2^24 elements
+(also bitwise: every one of its operations is correctly rounded on a GPU too).
 
 Both compute every element with the same IEEE-754 FP32 operations in the same
 order (listed in the kernel's header comment): ``m + w1 * (g - m)`` and
@@ -59,13 +60,14 @@ Speed: ``python benchmarks/optimizer_rate.py --numel 20000000``.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import shutil
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -394,7 +396,7 @@ class LayerAdam:
     """
 
     name = "layer_adam"
-    #: ``step`` also takes tensors on a GPU (units the engine keeps resident there): the torch path runs there.
+    #: ``step`` also takes tensors on a GPU (units the engine keeps resident there): a fused Triton pass there.
     device_capable = True
 
     def __init__(
@@ -435,7 +437,28 @@ class LayerAdam:
         _check_inputs(master, grad, m, v, lowp_out)
         segments = _segments(groups, master.numel(), lr)
         s = _scalars(self.hyper, lr, count)
-        if self.impl == "torch" or master.device.type != "cpu":
+        if master.device.type != "cpu":
+            fused = None if self.requested_impl == "torch" else _device_kernel()
+            if fused is None:
+                _torch_update(master, grad, m, v, lowp_out, segments, s)
+                return
+            for a, b, decay in segments:
+                fused(
+                    master[a:b],
+                    grad[a:b],
+                    m[a:b],
+                    v[a:b],
+                    None if lowp_out is None else lowp_out[a:b],
+                    decay,
+                    s.w1,
+                    s.beta2,
+                    s.sq_weight,
+                    s.inv_b2,
+                    s.eps,
+                    s.neg_step,
+                )
+            return
+        if self.impl == "torch":
             _torch_update(master, grad, m, v, lowp_out, segments, s)
             return
         assert self._kernel is not None
@@ -457,6 +480,17 @@ class LayerAdam:
                 s.neg_step,
                 max_tasks,
             )
+
+
+@functools.cache
+def _device_kernel() -> Callable[..., None] | None:
+    """The fused Triton update for GPU tensors, or None (logged once) where Triton cannot be imported."""
+    try:
+        from slidekit_optim.adam_triton import fused_adamw_
+    except ImportError as exc:
+        log.warning("layer_adam: Triton is unavailable (%s); GPU-resident units take the torch path", exc)
+        return None
+    return fused_adamw_
 
 
 def _availability() -> Availability:
