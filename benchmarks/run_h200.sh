@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the H200 machine (the device tool), from the repository root:
-#   bash benchmarks/run_h200.sh tests|quick|final|bench|micro|bench-3b   (results under $OUT)
+#   bash benchmarks/run_h200.sh STAGE   (STAGE: one of the cases below; results under $OUT)
 # Installs the project without the network, plus carried wheels in .whl/ (kvikio, Liger, torchao, DeepSpeed and
 # what DeepSpeed needs beyond the image: hjson, pydantic) when present.
 set -uo pipefail
@@ -90,5 +90,36 @@ case "${1:-tests}" in
     python3 -m slidekit.cli bench --model qwen2.5-3b --batch 8,16,32 --seq 1024 --warmup 2 --steps 3 \
       --resident none,auto --baselines none,torchao,deepspeed --timeout 120 --time-budget $((560 - SECONDS)) \
       --out "$OUT/bench_3b.jsonl" --markdown "$OUT/bench_3b.md" --logs "$OUT/bench_3b_logs" 2>&1 | tail -40
+    ;;
+  tiers-kernels)  # issues 3 and 5 on the GPU: every tier (gds through kvikio), the compiled Triton kernels
+    timeout 420 python3 -m pytest -q -p no:cacheprovider -rs tests/plugins/test_gds_tier.py tests/plugins/test_posix_tier.py \
+      tests/plugins/test_ram_tier.py tests/plugins/test_gpu_tier.py tests/test_tier_placement.py \
+      tests/plugins/test_triton_kernels.py tests/plugins/test_triton_compile.py tests/plugins/test_kernel_conformance.py \
+      tests/plugins/test_torch_ref.py 2>&1 | tee "$OUT/tests_tiers_kernels.log" | tail -25
+    python3 -m slidekit.cli plugins 2>&1 | tee "$OUT/plugins.txt" | grep -i -E "gds|triton" | head -6
+    python3 benchmarks/host_bandwidth.py --gib 1 --repeat 5 | tee "$OUT/host_bandwidth.json"
+    ;;
+  suite-3b|suite-7b)
+    # One model size per call: slidekit (forced full offload, half the units resident, the planner's choice)
+    # against no offload, torchao and DeepSpeed ZeRO-Offload on the same model, batches and tokens.
+    # suite-3b first runs the GPU tests of this session's changes (fused device update, backward window,
+    # placement still bitwise with resident units).
+    export DS_ACCELERATOR=cuda DS_SKIP_CUDA_CHECK=1
+    if [ "$1" = suite-3b ]; then
+      M=qwen2.5-3b; BATCHES=8,16,32; RESIDENT=none,auto
+      timeout 120 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
+        > "$OUT/build_ds_cpu_adam.log" 2>&1 &
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/plugins/test_adam_triton.py \
+        tests/plugins/test_layer_adam.py tests/test_telemetry.py tests/test_tier_placement.py 2>&1 \
+        | tee "$OUT/tests_suite.log" | tail -6
+      wait
+    else
+      M=qwen2.5-7b; BATCHES=8,16; RESIDENT=none,0.5,auto
+      python3 -c "from slidekit_optim.layer_adam import load_kernel; load_kernel()" > "$OUT/build_layer_adam.log" 2>&1
+    fi
+    echo "ready at ${SECONDS} s"; free -g | head -2
+    python3 -m slidekit.cli bench --model $M --batch $BATCHES --seq 1024 --warmup 2 --steps 3 --activations device \
+      --resident $RESIDENT --baselines none,torchao,deepspeed --timeout 150 --time-budget $((575 - SECONDS)) \
+      --out "$OUT/bench_$M.jsonl" --markdown "$OUT/bench_$M.md" --logs "$OUT/bench_logs" 2>&1 | tail -30
     ;;
 esac

@@ -4,47 +4,73 @@
         --resident none,auto --baselines none,torchao,deepspeed --out bench.jsonl --markdown bench.md
     slidekit bench --model tiny --device cpu --batch 2 --seq 64 --steps 2 --baselines none   # anywhere
 
-For each batch size it runs slidekit once per ``--resident`` mode, then each
-requested alternative, every run in its own subprocess: peak GPU memory and
-peak host RSS are that run's own, and a run that cannot work (a package
-missing, no CUDA, out of memory, a crash, a timeout) becomes a row
-``unavailable: <reason>`` instead of stopping the benchmark.
+The flow (``bench``):
 
-- slidekit: ``python -m slidekit.bench`` (``main`` below; ``benchmarks/train_throughput.py`` wraps it).
-- ``none``: ``benchmarks/baselines/no_offload.py``: FP32 master weights and AdamW on the GPU.
-- ``torchao``: ``benchmarks/baselines/torchao_offload.py``: torchao's CPUOffloadOptimizer.
-- ``deepspeed``: ``benchmarks/baselines/deepspeed_offload.py``: ZeRO-2, optimizer offloaded to the CPU.
+1. slidekit first, batch by batch: one run per ``--resident`` mode, each in its own process
+   (``python -m slidekit.bench``: ``main`` below; ``benchmarks/train_throughput.py`` wraps it),
+   given min(``--timeout``, what is left of ``--time-budget``).
+2. Then each requested alternative, in the order given, ONCE for all batches
+   (``--batch 8,16,32``): the script builds its model and optimizer once and prints one JSON
+   line per batch as it finishes it (``benchmarks/baselines/common.py`` says how). It gets
+   min(``--timeout`` x the number of batches, what is left). The lines are read as they come
+   (``stream_child``); a batch's row is recorded at once, so lines printed before a timeout kill
+   or a crash are kept, and every batch without a line becomes ``unavailable: no line for batch
+   N; <timed out after S s | exit code C: last error line>`` (a record naming no batch, as an
+   older script prints, stands for every batch without a line of its own).
+   - ``none``: ``benchmarks/baselines/no_offload.py``: FP32 master weights and AdamW on the GPU.
+   - ``torchao``: ``benchmarks/baselines/torchao_offload.py``: torchao's CPUOffloadOptimizer.
+   - ``deepspeed``: ``benchmarks/baselines/deepspeed_offload.py``: ZeRO-2, optimizer offloaded to the CPU.
+3. Every finished row is printed as a progress line on stderr and appended to ``--out`` at once
+   (a suite killed midway keeps what finished). At the end the rows are ordered by batch (in
+   the order given; each batch's rows in run order), the ratios are added per batch
+   (``add_ratios``), and the lines this run appended to ``--out`` are rewritten with them (each
+   row written once; earlier content of the file stays); ``run_command`` prints the markdown
+   table and writes ``--markdown``.
+
+A run that cannot work (a package missing, no CUDA, too little host RAM, out of GPU memory, a
+crash, a timeout, the time budget spent) becomes a row ``unavailable: <reason>`` instead of
+stopping the benchmark.
 
 The alternatives build the same model (``hf_config``: a preset's published
 shapes, random weights) with transformers and train on the same synthetic
-tokens (``synthetic_tokens``). Every run prints one JSON line with:
+tokens (``synthetic_tokens``). Every row has:
 
 - ``tokens_per_s`` = batch * seq / median timed step, ``model_tflops`` = model FLOPs
   (``slidekit.telemetry.model_flops``: 6 * params * tokens + 12 * layers * heads * head_dim
   * seq * tokens, recompute not counted, the same parameter count for every system) / median step;
-- ``peak_gpu_gib`` (``torch.cuda.max_memory_allocated``), ``peak_host_rss_gib``
-  (``getrusage(RUSAGE_SELF).ru_maxrss`` of the run's own process);
+- ``peak_gpu_gib`` (``torch.cuda.max_memory_allocated``), ``peak_host_rss_gib`` (``peak_rss_gib``:
+  VmHWM): a slidekit run's own process; an alternative's batch (counters reset before each batch;
+  ``peak_rss_scope`` "process" where the RSS peak cannot be reset); ``setup_s``: building the
+  model and optimizer (an alternative's is shared by the batches in ``setup_shared_by``);
+  ``wall_s``: a slidekit run's process, an alternative's batch (``process_wall_s``: its whole
+  process, in the rows rewritten at the end);
 - slidekit only: per unit (median lane seconds per step / layers) ``t_fwd_s``, ``t_bwd_s``,
   ``t_d2h_s``, ``t_update_s``; ``eta`` = T_bwd / (T_d2h + T_update) (null when nothing is
   offloaded); ``gpu_busy`` = compute-lane time (fwd, head, bwd, update_gpu) / step wall time;
+  ``gpu_busy_bwd`` = compute time / wall time of the backward pass on the compute stream (from the
+  start of the first unit's backward to the end of the last's: ``Timeline``'s ``bwd_window``);
   and ``vs_<alternative>`` = slidekit tokens/s / the alternative's at the same batch.
 
-``bench`` appends the lines to ``--out`` and prints a markdown table.
 Test: ``pytest tests/test_bench.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import median
 from typing import TYPE_CHECKING, Any
@@ -61,6 +87,7 @@ __all__ = [
     "BASELINES",
     "COMPUTE_LANES",
     "PRESETS",
+    "ChildRun",
     "add_arguments",
     "add_ratios",
     "arch_spec",
@@ -76,6 +103,7 @@ __all__ = [
     "run_command",
     "run_header",
     "slidekit_parser",
+    "stream_child",
     "synthetic_tokens",
     "throughput",
     "write_config",
@@ -114,10 +142,23 @@ def synthetic_tokens(
 
 
 def peak_rss_gib() -> float:
-    """Peak resident set size of this process (getrusage ru_maxrss), GiB."""
+    """Peak resident set size of this process, GiB: ``VmHWM`` of /proc/self/status, which
+    ``slidekit.telemetry.reset_peak_rss`` starts over (getrusage's ``ru_maxrss`` where there is no /proc;
+    on Linux it would also count the parent's peak, inherited at exec)."""
     from slidekit.telemetry import peak_rss_bytes
 
-    return round(peak_rss_bytes() / _GIB, 3)
+    return round((_vm_hwm_bytes() or peak_rss_bytes()) / _GIB, 3)
+
+
+def _vm_hwm_bytes() -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def peak_gpu_gib(device: torch.device) -> float | None:
@@ -172,6 +213,8 @@ def lane_metrics(
     out["eta"] = round(lanes.get("bwd", 0.0) / cpu, 3) if cpu > 0 else None
     busy = [sum(t.get(k, 0.0) for k in COMPUTE_LANES) / s for t, s in zip(timings, step_seconds, strict=True)]
     out["gpu_busy"] = round(median(busy), 3)
+    in_bwd = [t["bwd_busy"] / t["bwd_window"] for t in timings if t.get("bwd_window")]
+    out["gpu_busy_bwd"] = round(median(in_bwd), 3) if in_bwd else None
     return out
 
 
@@ -282,17 +325,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 # ---------------------------------------------------------------------------- runs in subprocesses
 
 
-def _last_record(stdout: str) -> dict[str, Any] | None:
-    for line in reversed(stdout.splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and "status" in record:
-                return record
-    return None
+def _parse_record(line: str) -> dict[str, Any] | None:
+    line = line.strip()
+    if not line.startswith("{"):
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) and "status" in record else None
 
 
 def _last_error(stderr: str) -> str:
@@ -301,35 +342,129 @@ def _last_error(stderr: str) -> str:
     return ((errors or lines or ["no output"])[-1])[:400]
 
 
-def run_child(cmd: Sequence[str], *, timeout: float, log: Path | None = None) -> dict[str, Any]:
-    """Run ``cmd`` (a run printing one JSON line) in its own process group; its record, or why there is none.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ChildRun:
+    """What one child process left behind."""
 
-    A run past ``timeout`` seconds is killed with everything it started.
+    records: list[dict[str, Any]]  # every JSON record it printed, in order (also before a kill or crash)
+    returncode: int | None  # None when it was killed at its timeout
+    timeout: float  # the seconds it was given
+    stderr: str
+    wall_s: float
+
+    @property
+    def failure(self) -> str | None:
+        """Why it did not finish cleanly (a timeout, or an exit code and its last error line), or None."""
+        if self.returncode is None:
+            return f"timed out after {self.timeout:.0f} s (raise --timeout or --time-budget)"
+        if self.returncode != 0:
+            return f"exit code {self.returncode}: {_last_error(self.stderr)}"
+        return None
+
+
+def stream_child(
+    cmd: Sequence[str],
+    *,
+    timeout: float,
+    log: Path | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+) -> ChildRun:
+    """Run ``cmd`` in its own process group; each JSON record it prints goes to ``on_record`` at once.
+
+    A run past ``timeout`` seconds is killed with everything it started; the records it printed
+    before are kept. Two threads drain stdout and stderr, so neither pipe can fill up and stall it.
     """
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        reason = None
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        reason = f"timed out after {timeout:.0f} s (raise --timeout or --time-budget)"
-    wall = round(time.perf_counter() - t0, 1)
+    lines: queue.Queue[str | None] = queue.Queue()  # stdout lines; None at its end
+    err: list[str] = []
+    pumps = [
+        threading.Thread(target=_pump, args=(proc.stdout, lines.put, True), daemon=True),
+        threading.Thread(target=_pump, args=(proc.stderr, err.append, False), daemon=True),
+    ]
+    for pump in pumps:
+        pump.start()
+    out: list[str] = []
+    records: list[dict[str, Any]] = []
+
+    def take(line: str) -> None:
+        out.append(line)
+        record = _parse_record(line)
+        if record is not None:
+            records.append(record)
+            if on_record is not None:
+                on_record(record)
+
+    deadline = t0 + timeout
+    killed = False
+    while True:
+        left = deadline - time.perf_counter()
+        if left <= 0:
+            killed = True
+            break
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            killed = True
+            break
+        if line is None:
+            break
+        take(line)
+    if not killed:  # stdout is closed; the process may still be finishing
+        try:
+            proc.wait(timeout=max(deadline - time.perf_counter(), 0.1))
+        except subprocess.TimeoutExpired:
+            killed = True
+    if killed:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    for pump in pumps:
+        pump.join(timeout=10)
+    if not any(pump.is_alive() for pump in pumps):  # else a survivor outside the group holds a pipe
+        proc.stdout.close()  # type: ignore[union-attr]  # both are pipes (PIPE above)
+        proc.stderr.close()  # type: ignore[union-attr]
+    while not lines.empty():  # what it printed just before the kill
+        if (line := lines.get_nowait()) is not None:
+            take(line)
+    run = ChildRun(
+        records=records,
+        returncode=None if killed else proc.returncode,
+        timeout=timeout,
+        stderr="".join(err),
+        wall_s=round(time.perf_counter() - t0, 1),
+    )
     if log is not None:
-        log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{out}\n--- stderr\n{err}\n")
-    record = _last_record(out) if reason is None else None
-    if record is None:
-        reason = reason or f"exit code {proc.returncode}: {_last_error(err)}"
+        log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{''.join(out)}\n--- stderr\n{run.stderr}\n")
+    return run
+
+
+def _pump(stream: Any, put: Callable[[Any], None], mark_end: bool) -> None:
+    for line in stream:
+        put(line)
+    if mark_end:
+        put(None)
+
+
+def run_child(cmd: Sequence[str], *, timeout: float, log: Path | None = None) -> dict[str, Any]:
+    """Run ``cmd`` (a run printing one JSON line) in its own process group; its record, or why there is none.
+
+    A run past ``timeout`` seconds is killed with everything it started.
+    """
+    run = stream_child(cmd, timeout=timeout, log=log)
+    if run.returncode is not None and run.records:
+        record = run.records[-1]
+    else:
+        reason = run.failure or f"exit code {run.returncode}: {_last_error(run.stderr)}"
         record = {"status": "unavailable", "reason": reason}
-    record["wall_s"] = wall
+    record["wall_s"] = run.wall_s
     return record
 
 
 def _slidekit_cmd(args: argparse.Namespace, batch: int, resident: str) -> list[str]:
-    cmd = [sys.executable, "-m", "slidekit.bench", *_common_flags(args, batch)]
+    cmd = [sys.executable, "-m", "slidekit.bench", *_common_flags(args, str(batch))]
     cmd += ["--kernels", args.kernels, "--optimizer", args.optimizer, "--activations", args.activations]
     cmd += ["--window", str(args.window), "--resident", resident, "--state-tier", args.state_tier]
     if args.offload_dir:
@@ -337,9 +472,9 @@ def _slidekit_cmd(args: argparse.Namespace, batch: int, resident: str) -> list[s
     return cmd
 
 
-def _common_flags(args: argparse.Namespace, batch: int) -> list[str]:
+def _common_flags(args: argparse.Namespace, batch: str) -> list[str]:
     return [
-        *("--model", args.model, "--batch", str(batch), "--seq", str(args.seq)),
+        *("--model", args.model, "--batch", batch, "--seq", str(args.seq)),
         *("--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed)),
         *("--device", args.device),
     ]
@@ -351,61 +486,150 @@ def _baselines_dir(args: argparse.Namespace) -> Path:
     return Path(__file__).resolve().parents[1] / "benchmarks" / "baselines"
 
 
-def _runs(args: argparse.Namespace, batch: int) -> Iterator[tuple[dict[str, Any], list[str] | None]]:
-    """(the row's identity, the command; None when there is nothing to run) for every run at ``batch``."""
+def _slidekit_runs(args: argparse.Namespace, batch: int) -> Iterator[tuple[dict[str, Any], list[str]]]:
+    """(the row's identity, the command) of every slidekit run at ``batch``: one per residency mode."""
     for resident in _split(args.resident):
-        yield (
-            {"system": "slidekit", "label": f"slidekit (resident {resident})", "resident": resident},
-            _slidekit_cmd(args, batch, resident),
-        )
+        ident = {"system": "slidekit", "label": f"slidekit (resident {resident})", "resident": resident}
+        yield ident, _slidekit_cmd(args, batch, resident)
+
+
+def _baseline_runs(
+    args: argparse.Namespace, batches: Sequence[int]
+) -> Iterator[tuple[dict[str, Any], list[str] | None]]:
+    """(the rows' identity, the command for all ``batches``; None with a reason if there is no script)."""
     for name in _split(args.baselines):
         system, script = BASELINES[name]
         path = _baselines_dir(args) / script
-        row = {"system": system, "label": system}
+        ident = {"system": system, "label": system}
         if not path.is_file():
-            row["reason"] = f"script {path} not found (pass --baselines-dir)"
-            yield row, None
+            yield {**ident, "reason": f"script {path} not found (pass --baselines-dir)"}, None
         else:
-            yield row, [sys.executable, str(path), *_common_flags(args, batch)]
+            yield ident, [sys.executable, str(path), *_common_flags(args, ",".join(map(str, batches)))]
 
 
 def _split(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+class _Rows:
+    """The rows so far: each printed as a progress line and appended to ``--out`` when it is done (a
+    killed suite keeps them); ``finish`` orders them by batch, adds the ratios and rewrites what this
+    run appended."""
+
+    def __init__(self, out: str | None, batches: Sequence[int]) -> None:
+        self.batches = list(batches)
+        self.rows: list[dict[str, Any]] = []
+        self.out = Path(out) if out else None
+        self.start = self.out.stat().st_size if self.out and self.out.exists() else 0
+
+    def add(self, row: dict[str, Any]) -> None:
+        print(_progress_line(row), file=sys.stderr, flush=True)
+        self.rows.append(row)
+        if self.out:
+            with self.out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def finish(self) -> list[dict[str, Any]]:
+        # Stable: the batches in the order given, each batch's rows in the order they ran.
+        rows = sorted(self.rows, key=lambda r: self.batches.index(r["batch"]))
+        add_ratios(rows)
+        if self.out:
+            with self.out.open("a+") as f:  # earlier content stays; this run's rows are written once
+                f.truncate(self.start)
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+        return rows
+
+
 def bench(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every run for every batch of ``args`` (see ``add_arguments``), with ratios; appended to ``args.out``."""
+    """Every run of ``args`` (see ``add_arguments``): rows per batch with ratios, in ``args.out`` too.
+
+    First every slidekit run, batch by batch, each in its own process; then each alternative in the
+    order given, once for all batches (one process, the model built once).
+    """
     _validate(args)
     start = time.perf_counter()
-    rows: list[dict[str, Any]] = []
-    for batch in [int(b) for b in _split(args.batch)]:
-        done: list[dict[str, Any]] = []
-        for ident, cmd in _runs(args, batch):
-            left = args.time_budget - (time.perf_counter() - start) if args.time_budget else args.timeout
+    batches = [int(b) for b in _split(args.batch)]
+    rows = _Rows(args.out, batches)
+
+    def left() -> float:
+        return args.time_budget - (time.perf_counter() - start) if args.time_budget else math.inf
+
+    for batch in batches:
+        for ident, cmd in _slidekit_runs(args, batch):
             row = {"model": args.model, "batch": batch, "seq": args.seq, **ident}
-            row.update(_outcome(args, cmd, min(args.timeout, left), f"{ident['label']}_b{batch}"))
+            row.update(_outcome(args, cmd, min(args.timeout, left()), f"{ident['label']}_b{batch}"))
             row.update(ident)  # the parent's names win over what the run calls itself
-            print(_progress_line(row), file=sys.stderr, flush=True)
-            done.append(row)
-        add_ratios(done)
-        if args.out:
-            with Path(args.out).open("a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in done)
-        rows += done
-    return rows
+            rows.add(row)
+    for ident, base_cmd in _baseline_runs(args, batches):
+        seconds = min(args.timeout * len(batches), left())
+        _baseline(args, ident, base_cmd, batches, seconds, rows.add)
+    return rows.finish()
+
+
+def _baseline(
+    args: argparse.Namespace,
+    ident: dict[str, Any],
+    cmd: list[str] | None,
+    batches: Sequence[int],
+    seconds: float,
+    add: Callable[[dict[str, Any]], None],
+) -> None:
+    """One alternative over all ``batches`` in one process: a row per batch as its line arrives, then a row
+    "unavailable" for every batch it printed nothing for (saying why: timeout, exit code, last error)."""
+
+    def row(batch: int, fields: dict[str, Any]) -> dict[str, Any]:
+        out = {"model": args.model, "batch": batch, "seq": args.seq, **fields, **ident}
+        out["batch"] = batch  # the parent's names win over what the run calls itself
+        return out
+
+    if cmd is None or seconds < _MIN_RUN_S:
+        for batch in batches:
+            add(row(batch, _outcome(args, cmd, seconds, "")))
+        return
+    done: dict[int, dict[str, Any]] = {}
+    general: list[dict[str, Any]] = []  # records naming no batch speak for every batch
+
+    def on_record(record: dict[str, Any]) -> None:
+        batch = record.get("batch")
+        if batch is None:
+            general.append(record)
+        elif batch in batches and batch not in done:  # a line printed twice is kept once
+            done[batch] = row(batch, {"wall_s": round(time.perf_counter() - t0, 1), **record})
+            add(done[batch])
+
+    name = f"{ident['label']}_b{'-'.join(map(str, batches))}"
+    t0 = time.perf_counter()
+    run = stream_child(cmd, timeout=seconds, log=_log_path(args, name), on_record=on_record)
+    for r in done.values():
+        r["process_wall_s"] = run.wall_s  # in the final rewrite of --out
+    for batch in (b for b in batches if b not in done):
+        if general:
+            fields = general[-1]
+        else:
+            why = run.failure or f"exit code 0: {_last_error(run.stderr)}"
+            fields = {"status": "unavailable", "reason": f"no line for batch {batch}; {why}"}
+        add(row(batch, {**fields, "wall_s": run.wall_s, "process_wall_s": run.wall_s}))
+
+
+_MIN_RUN_S = 15.0  # too little to build a model and time a step
 
 
 def _outcome(args: argparse.Namespace, cmd: list[str] | None, seconds: float, name: str) -> dict[str, Any]:
     """The record of one run given ``seconds`` at most (its log under ``args.logs``), or why it did not run."""
     if cmd is None:
         return {"status": "unavailable"}  # the reason is already in the row
-    if seconds < 15:  # too little to build a model and time a step
+    if seconds < _MIN_RUN_S:
         return {
             "status": "unavailable",
             "reason": f"not run: the time budget ({args.time_budget} s) is spent",
         }
-    log = Path(args.logs) / (re.sub(r"[^A-Za-z0-9.-]+", "_", name).strip("_") + ".log") if args.logs else None
-    return run_child(cmd, timeout=seconds, log=log)
+    return run_child(cmd, timeout=seconds, log=_log_path(args, name))
+
+
+def _log_path(args: argparse.Namespace, name: str) -> Path | None:
+    return (
+        Path(args.logs) / (re.sub(r"[^A-Za-z0-9.-]+", "_", name).strip("_") + ".log") if args.logs else None
+    )
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -419,6 +643,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ConfigError(f"--batch {args.batch!r}: give batch sizes as integers, e.g. 8,16,32") from None
     if not batches or min(batches) < 1 or args.steps < 1 or args.warmup < 0:
         raise ConfigError("--batch needs positive sizes, --steps >= 1 and --warmup >= 0")
+    if len(set(batches)) != len(batches):
+        raise ConfigError(f"--batch {args.batch!r}: give each batch size once")
     if not _split(args.resident):
         raise ConfigError("--resident needs at least one mode: auto, none, all or a fraction")
 
@@ -455,8 +681,8 @@ def _cell(value: Any, scale: float = 1.0, fmt: str = "{:.3g}") -> str:
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
     """One line per run; slidekit rows carry their throughput as a ratio of each alternative's."""
     alternatives = list(dict.fromkeys(r["system"] for r in rows if r["system"] != "slidekit"))
-    head = ["run", "batch", "tokens/s", "TFLOPS", "step s", "peak GPU GiB", "peak RSS GiB"]
-    head += ["T_fwd ms", "T_bwd ms", "T_d2h ms", "T_update ms", "eta", "GPU busy"]
+    head = ["run", "batch", "tokens/s", "TFLOPS", "step s", "peak GPU GiB", "peak RSS GiB", "RSS B/param"]
+    head += ["T_fwd ms", "T_bwd ms", "T_d2h ms", "T_update ms", "eta", "GPU busy", "GPU busy in bwd"]
     head += [f"vs {a}" for a in alternatives]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -466,8 +692,11 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
         else:
             cells = [r["label"], str(r["batch"]), f"{r['tokens_per_s']:,.0f}", _cell(r.get("model_tflops"))]
             cells += [_cell(r.get(k)) for k in ("median_step_s", "peak_gpu_gib", "peak_host_rss_gib")]
+            per_param = r["peak_host_rss_gib"] * 2**30 / r["params"] if r.get("params") else None
+            cells.append(_cell(per_param, fmt="{:.1f}"))
             cells += [_cell(r.get(f"t_{k}_s"), 1e3) for k in ("fwd", "bwd", "d2h", "update")]
             cells += [_cell(r.get("eta")), _cell(r.get("gpu_busy"), fmt="{:.2f}")]
+            cells.append(_cell(r.get("gpu_busy_bwd"), fmt="{:.2f}"))
             cells += [_cell(r.get(f"vs_{a}"), fmt="{:.2f}x") for a in alternatives]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -479,10 +708,12 @@ def _caption(args: argparse.Namespace, rows: Sequence[dict[str, Any]]) -> str:
     size = f" ({params / 1e6:.1f} M parameters)" if params and params < 1e8 else size
     return (
         f"{args.model}{size}, seq {args.seq}, synthetic tokens; median of {args.steps} timed steps after "
-        f"{args.warmup} warm-up steps, each run in its own process. TFLOPS = (6 x params x tokens + 12 x "
-        "layers x heads x head_dim x seq x tokens) / step s, recompute not counted. T_* = lane seconds per "
-        "step / layers; eta = T_bwd / (T_d2h + T_update); GPU busy = compute-lane time / step time; "
-        "vs X = slidekit tokens/s / X's at the same batch."
+        f"{args.warmup} warm-up steps per batch; each slidekit run in its own process, each alternative in "
+        "one process for all batches (model built once, peaks reset per batch). TFLOPS = (6 x params x "
+        "tokens + 12 x layers x heads x head_dim x seq x tokens) / step s, recompute not counted. T_* = lane "
+        "seconds per step / layers; eta = T_bwd / (T_d2h + T_update); GPU busy = compute-lane time / step "
+        "time; GPU busy in bwd = compute time / wall time of the backward pass; RSS B/param = peak RSS "
+        "bytes / params; vs X = slidekit tokens/s / X's at the same batch."
     )
 
 
@@ -508,7 +739,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p, resident_help="slidekit residency modes, comma-separated: one run each (e.g. none,auto)"
     )
     p.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds one run may take before it is killed"
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds a slidekit run may take before it is killed; an alternative's one run over all "
+        "batches gets this x the number of batches",
     )
     p.add_argument("--time-budget", type=float, default=0.0, help="seconds for the whole benchmark (0: none)")
     p.add_argument("--out", default=None, metavar="FILE.jsonl", help="append one JSON line per run")

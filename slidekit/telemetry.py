@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from slidekit.models.base import ArchSpec
 
 __all__ = [
+    "BACKWARD_WINDOW",
     "GIB",
     "Progress",
     "Span",
@@ -225,7 +226,10 @@ class Timeline:
     # ------------------------------------------------------------------ reading
 
     def finish(self) -> dict[str, float]:
-        """Seconds per lane over the step (device events are waited for), then reset."""
+        """Seconds per lane over the step (device events are waited for), then reset.
+
+        Beside the lanes: ``bwd_window`` and ``bwd_busy`` (``BACKWARD_WINDOW``), the
+        backward pass's wall time on the compute stream and its compute time in it."""
         with self._lock:
             host, device = self._host, self._device
             self._host, self._device = [], []
@@ -233,9 +237,15 @@ class Timeline:
         totals: dict[str, float] = {}
         for lane, _, t0, t1 in host:
             totals[lane] = totals.get(lane, 0.0) + (t1 - t0)
+        seconds = []
         for lane, _, start, end in device:
             end.synchronize()
-            totals[lane] = totals.get(lane, 0.0) + start.elapsed_time(end) / 1e3
+            seconds.append(start.elapsed_time(end) / 1e3)
+            totals[lane] = totals.get(lane, 0.0) + seconds[-1]
+        if device:
+            totals.update(_backward_window(device, seconds))
+        else:
+            totals.update(_backward_window(host, [t1 - t0 for *_, t0, t1 in host]))
         return totals
 
     def record_spans(self, enabled: bool = True) -> None:
@@ -256,3 +266,44 @@ class Timeline:
             t1 = t_ref + ref.elapsed_time(end) / 1e3
             spans.append(Span(lane, unit, t0, t1, track, device=True))
         return spans
+
+
+def reset_peak_rss() -> bool:
+    """Start this process's peak RSS over from its current RSS; False where that is impossible.
+
+    Linux (4.0 and later) resets the high-water mark ``VmHWM`` of /proc/self/status when "5" is
+    written to /proc/self/clear_refs. Where the file is missing or cannot be written (another OS,
+    a read-only /proc) nothing changes, and a peak read later is still the whole process's.
+    ``getrusage``'s ``ru_maxrss`` (``peak_rss_bytes``) is not reset below what the process
+    inherited at exec (the parent's peak, through vfork), so a peak taken after a reset reads
+    ``VmHWM``.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+#: The keys ``Timeline.finish`` adds beside the lanes.
+BACKWARD_WINDOW = ("bwd_window", "bwd_busy")
+#: Lanes that run on the compute stream (device) or the main thread (CPU), in the order they ran.
+_COMPUTE = ("fwd", "head", "bwd", "update_gpu")
+
+
+def _backward_window(spans: list[Any], seconds: list[float]) -> dict[str, float]:
+    """``bwd_window``: seconds from the start of the first backward span to the end of the last;
+    ``bwd_busy``: compute seconds inside that window (backward, and updates of resident units in between).
+
+    ``spans`` are (lane, unit, start, end) in the order they were recorded, which for the compute
+    lanes is the order they ran (one stream, or the main thread); ``seconds`` their durations.
+    """
+    index = [i for i, span in enumerate(spans) if span[0] == "bwd"]
+    if not index:
+        return {}
+    first, last = index[0], index[-1]
+    start, end = spans[first][2], spans[last][3]
+    window = start.elapsed_time(end) / 1e3 if hasattr(start, "elapsed_time") else end - start
+    busy = sum(seconds[i] for i in range(first, last + 1) if spans[i][0] in _COMPUTE)
+    return {"bwd_window": window, "bwd_busy": busy}

@@ -3,9 +3,14 @@
 The end-to-end test runs the tiny preset on the CPU through the command line:
 slidekit and the no-offload baseline for real (2 timed steps each), torchao
 and DeepSpeed as alternatives that cannot run here (not installed, or no
-CUDA) and must say so instead of failing. The rest checks the pieces with
-hand computations: model FLOPs, parameter counts of every preset against the
-published sizes (from the ArchSpec, no weights), lane metrics, run failures.
+CUDA) and must say so instead of failing. A baseline script measures several
+batch sizes on one model (run in this process on the CPU), the host-RAM guard
+refuses a model too big for the (patched) free RAM with both numbers and
+without building anything, and ``bench`` keeps the lines a baseline printed
+before it crashed or was killed (fake scripts through ``--baselines-dir``).
+The rest checks the pieces with hand computations: model FLOPs, parameter
+counts of every preset against the published sizes (from the ArchSpec, no
+weights), lane metrics, run failures, the peak-RSS reset.
 """
 
 from __future__ import annotations
@@ -13,22 +18,32 @@ from __future__ import annotations
 import json
 import math
 import re
+import runpy
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
+from slidekit import bench as bench_module
+from slidekit import telemetry
 from slidekit.bench import (
     PRESETS,
     add_ratios,
     arch_spec,
+    bench,
     hf_config,
     lane_metrics,
     markdown_table,
+    peak_rss_gib,
     run_child,
+    stream_child,
     throughput,
 )
 from slidekit.cli import build_parser, main
+
+BASELINES_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "baselines"
 
 #: Published parameter counts (model cards), billions.
 PUBLISHED_B = {
@@ -210,3 +225,235 @@ def test_bench_options_are_pinned():
         "--logs",
         "--baselines-dir",
     ]
+
+
+# ---------------------------------------------------------------------------- baselines over several batches
+
+
+@pytest.fixture
+def baseline_script(monkeypatch):
+    """``run(script, *argv)``: run benchmarks/baselines/<script> in this process; its exit code.
+
+    The scripts import their ``common`` module from their own directory, as ``python script.py`` does.
+    """
+    monkeypatch.syspath_prepend(str(BASELINES_DIR))
+    monkeypatch.delitem(sys.modules, "common", raising=False)
+
+    def run(script: str, *argv: str) -> int:
+        monkeypatch.setattr(sys, "argv", [script, *argv])
+        try:
+            runpy.run_path(str(BASELINES_DIR / script), run_name="__main__")
+        except SystemExit as exc:
+            return int(exc.code or 0)
+        return 0
+
+    yield run
+    sys.modules.pop("common", None)
+
+
+def _lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def test_a_baseline_builds_once_and_prints_a_record_per_batch(baseline_script, capsys):
+    argv = ["--model", "tiny", "--device", "cpu", "--batch", "2,3", "--seq", "16", "--steps", "2"]
+    assert baseline_script("no_offload.py", *argv, "--warmup", "1") == 0
+    records = _lines(capsys.readouterr().out)
+    assert [(r["system"], r["status"], r["batch"]) for r in records] == [
+        ("no_offload", "ok", 2),
+        ("no_offload", "ok", 3),
+    ]
+    assert records[0]["setup_s"] == records[1]["setup_s"] > 0  # one build, shared
+    for r in records:
+        assert r["setup_shared_by"] == [2, 3]
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * 16 / r["median_step_s"], rel=1e-3, abs=0.06)
+        assert len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"])
+        assert r["peak_rss_scope"] == ("batch" if sys.platform == "linux" else "process")
+        assert r["peak_host_rss_gib"] > 0 and r["wall_s"] > 0
+    # The first batch trains from the random init: cross-entropy of random weights on random tokens.
+    assert records[0]["losses"][0] == pytest.approx(math.log(PRESETS["tiny"]["vocab_size"]), abs=0.2)
+
+
+@pytest.mark.parametrize("stop", [None, "not run: the engine is mid-step"])
+def test_out_of_memory_at_one_batch_is_that_batch_s_result(baseline_script, capsys, stop):
+    import common
+
+    cleaned = []
+
+    def step(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if inputs.shape[0] == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+        return torch.tensor(1.0)
+
+    def after_oom(batch: int) -> str | None:
+        cleaned.append(batch)
+        return stop
+
+    args = common.parser("test").parse_args(
+        ["--batch", "2,3,4", "--seq", "8", "--steps", "1", "--warmup", "0"]
+    )
+    common.run_batches("fake", args, torch.device("cpu"), step, setup_s=1.5, after_oom=after_oom)
+    records = _lines(capsys.readouterr().out)
+    assert [(r["batch"], r["status"]) for r in records] == [
+        (2, "ok"),
+        (3, "unavailable"),
+        (4, "unavailable" if stop else "ok"),
+    ]
+    assert (
+        records[1]["reason"] == "does not fit in GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB)"
+    )
+    assert cleaned == [3]
+    if stop:
+        assert records[2]["reason"] == stop
+
+
+@pytest.mark.parametrize(
+    ("script", "need"),
+    [
+        ("torchao_offload.py", "~145 GiB of host RAM (20.2 B/param"),  # 7.616 G x 20.2 B = 143.3 GiB + 2
+        ("deepspeed_offload.py", "~165 GiB of host RAM (23 B/param"),  # 7.616 G x 23 B = 163.1 GiB + 2
+    ],
+)
+def test_the_host_ram_guard_refuses_a_model_too_big_for_free_ram(
+    baseline_script, monkeypatch, capsys, script, need
+):
+    import common  # the scripts' module, importable through the fixture
+
+    monkeypatch.setattr(common, "mem_available_bytes", lambda: 100 * 2**30)
+    monkeypatch.setattr(common, "build_model", lambda *a, **k: pytest.fail("built a model"))
+    argv = ["--model", "qwen2.5-7b", "--device", "cpu", "--batch", "8,16"]
+    assert baseline_script(script, *argv) == 0
+    records = _lines(capsys.readouterr().out)
+    assert [(r["status"], r["batch"]) for r in records] == [("unavailable", 8), ("unavailable", 16)]
+    for r in records:
+        assert need in r["reason"] and "but 100 GiB is available" in r["reason"], r["reason"]
+        assert "--force" in r["reason"]
+    # --force skips the guard: the run goes on to its next check (no torchao/deepspeed, or no CUDA).
+    assert baseline_script(script, *argv, "--force") == 0
+    forced = _lines(capsys.readouterr().out)
+    assert len(forced) == 2 and all("host RAM" not in r["reason"] for r in forced)
+
+
+def test_host_ram_estimate_and_its_limits(baseline_script):
+    import common
+
+    params = arch_spec("qwen2.5-3b").num_params
+    need = 20.2 * params / 2**30 + 2.0  # 60.1 GiB
+    assert common.host_ram_shortfall("torchao", "qwen2.5-3b", int((need + 0.5) * 2**30)) is None
+    reason = common.host_ram_shortfall("torchao", "qwen2.5-3b", int((need - 1) * 2**30))
+    assert (
+        reason is not None and f"~{need:.0f} GiB" in reason and f"{need - 1:.0f} GiB is available" in reason
+    )
+    assert common.host_ram_shortfall("torchao", "qwen2.5-3b", None) is None  # no /proc/meminfo: no guess
+    assert (
+        common.host_ram_shortfall("no_offload", "mistral-small-24b", 1) is None
+    )  # keeps nothing on the host
+
+
+# ---------------------------------------------------------------------------- bench over a baseline's lines
+
+
+def _fake_script(path: Path, body: str) -> None:
+    path.write_text("import json, sys, time\n" + textwrap.dedent(body))
+
+
+def _fake_record(system: str, batch: int, tokens_per_s: float) -> str:
+    record = {"system": system, "status": "ok", "batch": batch, "tokens_per_s": tokens_per_s}
+    record |= {"model_tflops": 1.0, "median_step_s": batch * 16 / tokens_per_s}
+    return json.dumps(record)
+
+
+def test_bench_keeps_the_lines_of_a_baseline_that_crashed_and_says_why_for_the_rest(
+    tmp_path, monkeypatch, capsys
+):
+    out = tmp_path / "bench.jsonl"
+    out.write_text('{"earlier": "run"}\n')
+    # slidekit: a fake run per batch, 1000 tokens/s x batch.
+    monkeypatch.setattr(
+        bench_module,
+        "_slidekit_cmd",
+        lambda args, batch, resident: [
+            sys.executable,
+            "-c",
+            f"print({_fake_record('slidekit', batch, 1000.0 * batch)!r})",
+        ],
+    )
+    _fake_script(
+        tmp_path / "no_offload.py",
+        f"""
+        print({_fake_record("no_offload", 2, 500.0)!r}, flush=True)
+        print({_fake_record("no_offload", 3, 600.0)!r}, flush=True)
+        """,
+    )
+    # torchao: batch 2's line, then (once bench has appended that row to --out) a crash.
+    _fake_script(
+        tmp_path / "torchao_offload.py",
+        f"""
+        print("starting up")
+        print({_fake_record("torchao", 2, 400.0)!r}, flush=True)
+        for _ in range(400):
+            if '"system": "torchao"' in open({str(out)!r}).read():
+                print("RuntimeError: boom", file=sys.stderr)
+                sys.exit(3)
+            time.sleep(0.05)
+        sys.exit(4)  # the row was not appended while the run went on
+        """,
+    )
+    argv = ["bench", "--model", "tiny", "--batch", "2,3", "--seq", "16", "--resident", "none"]
+    argv += ["--baselines", "none,torchao", "--baselines-dir", str(tmp_path), "--out", str(out)]
+    rows = bench(build_parser().parse_args(argv))
+
+    assert [(r["system"], r["batch"], r["status"]) for r in rows] == [
+        ("slidekit", 2, "ok"),
+        ("no_offload", 2, "ok"),
+        ("torchao", 2, "ok"),
+        ("slidekit", 3, "ok"),
+        ("no_offload", 3, "ok"),
+        ("torchao", 3, "unavailable"),
+    ]
+    assert rows[5]["reason"] == "no line for batch 3; exit code 3: RuntimeError: boom"
+    sk2, sk3 = rows[0], rows[3]
+    assert (sk2["vs_no_offload"], sk2["vs_torchao"]) == (4.0, 5.0)  # 2000 / 500, 2000 / 400
+    assert (sk3["vs_no_offload"], sk3["vs_torchao"]) == (5.0, None)  # 3000 / 600, no torchao result
+    lines = out.read_text().splitlines()
+    assert lines[0] == '{"earlier": "run"}'  # what was there stays; this run's rows appear once
+    assert [json.loads(line) for line in lines[1:]] == rows
+    progress = capsys.readouterr().err
+    assert "torchao batch 3: unavailable: no line for batch 3; exit code 3" in progress
+
+
+def test_a_killed_run_keeps_the_records_it_printed(tmp_path):
+    code = 'import time; print(\'{"status": "ok", "batch": 2}\', flush=True); time.sleep(60)'
+    seen = []
+    run = stream_child([sys.executable, "-c", code], timeout=2, on_record=seen.append)
+    assert run.returncode is None and run.failure.startswith("timed out after 2 s")
+    assert run.records == seen == [{"status": "ok", "batch": 2}]
+    assert run.wall_s < 30
+
+
+# ---------------------------------------------------------------------------- the peak-RSS reset
+
+
+def _vm_hwm() -> int:
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", text).group(1)) * 1024
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="VmHWM and /proc/self/clear_refs are Linux's")
+def test_reset_peak_rss_starts_the_peak_over():
+    assert telemetry.reset_peak_rss()
+    before = _vm_hwm()
+    block = b"\x01" * (200 * 2**20)  # written, so every page is resident
+    assert _vm_hwm() >= before + 190 * 2**20
+    del block
+    assert telemetry.reset_peak_rss()
+    assert _vm_hwm() < before + 50 * 2**20  # the 200 MB are no longer in the peak
+    assert peak_rss_gib() == pytest.approx(_vm_hwm() / 2**30, abs=0.01)  # the records read VmHWM
+
+
+def test_reset_peak_rss_says_so_where_it_cannot(monkeypatch):
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(telemetry, "open", refuse, raising=False)  # the module's own open()
+    assert telemetry.reset_peak_rss() is False

@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import resource
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -20,7 +21,15 @@ import pytest
 from slidekit import DataConfig, EngineConfig, OptimConfig, Plugins, RunConfig, TrainConfig, Trainer
 from slidekit.config import from_dict
 from slidekit.errors import ConfigError
-from slidekit.telemetry import GIB, Progress, Timeline, host_rss_bytes, memory_metrics, model_flops
+from slidekit.telemetry import (
+    BACKWARD_WINDOW,
+    GIB,
+    Progress,
+    Timeline,
+    host_rss_bytes,
+    memory_metrics,
+    model_flops,
+)
 from slidekit.testing.models import tiny_config
 from slidekit.trace import TraceWriter
 
@@ -71,12 +80,33 @@ def test_timeline_totals_are_unchanged_by_span_recording():
     spans = tl.take_spans()
     totals = tl.finish()
     assert [(s.lane, s.unit, s.device) for s in spans] == [("update", 3, False), ("bwd", 2, False)]
-    assert totals == {s.lane: s.end - s.start for s in spans}
+    lanes = {s.lane: s.end - s.start for s in spans}
+    assert {k: totals[k] for k in lanes} == lanes
+    assert totals["bwd_window"] == totals["bwd_busy"] == lanes["bwd"]  # one backward span: all of it busy
     assert tl.take_spans() == [] and tl.finish() == {}
     tl.record_spans(False)
     with tl.host("update", 1):
         pass
     assert tl.take_spans() == [] and set(tl.finish()) == {"update"}
+
+
+def test_backward_window_counts_compute_between_the_first_and_last_backward_span():
+    tl = Timeline(cuda=False)
+    with tl.device("fwd", 0, None):  # before the backward: not in the window
+        time.sleep(0.02)
+    with tl.device("bwd", 1, None):
+        time.sleep(0.02)
+    with tl.host("update", 1):  # another lane (the optimizer's thread): not GPU work
+        time.sleep(0.03)
+    with tl.device("update_gpu", 0, None):  # a resident unit's update between backward spans: busy
+        time.sleep(0.01)
+    with tl.device("bwd", 0, None):
+        time.sleep(0.02)
+    totals = tl.finish()
+    busy = totals["bwd"] + totals["update_gpu"]
+    assert totals["bwd_busy"] == pytest.approx(busy)
+    assert totals["bwd_window"] >= busy + 0.03  # the idle 30 ms is in the window, not in the busy time
+    assert totals["bwd_window"] < totals["bwd_busy"] + totals["update"] + 0.02
 
 
 def test_run_trace_is_a_validated_config_field(tmp_path):
@@ -139,7 +169,7 @@ def test_trace_of_a_fit_covers_every_lane_and_unit(tmp_path, resident):
     assert all(e["name"] == f"{e['cat']} {e['args']['unit']}" for e in spans)
 
     # Every lane the engine ran has its spans for every unit of the schedule, every step.
-    lanes = {lane for timings in result.timings for lane in timings}
+    lanes = {lane for timings in result.timings for lane in timings} - set(BACKWARD_WINDOW)
     assert lanes == {e["cat"] for e in spans}
     by_lane: dict[str, Counter[int]] = defaultdict(Counter)
     for e in spans:

@@ -1,13 +1,19 @@
 """No offload: the whole training state on the GPU, the plain PyTorch recipe slidekit is measured against.
 
-    python benchmarks/baselines/no_offload.py --model qwen2.5-3b --batch 8 --seq 1024
-    python benchmarks/baselines/no_offload.py --model tiny --device cpu --batch 2 --seq 64   # anywhere
+    python benchmarks/baselines/no_offload.py --model qwen2.5-3b --batch 8,16,32 --seq 1024
+    python benchmarks/baselines/no_offload.py --model tiny --device cpu --batch 2,3 --seq 64   # anywhere
 
 FP32 master weights on the device, forward and backward under
 ``torch.autocast(bfloat16)``, ``torch.optim.AdamW(fused=True)``: 16 bytes per
 parameter (weights, gradients, two moments) plus activations, with gradient
-checkpointing. A model that does not fit reports "does not fit" instead of
-failing. On the CPU (smoke tests) compute stays FP32, as slidekit's does there. Prints one JSON line (see common.py); ``slidekit bench --baselines none`` runs it.
+checkpointing. The model and optimizer are built once and every batch size
+is measured on them in order, one JSON line each (see common.py). A model
+that does not fit reports "does not fit" for every batch; a batch whose
+activations do not fit reports it for that batch, and the next batch still
+runs (the gradients are dropped first; the optimizer state is only ever
+created whole or per parameter, so it stays usable). On the CPU (smoke
+tests) compute stays FP32, as slidekit's does there. ``slidekit bench
+--baselines none`` runs it.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import time
 
 import torch
-from common import build_model, fits, loss_of, measure, parser, resolve_device
+from common import build_model, fits, loss_of, parser, resolve_device, run_batches
 
 SYSTEM = "no_offload"
 
@@ -23,28 +29,25 @@ SYSTEM = "no_offload"
 def main() -> None:
     args = parser(__doc__).parse_args()
     device = resolve_device(args.device)
-    with fits(SYSTEM):
+    with fits(SYSTEM, args.batch):
         t0 = time.perf_counter()
         model = build_model(args.model, args.seq, device, torch.float32, args.seed)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
         setup_s = round(time.perf_counter() - t0, 2)
 
-        def step(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                loss = loss_of(model, inputs, labels)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
+    def step(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = loss_of(model, inputs, labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
 
-        measure(
-            SYSTEM,
-            args,
-            device,
-            step,
-            setup_s=setup_s,
-            optimizer="torch.optim.AdamW(fused=True), FP32 master",
-        )
+    def after_oom(batch: int) -> None:
+        opt.zero_grad(set_to_none=True)  # a backward cut short leaves some gradients behind
+
+    optimizer = "torch.optim.AdamW(fused=True), FP32 master"
+    run_batches(SYSTEM, args, device, step, setup_s=setup_s, after_oom=after_oom, optimizer=optimizer)
 
 
 if __name__ == "__main__":
