@@ -100,7 +100,7 @@ case "${1:-tests}" in
     python3 benchmarks/host_bandwidth.py --gib 1 --repeat 5 | tee "$OUT/host_bandwidth.json"
     ;;
   suite-3b|suite-7b)
-    # One model size per call: slidekit (forced full offload, half the units resident, the planner's choice)
+    # One model size per call: slidekit (forced full offload, part of the units resident, the planner's choice)
     # against no offload, torchao and DeepSpeed ZeRO-Offload on the same model, batches and tokens.
     # suite-3b first runs the GPU tests of this session's changes (fused device update, backward window,
     # placement still bitwise with resident units).
@@ -114,7 +114,7 @@ case "${1:-tests}" in
         | tee "$OUT/tests_suite.log" | tail -6
       wait
     else
-      M=qwen2.5-7b; BATCHES=8,16; RESIDENT=none,0.5,auto
+      M=qwen2.5-7b; BATCHES=8,16; RESIDENT=none,0.65,auto
       python3 -c "from slidekit_optim.layer_adam import load_kernel; load_kernel()" > "$OUT/build_layer_adam.log" 2>&1
     fi
     echo "ready at ${SECONDS} s"; free -g | head -2
