@@ -170,6 +170,14 @@ def peak_gpu_gib(device: torch.device) -> float | None:
     return round(memory_metrics(device)["gpu_mem_gib"], 3)
 
 
+def _gpu_name(device: Any) -> str | None:
+    if device.type != "cuda":
+        return None
+    import torch
+
+    return str(torch.cuda.get_device_name(device))
+
+
 def run_header(system: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """The fields every benchmark record starts with: what ran, on what, for how many steps."""
     return {
@@ -181,7 +189,7 @@ def run_header(system: str, args: argparse.Namespace, device: torch.device) -> d
         "steps": args.steps,
         "warmup": args.warmup,
         "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "gpu": _gpu_name(device),
     }
 
 
