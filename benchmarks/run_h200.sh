@@ -109,7 +109,7 @@ case "${1:-tests}" in
       M=qwen2.5-3b; BATCHES=8,16,32; RESIDENT=none,auto
       timeout 120 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
         > "$OUT/build_ds_cpu_adam.log" 2>&1 &
-      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/plugins/test_adam_triton.py \
+      [ -n "${SKIP_TESTS:-}" ] || timeout 200 python3 -m pytest -q -p no:cacheprovider tests/plugins/test_adam_triton.py \
         tests/plugins/test_layer_adam.py tests/test_telemetry.py tests/test_tier_placement.py 2>&1 \
         | tee "$OUT/tests_suite.log" | tail -6
       wait
