@@ -45,7 +45,8 @@ tokens (``synthetic_tokens``). Every row has:
   ``wall_s``: a slidekit run's process, an alternative's batch (``process_wall_s``: its whole
   process, in the rows rewritten at the end);
 - slidekit only: per unit (median lane seconds per step / layers) ``t_fwd_s``, ``t_bwd_s``,
-  ``t_d2h_s``, ``t_update_s``; ``eta`` = T_bwd / (T_d2h + T_update) (null when nothing is
+  ``t_d2h_s`` (the gradient copy's own time: the engine's ``d2h_copy`` span), ``t_update_s``;
+  ``eta`` = T_bwd / (T_d2h + T_update) (null when nothing is
   offloaded); ``gpu_busy`` = compute-lane time (fwd, head, bwd, update_gpu) / step wall time;
   ``gpu_busy_bwd`` = compute time / wall time of the backward pass on the compute stream (from the
   start of the first unit's backward to the end of the last's: ``Timeline``'s ``bwd_window``);
@@ -215,9 +216,13 @@ def lane_metrics(
         lane: median(t.get(lane, 0.0) for t in timings) for lane in sorted({k for t in timings for k in t})
     }
     out: dict[str, Any] = {"lanes_s": {k: round(v, 4) for k, v in lanes.items()}}
-    for lane in ("fwd", "bwd", "d2h", "update"):
-        out[f"t_{lane}_s"] = round(lanes.get(lane, 0.0) / num_layers, 6)
-    cpu = lanes.get("d2h", 0.0) + lanes.get("update", 0.0)
+    # T_d2h is the transfer: the copy's own span where the engine records one ("d2h" also holds the
+    # download thread's wait for the unit's backward to finish).
+    d2h = lanes.get("d2h_copy", lanes.get("d2h", 0.0))
+    for lane, seconds in (("fwd", lanes.get("fwd", 0.0)), ("bwd", lanes.get("bwd", 0.0)), ("d2h", d2h)):
+        out[f"t_{lane}_s"] = round(seconds / num_layers, 6)
+    out["t_update_s"] = round(lanes.get("update", 0.0) / num_layers, 6)
+    cpu = d2h + lanes.get("update", 0.0)
     out["eta"] = round(lanes.get("bwd", 0.0) / cpu, 3) if cpu > 0 else None
     busy = [sum(t.get(k, 0.0) for k in COMPUTE_LANES) / s for t, s in zip(timings, step_seconds, strict=True)]
     out["gpu_busy"] = round(median(busy), 3)
@@ -719,7 +724,7 @@ def _caption(args: argparse.Namespace, rows: Sequence[dict[str, Any]]) -> str:
         f"{args.warmup} warm-up steps per batch; each slidekit run in its own process, each alternative in "
         "one process for all batches (model built once, peaks reset per batch). TFLOPS = (6 x params x "
         "tokens + 12 x layers x heads x head_dim x seq x tokens) / step s, recompute not counted. T_* = lane "
-        "seconds per step / layers; eta = T_bwd / (T_d2h + T_update); GPU busy = compute-lane time / step "
+        "seconds per step / layers (T_d2h: the gradient copy alone); eta = T_bwd / (T_d2h + T_update); GPU busy = compute-lane time / step "
         "time; GPU busy in bwd = compute time / wall time of the backward pass; RSS B/param = peak RSS "
         "bytes / params; vs X = slidekit tokens/s / X's at the same batch."
     )

@@ -108,7 +108,7 @@ def _load_trace(path: Path) -> list[dict[str, Any]]:
 
 
 #: Lanes whose work for a step may start after the step's compute is done (the optimizer lags behind).
-LAGGING_LANES = frozenset({"d2h_wait", "d2h", "update", "checkpoint_wait"})
+LAGGING_LANES = frozenset({"d2h_wait", "d2h", "d2h_copy", "update", "checkpoint_wait"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,6 +58,7 @@ LANE_ORDER = (
     "h2d",
     "d2h_wait",
     "d2h",
+    "d2h_copy",
     "update",
     "checkpoint_wait",
 )

@@ -178,6 +178,9 @@ def test_lane_metrics_per_unit_eta_and_busy():
     assert m["eta"] == pytest.approx(1.0 / (0.2 + 0.4), abs=1e-3)
     assert m["gpu_busy"] == pytest.approx(0.5)  # busy per step: 0.55, 0.425, 0.5
     assert m["lanes_s"]["stall"] == 0.0  # a lane missing from a step counts as 0 there
+    # Where the copy has its own span, T_d2h is the copy (the "d2h" lane also waits for the backward).
+    copy = lane_metrics([{"bwd": 1.0, "d2h": 0.6, "d2h_copy": 0.1, "update": 0.7}], [2.0], num_layers=10)
+    assert copy["t_d2h_s"] == pytest.approx(0.01) and copy["eta"] == pytest.approx(1.0 / 0.8, abs=1e-3)
     resident = lane_metrics([{"fwd": 0.1, "bwd": 0.3, "update_gpu": 0.1}], [1.0], num_layers=2)
     assert resident["eta"] is None and resident["gpu_busy"] == pytest.approx(0.5)
 

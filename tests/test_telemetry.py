@@ -144,6 +144,7 @@ def _expected_units(lane: str, layers: int, resident: set[int], micro: int) -> C
         "act_load": Counter({u: micro for u in range(1, layers + 1)}),
         "stall": Counter({0: 1, layers + 1: 1, **{u: 2 for u in range(1, layers + 1)}}),
         "d2h": Counter(streamed),
+        "d2h_copy": Counter(streamed),
         "update": Counter(streamed),
         "update_gpu": Counter(sorted(resident)),
     }

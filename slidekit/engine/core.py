@@ -61,7 +61,7 @@ class StepResult:
     @property
     def eta(self) -> float:
         """Hiding factor T_bwd / (T_d2h + T_update): >= 1 means the CPU side keeps up with backward."""
-        cpu = self.timings.get("d2h", 0.0) + self.timings.get("update", 0.0)
+        cpu = self.timings.get("d2h_copy", self.timings.get("d2h", 0.0)) + self.timings.get("update", 0.0)
         return self.timings.get("bwd", 0.0) / cpu if cpu else float("inf")
 
 
@@ -251,14 +251,16 @@ class Engine:
             if s.cuda:
                 with s.use(s.d2h):
                     s.wait(s.d2h, computed)
-                    dst.copy_(slot.grads[:n], non_blocking=True)
-                    sq.copy_(unit_sq, non_blocking=True)
+                    with self.timeline.device("d2h_copy", unit, s.d2h):  # the transfer alone
+                        dst.copy_(slot.grads[:n], non_blocking=True)
+                        sq.copy_(unit_sq, non_blocking=True)
                     copied = s.record(s.d2h)
                 s.synchronize(copied)
                 self.window.release(slot, copied)
             else:
-                dst.copy_(slot.grads[:n])
-                sq.copy_(unit_sq)
+                with self.timeline.device("d2h_copy", unit, None):
+                    dst.copy_(slot.grads[:n])
+                    sq.copy_(unit_sq)
                 self.window.release(slot, None)
         return index, float(sq)
 
