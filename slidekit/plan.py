@@ -21,7 +21,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["MemoryPlan", "Visit", "place_state", "plan_memory", "plan_residency", "schedule"]
+__all__ = [
+    "GRANULE",
+    "MemoryPlan",
+    "Visit",
+    "place_state",
+    "plan_memory",
+    "plan_residency",
+    "ring_numel",
+    "schedule",
+    "unit_pieces",
+]
 
 FWD, HEAD, BWD = "fwd", "head", "bwd"
 
@@ -56,25 +66,18 @@ class MemoryPlan:
     window: int  # cache units on the compute device, the pinned tied embedding included
     grad_buffers: int  # shared host gradient buffers
     device_bytes: int  # cache units: parameters + gradients
-    host_master_bytes: int  # FP32 masters
-    host_state_bytes: int  # optimizer state, wherever its tier keeps it
-    host_ring_bytes: int  # shared gradient buffers
-
-    @property
-    def host_bytes(self) -> int:
-        return self.host_master_bytes + self.host_state_bytes + self.host_ring_bytes
 
 
 def plan_memory(
     unit_numels: Sequence[int],
     *,
     compute_itemsize: int,
-    state_bytes_per_param: float,
     window: int,
     grad_buffers: int,
     tied: bool,
 ) -> MemoryPlan:
-    """Size the cache units and host buffers for units of the given lengths.
+    """Size the cache units for units of the given lengths (what the whole run needs, host
+    memory included, is ``slidekit.planner.Planner.estimate``).
 
     ``window`` counts the cache units that take turns; a tied embedding adds
     one pinned unit on top. At least two must take turns, so the next unit can
@@ -86,16 +89,39 @@ def plan_memory(
         raise ValueError(f"grad_buffers must be at least 1, got {grad_buffers}")
     slot = max(unit_numels)
     slots = window + (1 if tied else 0)
-    total = sum(unit_numels)
     return MemoryPlan(
         slot_numel=slot,
         window=slots,
         grad_buffers=grad_buffers,
         device_bytes=2 * slots * slot * compute_itemsize,
-        host_master_bytes=4 * total,
-        host_state_bytes=int(state_bytes_per_param * total),
-        host_ring_bytes=grad_buffers * slot * compute_itemsize,
     )
+
+
+#: Streamed state chunks and gradient pieces start at multiples of this many parameters.
+GRANULE = 1 << 12
+
+
+def ring_numel(numels: Sequence[int], kinds: Sequence[str], sliding: Sequence[bool], *, pieces: bool) -> int:
+    """Elements of one shared host gradient buffer.
+
+    The buffers take the gradients of every unit that slides. Where the
+    optimizer can update a unit piece by piece (``pieces``: its state is
+    linear in the parameters, see ``slidekit.engine.state``), they are sized
+    for the largest sliding *layer* (rounded up to ``GRANULE``), and a larger
+    unit (an embedding, a head) comes down and is updated in pieces of that
+    size; otherwise for the largest sliding unit.
+    """
+    moving = [(n, k) for n, k, s in zip(numels, kinds, sliding, strict=True) if s]
+    biggest = max((n for n, _ in moving), default=1)
+    layers = [n for n, k in moving if k == "layer"]
+    if not pieces or not layers:
+        return biggest
+    return min(biggest, -(-max(layers) // GRANULE) * GRANULE)
+
+
+def unit_pieces(numel: int, piece: int) -> list[tuple[int, int]]:
+    """The ranges [a, b) a unit of ``numel`` parameters comes down in, through buffers of ``piece``."""
+    return [(a, min(a + piece, numel)) for a in range(0, numel, piece)] if numel else [(0, 0)]
 
 
 def place_state(num_units: int, fraction: float) -> list[bool]:

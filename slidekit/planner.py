@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING
 from slidekit.config import resident_fraction
 from slidekit.errors import ConfigError
 from slidekit.models.base import ArchSpec
-from slidekit.plan import place_state, plan_residency
+from slidekit.plan import place_state, plan_residency, ring_numel
 
 if TYPE_CHECKING:
     from slidekit.config import TrainConfig
@@ -298,6 +298,7 @@ class Planner:
         loss_workspace: int = 768 << 20,
         device_updates: bool = True,
         keep_grads: bool = False,
+        linear_state: bool = True,
     ) -> None:
         self.spec = spec
         self.workload = workload
@@ -314,12 +315,17 @@ class Planner:
         self.loss_workspace = loss_workspace
         self.device_updates = device_updates
         self.keep_grads = keep_grads
+        self.linear_state = (
+            linear_state  # gradients come down in layer-sized pieces (slidekit.plan.ring_numel)
+        )
 
     @classmethod
     def for_run(
         cls, config: TrainConfig, setup: RunSetup, *, optimizer: UnitOptimizer, plugins: Plugins
     ) -> Planner:
         """The planner of a configured run: its model, workload, engine settings and drivers."""
+        from slidekit.engine.state import is_linear
+
         ec, dc, oc = config.engine, config.data, config.optim
 
         def state_bytes(numel: int) -> int:
@@ -338,6 +344,7 @@ class Planner:
             loss_workspace=setup.selections["kernels"].descriptor.loss_workspace_bytes,
             device_updates=bool(getattr(optimizer, "device_capable", False)),
             keep_grads=oc.max_grad_norm is not None or oc.on_nonfinite == "skip",
+            linear_state=is_linear(optimizer),
         )
 
     # ------------------------------------------------------------------ pieces
@@ -442,9 +449,9 @@ class Planner:
         staged = min(self.state_chunk, max(self.numels))  # three staging sets of one chunk's state
         host["state staging"] = 3 * self._state_bytes(staged) if streamed else 0
         sliding = [n for n, r in zip(self.numels, res, strict=True) if not r]
-        host["gradients"] = self.grad_buffers * max(sliding, default=1) * s + (
-            s * sum(sliding) if self.keep_grads else 0
-        )
+        kinds = [u.kind for u in sp.units]
+        ring = ring_numel(self.numels, kinds, [not r for r in res], pieces=self.linear_state)
+        host["gradients"] = self.grad_buffers * ring * s + (s * sum(sliding) if self.keep_grads else 0)
         acts_medium = (
             "device" if placement.activation_tier == "device" else self.medium(placement.activation_tier)
         )

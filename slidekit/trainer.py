@@ -199,7 +199,6 @@ class Trainer:
         plan = plan_memory(
             [u.numel for u, r in zip(units, resident, strict=True) if not r] or [1],
             compute_itemsize=itemsize,
-            state_bytes_per_param=planner.state_per_param,
             window=ec.window,
             grad_buffers=ec.grad_buffers,
             tied=self.spec.tie_embeddings,

@@ -33,23 +33,19 @@ def test_schedule_needs_a_layer():
     rings=st.integers(1, 4),
     tied=st.booleans(),
 )
-def test_memory_plan_is_flat_in_depth_and_sums_the_host(numels, window, rings, tied):
-    plan = plan_memory(
-        numels, compute_itemsize=2, state_bytes_per_param=8, window=window, grad_buffers=rings, tied=tied
-    )
+def test_memory_plan_is_flat_in_depth(numels, window, rings, tied):
+    plan = plan_memory(numels, compute_itemsize=2, window=window, grad_buffers=rings, tied=tied)
     assert plan.slot_numel == max(numels)
     assert plan.window == window + tied
     assert plan.device_bytes == 2 * plan.window * max(numels) * 2  # params + grads, BF16
     deeper = plan_memory(
         numels + numels[1:-1],
         compute_itemsize=2,
-        state_bytes_per_param=8,
         window=window,
         grad_buffers=rings,
         tied=tied,
     )
     assert deeper.device_bytes == plan.device_bytes  # depth never grows the device side
-    assert plan.host_bytes == 12 * sum(numels) + rings * max(numels) * 2
 
 
 @pytest.mark.parametrize(("window", "rings", "match"), [(1, 2, "window"), (3, 0, "grad_buffers")])
@@ -58,7 +54,6 @@ def test_memory_plan_rejects_bad_sizes(window, rings, match):
         plan_memory(
             [10, 20],
             compute_itemsize=2,
-            state_bytes_per_param=8,
             window=window,
             grad_buffers=rings,
             tied=False,

@@ -221,74 +221,110 @@ class Engine:
         # Bump the version now, on this thread: from here on no slot holding the old
         # parameters can be mistaken for current, and every upload waits for the update.
         self.version[unit] += 1
-        keep = c["defer"]
-        download = self.pipeline.submit("d2h", self._download, unit, slot, done, unit_sq, keep)
-        if keep:
-            c["deferred"][unit] = download
-        else:
-            self.updated[unit] = self.pipeline.submit(
-                "optim", self._update, unit, download, c["lr"], self.updates_applied + 1, 1.0
-            )
+        if c["defer"]:  # into the unit's own buffer, updated once the step's norm is known
+            c["deferred"][unit] = self.pipeline.submit("d2h", self._download, unit, slot, done, unit_sq, None)
+            return
+        handoff: list[Future[tuple[int, float]]] = [Future() for _ in self.host.pieces(unit)]
+        download = self.pipeline.submit("d2h", self._download, unit, slot, done, unit_sq, handoff)
+        self.updated[unit] = self.pipeline.submit(
+            "optim", self._update, unit, download, handoff, c["lr"], self.updates_applied + 1, 1.0
+        )
 
     def _download(
-        self, unit: int, slot: Slot, computed: Any, unit_sq: torch.Tensor, keep: bool
-    ) -> tuple[int, float]:
-        """Download thread: gradients of ``unit`` into a ring buffer or, with ``keep``, its own buffer.
+        self,
+        unit: int,
+        slot: Slot,
+        computed: Any,
+        unit_sq: torch.Tensor,
+        handoff: list[Future[tuple[int, float]]] | None,
+    ) -> float:
+        """Download thread: the unit's gradients to the host; returns their squared norm.
 
-        Returns the ring index (-1 for the unit's own buffer) and the squared
-        norm of the gradients, which comes down with them.
+        With ``handoff`` (one future per range of ``host.pieces(unit)``) each
+        piece lands in a ring buffer whose index (with the norm) is handed to the
+        optimizer thread as soon as it has arrived, so a unit larger than a
+        buffer is updated while its later pieces come down. Without, the whole
+        unit goes into its own buffer, kept until the step ends.
         """
         n = self.host.masters[unit].numel()
         sq = torch.empty((), dtype=torch.float32, pin_memory=self.streams.cuda)
-        if keep:
-            index, dst = -1, self.host.unit_grad(unit)
-        else:
-            with self.timeline.host("d2h_wait", unit):  # waiting for the optimizer to free a buffer
-                index = self.host.ring.acquire()
-            dst = self.host.ring.buffers[index][:n]
         s = self.streams
-        with self.timeline.host("d2h", unit):
-            if s.cuda:
-                with s.use(s.d2h):
-                    s.wait(s.d2h, computed)
-                    with self.timeline.device("d2h_copy", unit, s.d2h):  # the transfer alone
-                        dst.copy_(slot.grads[:n], non_blocking=True)
-                        sq.copy_(unit_sq, non_blocking=True)
-                    copied = s.record(s.d2h)
-                s.synchronize(copied)
-                self.window.release(slot, copied)
-            else:
-                with self.timeline.device("d2h_copy", unit, None):
-                    dst.copy_(slot.grads[:n])
-                    sq.copy_(unit_sq)
-                self.window.release(slot, None)
-        return index, float(sq)
+        copied = None
+        try:
+            for k, (a, b) in enumerate(self.host.pieces(unit) if handoff is not None else [(0, n)]):
+                if handoff is None:
+                    index, dst = -1, self.host.unit_grad(unit)
+                else:
+                    with self.timeline.host("d2h_wait", unit):  # waiting for the optimizer to free a buffer
+                        index = self.host.ring.acquire()
+                    dst = self.host.ring.buffers[index][: b - a]
+                with self.timeline.host("d2h", unit):
+                    if s.cuda:
+                        with s.use(s.d2h):
+                            if k == 0:
+                                s.wait(s.d2h, computed)
+                            with self.timeline.device("d2h_copy", unit, s.d2h):  # the transfer alone
+                                dst.copy_(slot.grads[a:b], non_blocking=True)
+                                if k == 0:
+                                    sq.copy_(unit_sq, non_blocking=True)
+                            copied = s.record(s.d2h)
+                        s.synchronize(copied)
+                    else:
+                        with self.timeline.device("d2h_copy", unit, None):
+                            dst.copy_(slot.grads[a:b])
+                            if k == 0:
+                                sq.copy_(unit_sq)
+                if handoff is not None:
+                    handoff[k].set_result((index, float(sq)))
+        except BaseException as exc:
+            for fut in handoff or []:
+                if not fut.done():
+                    fut.set_exception(exc)
+            raise
+        self.window.release(slot, copied)
+        return float(sq)
 
     def _update(
-        self, unit: int, download: Future[tuple[int, float]], lr: float, count: int, scale: float
+        self,
+        unit: int,
+        download: Future[float],
+        handoff: list[Future[tuple[int, float]]] | None,
+        lr: float,
+        count: int,
+        scale: float,
     ) -> None:
         """Optimizer thread: update ``unit``'s master from its gradients, in submission order.
 
-        A unit whose gradients are not finite is never applied: the step stops here.
+        Piece by piece as they arrive (``handoff``), or from the unit's own
+        buffer once ``download`` is done. A unit whose gradients are not finite
+        is never applied: the step stops here.
         """
-        index, sq = self.pipeline.result(download, f"the gradient download of unit {unit}")
-        if not math.isfinite(sq):
-            if index >= 0:
+        what = f"the gradient download of unit {unit}"
+        if handoff is None:
+            self._check_finite(unit, self.pipeline.result(download, what))
+            self._wait_checkpoint(unit)
+            with self.timeline.host("update", unit):
+                self._apply(unit, self.host.unit_grad(unit), lr=lr, count=count, scale=scale, lowp_out=None)
+            return
+        for k, (a, b) in enumerate(self.host.pieces(unit)):
+            index, sq = self.pipeline.result(handoff[k], what)
+            try:
+                if k == 0:
+                    self._check_finite(unit, sq)
+                    self._wait_checkpoint(unit)
+                grad = self.host.ring.buffers[index][: b - a]
+                with self.timeline.host("update", unit):
+                    self._apply(unit, grad, lr=lr, count=count, scale=scale, lowp_out=None, start=a, stop=b)
+            finally:
                 self.host.ring.release(index)
+
+    def _check_finite(self, unit: int, sq: float) -> None:
+        if not math.isfinite(sq):
             raise NonFiniteError(
                 f"step {self.steps_done + 1}: the gradients of unit {unit} ({self.spec.units[unit].kind}) "
                 "are not finite; no update was applied to it. Lower the learning rate, clip gradients "
                 "(optim.max_grad_norm), or set optim.on_nonfinite='skip' to skip such steps"
             )
-        self._wait_checkpoint(unit)
-        n = self.host.masters[unit].numel()
-        grad = self.host.unit_grad(unit) if index < 0 else self.host.ring.buffers[index][:n]
-        try:
-            with self.timeline.host("update", unit):
-                self._apply(unit, grad, lr=lr, count=count, scale=scale, lowp_out=None)
-        finally:
-            if index >= 0:
-                self.host.ring.release(index)
 
     def _apply_deferred(self, c: dict[str, Any], grad_norm: float) -> None:
         """Queue every unit's update, in the order the next forward pass needs them, with the clip factor.
@@ -298,7 +334,14 @@ class Engine:
         scale = 1.0 if c["clip"] is None else min(1.0, c["clip"] / (grad_norm + 1e-6))
         for unit in sorted(c["deferred"]):  # resident units are updated on the device instead
             self.updated[unit] = self.pipeline.submit(
-                "optim", self._update, unit, c["deferred"].pop(unit), c["lr"], self.updates_applied + 1, scale
+                "optim",
+                self._update,
+                unit,
+                c["deferred"].pop(unit),
+                None,
+                c["lr"],
+                self.updates_applied + 1,
+                scale,
             )
 
     def _update_resident(self, c: dict[str, Any], grad_norm: float) -> None:
@@ -334,24 +377,29 @@ class Engine:
         count: int,
         scale: float,
         lowp_out: torch.Tensor | None,
+        start: int = 0,
+        stop: int | None = None,
     ) -> None:
-        """Scale ``grad`` (clipping) and run the optimizer over the unit's master and state, chunk by chunk."""
+        """Scale ``grad`` (clipping) and run the optimizer over the unit's master and state, chunk by chunk.
+
+        ``grad`` (and ``lowp_out``) hold parameters [start, stop) of the unit: all of it by default.
+        """
         if scale != 1.0:
             grad.mul_(scale)
         master, groups = self.host.masters[unit], self.groups[unit]
 
-        def step(start: int, stop: int, state: Mapping[str, torch.Tensor]) -> None:
+        def step(a: int, b: int, state: Mapping[str, torch.Tensor]) -> None:
             self.optimizer.step(
-                master[start:stop],
-                grad[start:stop],
+                master[a:b],
+                grad[a - start : b - start],
                 state,
                 lr=lr,
                 count=count,
-                groups=slice_groups(groups, start, stop),
-                lowp_out=None if lowp_out is None else lowp_out[start:stop],
+                groups=slice_groups(groups, a, b),
+                lowp_out=None if lowp_out is None else lowp_out[a - start : b - start],
             )
 
-        self.host.state.update(unit, step)
+        self.host.state.update(unit, step, start, stop)
 
     def sync_resident(self) -> None:
         """Refresh resident units' compute-dtype weights from their masters (after loading or restoring)."""

@@ -5,9 +5,11 @@ the optimizer's state, on the tier the plan chose for the unit
 (``slidekit.engine.state``).
 
 Shared by all units: ``grad_buffers`` flat buffers in the compute dtype that
-gradients land in from the device and that the optimizer reads. Host memory
-is therefore about 4 (master) + the optimizer's state bytes per parameter,
-plus a few unit-sized buffers.
+gradients land in from the device and that the optimizer reads, each the size
+of a layer (``slidekit.plan.ring_numel``): an embedding or head larger than
+that comes down, and is updated, in layer-sized pieces (``pieces``). Host
+memory is therefore about 4 (master) + the optimizer's state bytes per
+parameter, plus a few layer-sized buffers.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from slidekit.engine.state import StateStore
 from slidekit.hostmem import HostBuffers
 from slidekit.interfaces import StorageTier, UnitOptimizer
 from slidekit.models.base import UnitLayout
+from slidekit.plan import ring_numel, unit_pieces
 
 __all__ = ["GradRing", "HostStore"]
 
@@ -73,9 +76,6 @@ class HostStore:
             else torch.empty(u.numel, dtype=torch.float32, device=dev)
             for u, dev in zip(units, on, strict=True)
         ]
-        # The ring holds gradients on their way down: resident units never come down.
-        sliding = [u.numel for u, dev in zip(units, on, strict=True) if dev is None]
-        self.ring = GradRing(grad_buffers, max(sliding, default=1), grad_dtype, self.memory, pipeline)
         self.state = StateStore(
             units,
             optimizer=optimizer,
@@ -84,8 +84,18 @@ class HostStore:
             pipeline=pipeline,
             chunk=state_chunk,
         )
+        # The ring holds gradients on their way down: resident units never come down.
+        sliding = [dev is None for dev in on]
+        self.piece = ring_numel(
+            [u.numel for u in units], [u.kind for u in units], sliding, pieces=self.state.linear
+        )
+        self.ring = GradRing(grad_buffers, self.piece, grad_dtype, self.memory, pipeline)
         self._unit_grads: dict[int, torch.Tensor] = {}
         self._grad_dtype = grad_dtype
+
+    def pieces(self, unit: int) -> list[tuple[int, int]]:
+        """The ranges [a, b) of ``unit`` that come down and are updated one ring buffer at a time."""
+        return unit_pieces(self.units[unit].numel, self.piece)
 
     def unit_grad(self, unit: int) -> torch.Tensor:
         """A gradient buffer of the unit's own, for steps that must keep every gradient until the end

@@ -30,11 +30,9 @@ from slidekit.engine.runtime import Pipeline
 from slidekit.hostmem import HostBuffers
 from slidekit.interfaces import ParamGroupRange, StorageTier, UnitOptimizer
 from slidekit.models.base import UnitLayout
+from slidekit.plan import GRANULE  # streamed chunks (and gradient pieces) start at its multiples
 
-__all__ = ["GRANULE", "StateStore", "slice_groups"]
-
-#: Streamed chunks start at multiples of this many parameters.
-GRANULE = 1 << 12
+__all__ = ["GRANULE", "StateStore", "is_linear", "slice_groups"]
 
 Layout = dict[str, tuple[torch.dtype, int]]
 ChunkFn = Callable[[int, int, Mapping[str, torch.Tensor]], None]
@@ -55,7 +53,8 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _is_linear(optimizer: UnitOptimizer) -> bool:
+def is_linear(optimizer: UnitOptimizer) -> bool:
+    """Whether the optimizer's state is linear in the parameters (see the module doc)."""
     one, two, three = (dict(optimizer.state_layout(k * GRANULE)) for k in (1, 2, 3))
     return all(
         two[name][1] == 2 * n and three[name][1] == 3 * n and two[name][0] == dt
@@ -84,8 +83,8 @@ class StateStore:
         self._memory = memory
         self._pipeline = pipeline
         self._layouts: list[Layout] = [dict(optimizer.state_layout(u.numel)) for u in units]
-        self._linear = _is_linear(optimizer)
-        self.chunk = max(GRANULE, chunk // GRANULE * GRANULE) if self._linear else max(u.numel for u in units)
+        self.linear = is_linear(optimizer)
+        self.chunk = max(GRANULE, chunk // GRANULE * GRANULE) if self.linear else max(u.numel for u in units)
         self._staging: list[dict[str, torch.Tensor]] = []  # three rotating sets, built on first use
         self._mapped: list[dict[str, torch.Tensor] | None] = [
             self._allocate(u.index, layout) for u, layout in zip(units, self._layouts, strict=True)
@@ -120,13 +119,13 @@ class StateStore:
                 self._pipeline.result(fut, f"zeroing the optimizer state of unit {unit}")
         return None
 
-    def _chunks(self, unit: int) -> list[tuple[int, int]]:
-        n = self.units[unit].numel
-        return [(a, min(a + self.chunk, n)) for a in range(0, n, self.chunk)]
+    def _chunks(self, unit: int, start: int = 0, stop: int | None = None) -> list[tuple[int, int]]:
+        stop = self.units[unit].numel if stop is None else stop
+        return [(a, min(a + self.chunk, stop)) for a in range(start, stop, self.chunk)]
 
     def _span(self, unit: int, start: int, stop: int) -> dict[str, tuple[torch.dtype, int, int]]:
         """name -> (dtype, first element, element count) of the state of parameters [start, stop)."""
-        if not self._linear:
+        if not self.linear:
             return {name: (dt, 0, n) for name, (dt, n) in self._layouts[unit].items()}
         before = dict(self._optimizer.state_layout(start)) if start else {}
         size = dict(self._optimizer.state_layout(stop - start))
@@ -158,13 +157,28 @@ class StateStore:
 
     # ------------------------------------------------------------------ updates
 
-    def update(self, unit: int, fn: ChunkFn) -> None:
-        """Call ``fn(start, stop, state)`` over the unit's parameters, once if mapped, chunk by chunk if not."""
+    def update(self, unit: int, fn: ChunkFn, start: int = 0, stop: int | None = None) -> None:
+        """Call ``fn(a, b, state)`` over the unit's parameters [start, stop) (default: all of them):
+        once if mapped, chunk by chunk if not. A partial range needs linear state and a ``start``
+        that is a multiple of ``GRANULE``."""
+        n = self.units[unit].numel
+        stop = n if stop is None else stop
+        whole = start == 0 and stop == n
+        if not whole and (not self.linear or start % GRANULE):
+            raise ValueError(
+                f"unit {unit}: a partial state update [{start}, {stop}) needs linear optimizer state and a "
+                f"start at a multiple of {GRANULE}"
+            )
         mapped = self._mapped[unit]
         if mapped is not None:
-            fn(0, self.units[unit].numel, mapped)
+            if not whole:
+                mapped = {
+                    name: mapped[name][first : first + count]
+                    for name, (_, first, count) in self._span(unit, start, stop).items()
+                }
+            fn(start, stop, mapped)
             return
-        chunks = self._chunks(unit)
+        chunks = self._chunks(unit, start, stop)
         what = f"optimizer state of unit {unit}"
         staged = [self._stage(j % 3, unit, a, b) for j, (a, b) in enumerate(chunks)]
         reads: dict[int, list[Future[None]]] = {0: self._read(unit, chunks[0][0], staged[0])}
