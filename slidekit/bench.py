@@ -137,23 +137,10 @@ def synthetic_tokens(
 
 
 def peak_rss_gib() -> float:
-    """Peak resident set size of this process, GiB: ``VmHWM`` of /proc/self/status, which
-    ``slidekit.telemetry.reset_peak_rss`` starts over (getrusage's ``ru_maxrss`` where there is no /proc;
-    on Linux it would also count the parent's peak, inherited at exec)."""
+    """Peak resident set size of this process, GiB (``slidekit.telemetry.peak_rss_bytes``)."""
     from slidekit.telemetry import peak_rss_bytes
 
-    return round((_vm_hwm_bytes() or peak_rss_bytes()) / _GIB, 3)
-
-
-def _vm_hwm_bytes() -> int | None:
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return round(peak_rss_bytes() / _GIB, 3)
 
 
 def peak_gpu_gib(device: torch.device) -> float | None:

@@ -58,6 +58,7 @@ from slidekit.config import resident_fraction
 from slidekit.errors import ConfigError
 from slidekit.models.base import ArchSpec
 from slidekit.plan import place_state, plan_residency, ring_numel
+from slidekit.telemetry import proc_sizes
 
 if TYPE_CHECKING:
     from slidekit.config import TrainConfig
@@ -135,18 +136,6 @@ class Placement:
         return " ".join(out)
 
 
-def _meminfo() -> dict[str, int]:
-    out: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                out[key] = int(rest.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Machine:
     """What the machine has: free device memory, available RAM, free disk in the offload directory."""
@@ -169,7 +158,7 @@ class Machine:
         if dev.type == "cuda":
             free, total = torch.cuda.mem_get_info(dev)
             kind = "rocm" if torch.version.hip else "cuda"
-        info = _meminfo()
+        info = proc_sizes("/proc/meminfo")
         host_total = info.get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         host_available = info.get("MemAvailable", host_total)
         disk = None

@@ -49,6 +49,8 @@ __all__ = [
     "memory_metrics",
     "model_flops",
     "peak_rss_bytes",
+    "proc_sizes",
+    "reset_peak_rss",
 ]
 
 GIB = float(2**30)
@@ -64,8 +66,28 @@ def model_flops(spec: ArchSpec, tokens: int, seq_len: int) -> float:
     return float(weights + attention)
 
 
+def proc_sizes(path: str) -> dict[str, int]:
+    """The ``Key: N kB`` lines of a /proc file (meminfo, self/status) in bytes; {} where it is missing."""
+    out: dict[str, int] = {}
+    try:
+        with open(path, encoding="ascii") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                fields = rest.split()
+                if len(fields) == 2 and fields[1] == "kB" and fields[0].isdigit():
+                    out[key] = int(fields[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (getrusage ``ru_maxrss``)."""
+    """Peak resident set size of this process: ``VmHWM`` of /proc/self/status, which ``reset_peak_rss``
+    starts over (getrusage's ``ru_maxrss`` where there is no /proc; on Linux that one also counts the
+    parent's peak, inherited at exec)."""
+    hwm = proc_sizes("/proc/self/status").get("VmHWM")
+    if hwm is not None:
+        return hwm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak if sys.platform == "darwin" else peak * 1024
 

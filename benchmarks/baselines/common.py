@@ -67,7 +67,7 @@ from slidekit.bench import (
     synthetic_tokens,
     throughput,
 )
-from slidekit.telemetry import reset_peak_rss
+from slidekit.telemetry import proc_sizes, reset_peak_rss
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (inputs, labels) -> loss
 AfterOOM = Callable[[int], str | None]  # (the batch) cleans up after an OOM; a reason stops the rest
@@ -92,14 +92,7 @@ HOST_HEADROOM_GIB = 2.0
 
 def mem_available_bytes() -> int | None:
     """``MemAvailable`` of /proc/meminfo (None where there is no such file)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return proc_sizes("/proc/meminfo").get("MemAvailable")
 
 
 def host_ram_shortfall(system: str, model: str, available: int | None) -> str | None:

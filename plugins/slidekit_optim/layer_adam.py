@@ -289,6 +289,10 @@ class _StepScalars:
     eps: float
     neg_step: float  # -lr / (1 - beta1^t)
 
+    def values(self) -> tuple[float, ...]:
+        """The scalars in the order both kernels take them."""
+        return (self.w1, self.beta2, self.sq_weight, self.inv_b2, self.eps, self.neg_step)
+
 
 def _scalars(hyper: OptimizerHyper, lr: float, count: int) -> _StepScalars:
     b1, b2 = hyper.betas
@@ -352,6 +356,19 @@ def _torch_update(
         p.add_(torch.mul(mc, s.neg_step).div_(denom))  # p + (neg_step * m) / den
         if lowp_out is not None:
             lowp_out[a:b].copy_(p)
+
+
+def _slices(
+    a: int,
+    b: int,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    lowp_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Elements [a, b) of the vectors a kernel call updates."""
+    return master[a:b], grad[a:b], m[a:b], v[a:b], None if lowp_out is None else lowp_out[a:b]
 
 
 def _check_inputs(
@@ -443,20 +460,7 @@ class LayerAdam:
                 _torch_update(master, grad, m, v, lowp_out, segments, s)
                 return
             for a, b, decay in segments:
-                fused(
-                    master[a:b],
-                    grad[a:b],
-                    m[a:b],
-                    v[a:b],
-                    None if lowp_out is None else lowp_out[a:b],
-                    decay,
-                    s.w1,
-                    s.beta2,
-                    s.sq_weight,
-                    s.inv_b2,
-                    s.eps,
-                    s.neg_step,
-                )
+                fused(*_slices(a, b, master, grad, m, v, lowp_out), decay, *s.values())
             return
         if self.impl == "torch":
             _torch_update(master, grad, m, v, lowp_out, segments, s)
@@ -465,19 +469,10 @@ class LayerAdam:
         max_tasks = self.hyper.threads or 0
         for a, b, decay in segments:
             self._kernel.fused_adamw_(
-                master[a:b],
-                grad[a:b],
-                m[a:b],
-                v[a:b],
-                None if lowp_out is None else lowp_out[a:b],
+                *_slices(a, b, master, grad, m, v, lowp_out),
                 decay is not None,
                 1.0 if decay is None else decay,
-                s.w1,
-                s.beta2,
-                s.sq_weight,
-                s.inv_b2,
-                s.eps,
-                s.neg_step,
+                *s.values(),
                 max_tasks,
             )
 
