@@ -99,24 +99,27 @@ case "${1:-tests}" in
     python3 -m slidekit.cli plugins 2>&1 | tee "$OUT/plugins.txt" | grep -i -E "gds|triton" | head -6
     python3 benchmarks/host_bandwidth.py --gib 1 --repeat 5 | tee "$OUT/host_bandwidth.json"
     ;;
-  suite-3b|suite-7b)
+  suite|suite-3b|suite-7b)
     # One model size per call: slidekit (forced full offload, part of the units resident, the planner's choice)
     # against no offload, torchao and DeepSpeed ZeRO-Offload on the same model, batches and tokens.
-    # suite-3b first runs the GPU tests of this session's changes (fused device update, backward window,
-    # placement still bitwise with resident units).
+    #   bash benchmarks/run_h200.sh suite MODEL BATCHES RESIDENT     e.g. suite qwen2.5-14b 8,16 none,auto
+    # suite-3b first runs the GPU tests of the third session's changes (fused device update, backward window,
+    # placement still bitwise with resident units); SKIP_TESTS=1 skips them.
     export DS_ACCELERATOR=cuda DS_SKIP_CUDA_CHECK=1
-    if [ "$1" = suite-3b ]; then
-      M=qwen2.5-3b; BATCHES=8,16,32; RESIDENT=none,auto
-      timeout 120 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
-        > "$OUT/build_ds_cpu_adam.log" 2>&1 &
-      [ -n "${SKIP_TESTS:-}" ] || timeout 200 python3 -m pytest -q -p no:cacheprovider tests/plugins/test_adam_triton.py \
+    case "$1" in
+      suite-3b) M=qwen2.5-3b; BATCHES=8,16,32; RESIDENT=none,auto ;;
+      suite-7b) M=qwen2.5-7b; BATCHES=8,16; RESIDENT=none,0.65,auto ;;
+      *) M=${2:?model preset}; BATCHES=${3:-8,16,32}; RESIDENT=${4:-none,auto} ;;
+    esac
+    timeout 120 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
+      > "$OUT/build_ds_cpu_adam.log" 2>&1 &
+    python3 -c "from slidekit_optim.layer_adam import load_kernel; load_kernel()" > "$OUT/build_layer_adam.log" 2>&1
+    if [ "$1" = suite-3b ] && [ -z "${SKIP_TESTS:-}" ]; then
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/plugins/test_adam_triton.py \
         tests/plugins/test_layer_adam.py tests/test_telemetry.py tests/test_tier_placement.py 2>&1 \
         | tee "$OUT/tests_suite.log" | tail -6
-      wait
-    else
-      M=qwen2.5-7b; BATCHES=8,16; RESIDENT=none,0.65,auto
-      python3 -c "from slidekit_optim.layer_adam import load_kernel; load_kernel()" > "$OUT/build_layer_adam.log" 2>&1
     fi
+    wait
     echo "ready at ${SECONDS} s"; free -g | head -2
     python3 -m slidekit.cli bench --model $M --batch $BATCHES --seq 1024 --warmup 2 --steps 3 --activations device \
       --resident $RESIDENT --baselines none,torchao,deepspeed --timeout 150 --time-budget $((575 - SECONDS)) \
