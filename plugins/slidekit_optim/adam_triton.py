@@ -29,6 +29,8 @@ Test: ``pytest tests/plugins/test_adam_triton.py`` (interpreted here, compiled o
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -102,7 +104,7 @@ def fused_adamw_(
     if n == 0:
         return
     grid = (-(-n // BLOCK),)
-    with torch.cuda.device(master.device) if master.is_cuda else _no_switch():
+    with torch.cuda.device(master.device) if master.is_cuda else contextlib.nullcontext():
         _adamw_kernel[grid](
             master,
             grad,
@@ -123,11 +125,3 @@ def fused_adamw_(
             num_warps=4,
             enable_fp_fusion=False,
         )
-
-
-class _no_switch:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
