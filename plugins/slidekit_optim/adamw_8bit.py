@@ -241,12 +241,7 @@ class AdamW8bit:
             v_map.threshold,
             [stop for _, stop, _ in segments],
             [1.0 if decay is None else decay for _, _, decay in segments],  # times 1 changes no bits
-            s.w1,
-            s.beta2,
-            s.sq_weight,
-            s.inv_b2,
-            s.eps,
-            s.neg_step,
+            *s.values(),
             self.hyper.threads or 0,
         )
         if lowp_out is not None and not direct:  # another dtype or layout: cast after the update
