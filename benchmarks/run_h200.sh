@@ -110,7 +110,16 @@ case "${1:-tests}" in
       suite-3b) M=qwen2.5-3b; BATCHES=8,16,32; RESIDENT=none,auto ;;
       suite-7b) M=qwen2.5-7b; BATCHES=8,16; RESIDENT=none,0.65,auto ;;
       *) M=${2:?model preset}; BATCHES=${3:-8,16,32}; RESIDENT=${4:-none,auto} ;;
-    esac
+      verify-7b)  # the third session's unmeasured changes at Qwen2.5-7B batch 16: gradient pieces (host RSS per
+    # parameter), the device-timed gradient copy (eta), adamw_8bit's host RSS with its state in RAM
+    python3 -c "from slidekit_optim.layer_adam import load_kernel; load_kernel()" > "$OUT/build_layer_adam.log" 2>&1
+    for opt in layer_adam adamw_8bit; do
+      python3 -m slidekit.cli bench --model qwen2.5-7b --batch 16 --seq 1024 --warmup 2 --steps 3 --activations device \
+        --resident none,0.65 --optimizer $opt --baselines "" --timeout 150 --time-budget $((560 - SECONDS)) \
+        --out "$OUT/verify_7b.jsonl" --markdown "$OUT/verify_7b_$opt.md" 2>&1 | tail -6
+    done
+    ;;
+esac
     timeout 120 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
       > "$OUT/build_ds_cpu_adam.log" 2>&1 &
     python3 -c "from slidekit_optim.layer_adam import load_kernel; load_kernel()" > "$OUT/build_layer_adam.log" 2>&1
