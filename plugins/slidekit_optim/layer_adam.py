@@ -152,8 +152,8 @@ def _missing_tool() -> str | None:
 
 
 def _build_spec(source: Path) -> _BuildSpec:
-    try:
-        text = source.read_bytes()
+    try:  # the source and the headers beside it (it includes them by path): a change to either rebuilds
+        text = b"\0".join(f.read_bytes() for f in [source, *sorted(source.parent.glob("*.h"))])
     except OSError as e:
         raise KernelUnavailable(f"cannot read the kernel source {source}: {e}") from e
     cap = _cpu_capability()

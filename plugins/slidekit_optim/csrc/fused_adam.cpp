@@ -31,6 +31,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>  // lighter than torch/extension.h: halves the build time
 
+#include "parallel_tasks.h"  // the split into tasks on torch's thread pool, shared by both kernels
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -183,26 +185,9 @@ int64_t fused_adamw_(
   // array), at least kMinPerTask elements each: small ranges run on fewer threads, down to one.
   constexpr int64_t kAlign = 64;
   constexpr int64_t kMinPerTask = int64_t{1} << 15;
-  const int64_t threads = at::get_num_threads();
-  const int64_t limit = max_tasks > 0 ? std::min<int64_t>(max_tasks, threads) : threads;
-  const int64_t tasks = std::max<int64_t>(1, std::min<int64_t>(limit, n / kMinPerTask));
-  const int64_t per_task = ((n + tasks - 1) / tasks + kAlign - 1) / kAlign * kAlign;
-  std::vector<int> ran_on(tasks, -1);  // the pool thread that ran each task
-  auto run = [&](int64_t t_begin, int64_t t_end) {
-    for (int64_t t = t_begin; t < t_end; ++t) {
-      const int64_t lo = std::min(n, t * per_task);
-      const int64_t hi = std::min(n, lo + per_task);
-      fn(hi - lo, p + lo, g + lo * g_size, m + lo, v + lo, out ? out + lo : nullptr, s);
-      ran_on[t] = at::get_thread_num();
-    }
-  };
-  if (tasks == 1) {
-    run(0, 1);
-  } else {
-    at::parallel_for(0, tasks, 1, run);
-  }
-  std::sort(ran_on.begin(), ran_on.end());
-  return std::unique(ran_on.begin(), ran_on.end()) - ran_on.begin();
+  return slidekit::run_in_tasks(n, kMinPerTask, kAlign, max_tasks, [&](int64_t lo, int64_t hi) {
+    fn(hi - lo, p + lo, g + lo * g_size, m + lo, v + lo, out ? out + lo : nullptr, s);
+  });
 }
 
 }  // namespace
