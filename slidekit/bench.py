@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, Any
 from slidekit.children import ChildRun, last_error, run_child, stream_child
 from slidekit.errors import ConfigError
 from slidekit.presets import PRESETS, arch_spec, hf_config, preset, write_config
+from slidekit.telemetry import d2h_seconds, hiding_factor
 
 if TYPE_CHECKING:
     import torch
@@ -197,14 +198,12 @@ def lane_metrics(
         lane: median(t.get(lane, 0.0) for t in timings) for lane in sorted({k for t in timings for k in t})
     }
     out: dict[str, Any] = {"lanes_s": {k: round(v, 4) for k, v in lanes.items()}}
-    # T_d2h is the transfer: the copy's own span where the engine records one ("d2h" also holds the
-    # download thread's wait for the unit's backward to finish).
-    d2h = lanes.get("d2h_copy", lanes.get("d2h", 0.0))
-    for lane, seconds in (("fwd", lanes.get("fwd", 0.0)), ("bwd", lanes.get("bwd", 0.0)), ("d2h", d2h)):
-        out[f"t_{lane}_s"] = round(seconds / num_layers, 6)
-    out["t_update_s"] = round(lanes.get("update", 0.0) / num_layers, 6)
-    cpu = d2h + lanes.get("update", 0.0)
-    out["eta"] = round(lanes.get("bwd", 0.0) / cpu, 3) if cpu > 0 else None
+    seconds = {"fwd": lanes.get("fwd", 0.0), "bwd": lanes.get("bwd", 0.0), "d2h": d2h_seconds(lanes)}
+    seconds["update"] = lanes.get("update", 0.0)
+    for lane, s in seconds.items():
+        out[f"t_{lane}_s"] = round(s / num_layers, 6)
+    eta = hiding_factor(lanes)
+    out["eta"] = None if eta is None else round(eta, 3)
     busy = [sum(t.get(k, 0.0) for k in COMPUTE_LANES) / s for t, s in zip(timings, step_seconds, strict=True)]
     out["gpu_busy"] = round(median(busy), 3)
     in_bwd = [t["bwd_busy"] / t["bwd_window"] for t in timings if t.get("bwd_window")]

@@ -45,6 +45,8 @@ __all__ = [
     "Progress",
     "Span",
     "Timeline",
+    "d2h_seconds",
+    "hiding_factor",
     "host_rss_bytes",
     "memory_metrics",
     "model_flops",
@@ -306,6 +308,19 @@ def reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
+
+
+def d2h_seconds(lanes: Mapping[str, float]) -> float:
+    """The gradient transfer's seconds: the copy's own span (``d2h_copy``) where the engine recorded one;
+    the ``d2h`` lane also holds the download thread's wait for each unit's backward."""
+    return lanes.get("d2h_copy", lanes.get("d2h", 0.0))
+
+
+def hiding_factor(lanes: Mapping[str, float]) -> float | None:
+    """eta = T_bwd / (T_d2h + T_update) over lane seconds: >= 1 when the host side keeps up with the
+    backward pass; None when nothing went to the host."""
+    cpu = d2h_seconds(lanes) + lanes.get("update", 0.0)
+    return lanes.get("bwd", 0.0) / cpu if cpu > 0 else None
 
 
 #: The keys ``Timeline.finish`` adds beside the lanes.

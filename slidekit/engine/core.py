@@ -40,7 +40,7 @@ from slidekit.interfaces import KernelSet, ParamGroupRange, UnitOptimizer
 from slidekit.models.base import ArchSpec, UnitKind
 from slidekit.models.decoder import RopeTables, embed_backward, embed_forward, head_loss, layer_forward
 from slidekit.plan import BWD, FWD, HEAD, MemoryPlan, Visit, schedule
-from slidekit.telemetry import Timeline
+from slidekit.telemetry import Timeline, hiding_factor
 
 __all__ = ["Engine", "StepResult"]
 
@@ -61,8 +61,8 @@ class StepResult:
     @property
     def eta(self) -> float:
         """Hiding factor T_bwd / (T_d2h + T_update): >= 1 means the CPU side keeps up with backward."""
-        cpu = self.timings.get("d2h_copy", self.timings.get("d2h", 0.0)) + self.timings.get("update", 0.0)
-        return self.timings.get("bwd", 0.0) / cpu if cpu else float("inf")
+        eta = hiding_factor(self.timings)
+        return float("inf") if eta is None else eta
 
 
 class Engine:
