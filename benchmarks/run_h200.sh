@@ -99,6 +99,45 @@ case "${1:-tests}" in
     python3 -m slidekit.cli plugins 2>&1 | tee "$OUT/plugins.txt" | grep -i -E "gds|triton" | head -6
     python3 benchmarks/host_bandwidth.py --gib 1 --repeat 5 | tee "$OUT/host_bandwidth.json"
     ;;
+  verify-7b)  # the third session's unmeasured changes: gradient pieces (host RSS per parameter at 7B and 3B), the
+    # device-timed gradient copy (eta), adamw_8bit's host RSS with its state in RAM, a trace of partial residency
+    python3 -c "from slidekit_optim.layer_adam import load_kernel; load_kernel()" > "$OUT/build_layer_adam.log" 2>&1
+    V="--seq 1024 --warmup 2 --steps 3 --activations device"
+    python3 -m slidekit.cli bench --model qwen2.5-7b --batch 16 $V --resident none,0.65 --baselines "" --timeout 150 \
+      --out "$OUT/verify.jsonl" --markdown "$OUT/verify_7b_layer_adam.md" 2>&1 | tail -5
+    python3 -m slidekit.cli bench --model qwen2.5-7b --batch 16 $V --resident none --optimizer adamw_8bit --baselines "" \
+      --timeout 150 --out "$OUT/verify.jsonl" --markdown "$OUT/verify_7b_adamw_8bit.md" 2>&1 | tail -4
+    python3 -m slidekit.cli bench --model qwen2.5-3b --batch 8 $V --resident none --baselines "" --timeout 100 \
+      --out "$OUT/verify.jsonl" --markdown "$OUT/verify_3b.md" 2>&1 | tail -4
+    timeout 150 python3 benchmarks/train_throughput.py --model qwen2.5-7b --batch 16 $V --resident 0.65 --steps 2 \
+      --trace "$OUT/trace_7b_b16_r065.json" 2>&1 | tail -1
+    ;;
+  suite-large)  # Llama-3.1-8B and Qwen2.5-14B in one call: torchao and DeepSpeed need more host RAM than the machine has
+    # (the bench's guard says so), no offload fits neither at batch 16; Qwen2.5-14B's layer_adam state (~180 GB)
+    # fits in RAM only with part of the units on the GPU, so it runs with the planner's choice alone.
+    python3 -c "from slidekit_optim.layer_adam import load_kernel; load_kernel()" > "$OUT/build_layer_adam.log" 2>&1
+    V="--seq 1024 --warmup 2 --steps 3 --activations device"
+    python3 -m slidekit.cli bench --model llama-3.1-8b --batch 8,16 $V --resident none,auto \
+      --baselines none,torchao,deepspeed --timeout 150 --time-budget 300 --out "$OUT/bench_llama-3.1-8b.jsonl" \
+      --markdown "$OUT/bench_llama-3.1-8b.md" 2>&1 | tail -12
+    python3 -m slidekit.cli bench --model qwen2.5-14b --batch 8,16 $V --resident auto --baselines "" --timeout 150 \
+      --time-budget $((560 - SECONDS)) --out "$OUT/bench_qwen2.5-14b.jsonl" --markdown "$OUT/bench_qwen2.5-14b.md" \
+      2>&1 | tail -5
+    ;;
+  spread)  # host units spread over the backward order, prefetches that never wait: 7B at batch 16 with 0.65 of the
+    # units resident and with none, Qwen2.5-14B with the planner's choice (compare with the verify-7b and suite-large
+    # calls of the same day), then a trace of the 7B 0.65 run
+    python3 -c "from slidekit_optim.layer_adam import load_kernel; load_kernel()" > "$OUT/build_layer_adam.log" 2>&1
+    V="--seq 1024 --warmup 2 --steps 3 --activations device --baselines '' --timeout 140"
+    eval python3 -m slidekit.cli bench --model qwen2.5-7b --batch 16 $V --resident 0.65,none \
+      --out "$OUT/spread.jsonl" --markdown "$OUT/spread_7b.md" 2>&1 | tail -4
+    eval python3 -m slidekit.cli bench --model qwen2.5-14b --batch 16,8 $V --resident auto --time-budget $((380 - SECONDS)) \
+      --out "$OUT/spread.jsonl" --markdown "$OUT/spread_14b.md" 2>&1 | tail -4
+    if [ $SECONDS -lt 330 ]; then
+      timeout $((420 - SECONDS)) python3 benchmarks/train_throughput.py --model qwen2.5-7b --batch 16 --seq 1024 \
+        --activations device --resident 0.65 --warmup 2 --steps 2 --trace "$OUT/trace_7b_b16_r065.json" 2>&1 | tail -1
+    fi
+    ;;
   suite|suite-3b|suite-7b)
     # One model size per call: slidekit (forced full offload, part of the units resident, the planner's choice)
     # against no offload, torchao and DeepSpeed ZeRO-Offload on the same model, batches and tokens.
@@ -110,16 +149,7 @@ case "${1:-tests}" in
       suite-3b) M=qwen2.5-3b; BATCHES=8,16,32; RESIDENT=none,auto ;;
       suite-7b) M=qwen2.5-7b; BATCHES=8,16; RESIDENT=none,0.65,auto ;;
       *) M=${2:?model preset}; BATCHES=${3:-8,16,32}; RESIDENT=${4:-none,auto} ;;
-      verify-7b)  # the third session's unmeasured changes at Qwen2.5-7B batch 16: gradient pieces (host RSS per
-    # parameter), the device-timed gradient copy (eta), adamw_8bit's host RSS with its state in RAM
-    python3 -c "from slidekit_optim.layer_adam import load_kernel; load_kernel()" > "$OUT/build_layer_adam.log" 2>&1
-    for opt in layer_adam adamw_8bit; do
-      python3 -m slidekit.cli bench --model qwen2.5-7b --batch 16 --seq 1024 --warmup 2 --steps 3 --activations device \
-        --resident none,0.65 --optimizer $opt --baselines "" --timeout 150 --time-budget $((560 - SECONDS)) \
-        --out "$OUT/verify_7b.jsonl" --markdown "$OUT/verify_7b_$opt.md" 2>&1 | tail -6
-    done
-    ;;
-esac
+    esac
     timeout 120 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
       > "$OUT/build_ds_cpu_adam.log" 2>&1 &
     python3 -c "from slidekit_optim.layer_adam import load_kernel; load_kernel()" > "$OUT/build_layer_adam.log" 2>&1
