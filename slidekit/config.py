@@ -138,7 +138,7 @@ class EngineConfig:
     offload_dir: str | None = None  # directory for file-backed tiers
     window: int = 3  # cache units that take turns on the device (a tied embedding adds one)
     gpu_resident: str = "auto"  # units kept on the device with master and state: "auto" (what fits), "none",
-    # "all", or a fraction such as "0.5"; the first units in forward order go first
+    # "all", or a fraction such as "0.5"; the units left on the host are spread over the backward order
     grad_buffers: int = 2  # shared host gradient buffers
     loss_chunk: int | None = None  # tokens per chunk of the fused linear + cross-entropy; None = auto
     timeout_s: float = 600.0  # no pipeline wait lasts longer; a stuck run fails instead of hanging

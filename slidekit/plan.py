@@ -30,6 +30,7 @@ __all__ = [
     "plan_residency",
     "ring_numel",
     "schedule",
+    "spread_host_units",
     "unit_pieces",
 ]
 
@@ -133,27 +134,48 @@ def place_state(num_units: int, fraction: float) -> list[bool]:
     return [(i + 1) * target // num_units > i * target // num_units for i in range(num_units)]
 
 
+def spread_host_units(num_units: int, host: int) -> list[bool]:
+    """Which of ``num_units`` units stay on the host when ``host`` of them must: spread evenly over the
+    backward order, the first unit of that order (the head) first, the embedding last.
+
+    A host unit's update runs on the CPU while the GPU computes the backward
+    passes of the units after it, so host units separated by resident ones each
+    get the backward time of the gap between them to hide their update in
+    (and, in the forward pass, their upload). The units below the last host
+    unit are resident: their backward covers its update and its upload for the
+    next forward pass, which needs the lowest units first. Positions in backward
+    order: ``floor(j * (num_units - 1) / host)`` for ``j < host``.
+    """
+    if not 0 <= host <= num_units:
+        raise ValueError(f"host must lie in [0, {num_units}], got {host}")
+    if host == num_units:
+        return [True] * num_units
+    chosen = [False] * num_units
+    for j in range(host):
+        chosen[num_units - 1 - j * (num_units - 1) // host] = True
+    return chosen
+
+
 def plan_residency(
     unit_numels: Sequence[int], *, bytes_per_param: float, budget: int, fraction: float | None = None
 ) -> list[bool]:
     """Which units live on the compute device for good, master and optimizer state included.
 
-    Units are taken in forward order (0, 1, 2, ...): the next step's forward
-    pass needs them first, and on the host they would be updated last, so
-    keeping them on the device removes the wait at the step boundary. With
-    ``fraction`` that share of the units (rounded) is taken, budget or not;
-    otherwise as many as ``budget`` bytes hold at ``bytes_per_param`` each.
+    The units that stay on the host are spread evenly over the backward order
+    (``spread_host_units``), so each host update hides under the backward of
+    the resident units after it instead of queueing behind the others. With
+    ``fraction`` that share of the units (rounded) is resident, budget or not;
+    otherwise the fewest host units whose spread leaves residents within
+    ``budget`` bytes at ``bytes_per_param`` each.
     """
+    units = len(unit_numels)
     if fraction is not None:
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"fraction must lie in [0, 1], got {fraction}")
-        count = round(fraction * len(unit_numels))
-        return [i < count for i in range(len(unit_numels))]
-    chosen: list[bool] = []
-    used = 0.0
-    for numel in unit_numels:
-        cost = numel * bytes_per_param
-        fits = bool(chosen == [] or chosen[-1]) and used + cost <= budget
-        used += cost if fits else 0.0
-        chosen.append(fits)
-    return chosen
+        return [not h for h in spread_host_units(units, units - round(fraction * units))]
+    for host in range(units + 1):
+        on_host = spread_host_units(units, host)
+        cost = sum(n for n, h in zip(unit_numels, on_host, strict=True) if not h) * bytes_per_param
+        if cost <= budget:
+            return [not h for h in on_host]
+    return [False] * units

@@ -16,6 +16,7 @@ from slidekit.config import DataConfig
 from slidekit.errors import ConfigError
 from slidekit.hostmem import registered_bytes
 from slidekit.models.base import ArchSpec
+from slidekit.plan import spread_host_units
 from slidekit.planner import GIB, Machine, Placement, Planner, Workload, plan_run
 from slidekit.plugins import Plugins
 from slidekit.testing.models import save_tiny_model, tiny_config
@@ -76,9 +77,12 @@ def test_resident_units_move_master_and_state_to_the_device_and_shrink_the_windo
     assert all(all_res.resident)
     assert all_res.device["resident"] == sum(n * (4 + 2 * 2 + 8) for n in numels)
     assert all_res.host["masters"] == 0 and all_res.host["state"] == 0
-    # the first half resident: the window is sized for the largest unit still sliding (the head)
+    # half resident, the host half spread over the backward order from the head down: the window is
+    # sized for the largest unit still sliding (the head)
     half = p.estimate(Placement(gpu_resident="0.5"), _cuda_machine(80))
-    assert half.resident == tuple(i < round(0.5 * len(numels)) for i in range(len(numels)))
+    host = len(numels) - round(0.5 * len(numels))
+    assert half.resident == tuple(not h for h in spread_host_units(len(numels), host))
+    assert sum(half.resident) == round(0.5 * len(numels)) and half.resident[0] and not half.resident[-1]
     assert half.device["window"] == 2 * 3 * numels[-1] * 2
     layers_only = p.estimate(
         Placement(), _cuda_machine(80), resident=[True] + [False] * (len(numels) - 2) + [True]
@@ -86,22 +90,28 @@ def test_resident_units_move_master_and_state_to_the_device_and_shrink_the_windo
     assert layers_only.device["window"] == 2 * 3 * numels[1] * 2
 
 
-def test_auto_residency_takes_what_the_spare_memory_holds_in_forward_order():
+def test_auto_residency_keeps_the_fewest_host_units_the_spare_memory_allows_spread_out():
     spec = _spec("llama", num_hidden_layers=8, vocab_size=512)
     p = _planner(spec)
     none = p.estimate(Placement(gpu_resident="none"), _cuda_machine(80))
-    per_unit = [p.resident_cost(u) for u in range(len(spec.units))]
+    units = len(spec.units)
+    per_unit = [p.resident_cost(u) for u in range(units)]
     reserve = 4 * GIB
-    for count in (0, 3, len(per_unit)):
-        budget = (
-            none.device_bytes
-            + reserve
-            + sum(per_unit[:count])
-            + (per_unit[count] // 2 if count < len(per_unit) else 0)
+    layouts = [spread_host_units(units, h) for h in range(units + 1)]
+
+    def kept(on_host: list[bool]) -> int:  # device bytes of the units that are not on the host
+        return sum(c for c, h in zip(per_unit, on_host, strict=True) if not h)
+
+    for spare in sorted({0, per_unit[1] // 2, *(kept(layout) + 1 for layout in layouts)}):
+        machine = dataclasses.replace(
+            _cuda_machine(80), device_free=none.device_bytes + reserve + spare, device_total=1
         )
-        machine = dataclasses.replace(_cuda_machine(80), device_free=budget, device_total=budget)
         res = p.residency(Placement(), machine)
-        assert res == [i < count for i in range(len(per_unit))], count
+        host = units - sum(res)
+        assert res == [not h for h in layouts[host]], spare  # one of the spread layouts
+        assert kept(layouts[host]) <= spare  # that fits
+        assert all(kept(layouts[h]) > spare for h in range(host))  # with the fewest host units
+    assert host == 0  # the largest spare memory holds every unit
 
 
 def test_optimizer_without_device_updates_keeps_everything_on_the_host():

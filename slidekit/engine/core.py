@@ -121,28 +121,38 @@ class Engine:
 
     # ================================================================== uploads
 
-    def _request(self, k: int) -> None:
-        """Make sure visit ``k``'s parameters are (being) loaded into a slot."""
+    def _request(self, k: int, *, wait: bool = True) -> bool:
+        """Make sure visit ``k``'s parameters are (being) loaded into a slot.
+
+        ``wait=False`` (a prefetch): when every cache unit is still in use, give
+        up at once and return False rather than hold up the main thread, which
+        may have work that needs no cache unit (resident units) meanwhile.
+        """
         if k >= len(self.visits) or k in self._loads:
-            return
+            return True
         visit = self.visits[k]
         if not visit.needs_params:
-            return
+            return True
         own = self.window.resident.get(visit.unit)
         if own is not None:  # always loaded, never evicted
             if self._is_tied_embed(visit.unit):
                 self._tied_slot = own
             self._loads[k] = (own, None)
-            return
+            return True
         if self._is_tied_embed(visit.unit) and self._tied_slot is not None:
             self._loads[k] = (self._tied_slot, None)
-            return
+            return True
         version = self.version[visit.unit]
         tied = self._is_tied_embed(visit.unit)
         slot = self.window.lookup(visit.unit, version)  # still resident from an earlier visit?
         fut = None
         if slot is None:
-            slot = self.window.claim(visit.unit, version, pinned=tied)
+            if wait:
+                slot = self.window.claim(visit.unit, version, pinned=tied)
+            else:
+                slot = self.window.try_claim(visit.unit, version, pinned=tied)
+                if slot is None:
+                    return False
             fut = self.pipeline.submit(
                 "h2d", self._upload, slot, visit.unit, self.updated[visit.unit], slot.free_event
             )
@@ -150,6 +160,7 @@ class Engine:
             self.window.pin(slot)
             self._tied_slot = slot
         self._loads[k] = (slot, fut)
+        return True
 
     def _upload(self, slot: Slot, unit: int, update: Future[None] | None, free_event: Any) -> Any:
         """Upload thread: wait for the unit's update, then copy its master into the slot."""
@@ -195,7 +206,8 @@ class Engine:
                 self.streams.wait(self.streams.compute, event)
         stop = k + 1 + self.prefetch_depth
         for j in range(k + 1, stop if last is None else min(stop, last + 1)):
-            self._request(j)
+            if not self._request(j, wait=False):
+                break  # no free cache unit yet: the visit itself claims one when its turn comes
         return slot
 
     def _is_tied_embed(self, unit: int) -> bool:

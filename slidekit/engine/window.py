@@ -100,7 +100,17 @@ class Window:
                 lambda: any(s.users == 0 and not s.pinned for s in self.slots),
                 f"a free cache unit for unit {unit} (window of {len(self.slots)})",
             )
-            slot = min((s for s in self.slots if s.users == 0 and not s.pinned), key=lambda s: s.last_use)
+            slot = self.try_claim(unit, version, pinned=pinned)
+            assert slot is not None
+            return slot
+
+    def try_claim(self, unit: int, version: int, *, pinned: bool = False) -> Slot | None:
+        """Like ``claim``, but None at once when every slot is in use (a prefetch must not wait)."""
+        with self._pipeline.lock:
+            free = [s for s in self.slots if s.users == 0 and not s.pinned]
+            if not free:
+                return None
+            slot = min(free, key=lambda s: s.last_use)
             slot.unit, slot.version, slot.users, slot.pinned = unit, version, 1, pinned
             self._touch(slot)
             return slot
