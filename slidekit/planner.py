@@ -254,6 +254,9 @@ class Estimate:
             lines += [f"    {name:<22} {fmt_gib(n):>12}" for name, n in parts.items() if n]
         resident = sum(self.resident)
         lines.append(f"  {resident} of {len(self.resident)} units resident on the {device}")
+        if 0 < resident < len(self.resident):
+            host = ", ".join(str(u) for u, r in enumerate(self.resident) if not r)
+            lines.append(f"  units on the host (spread over the backward order): {host}")
         return "\n".join(lines)
 
 

@@ -83,6 +83,9 @@ def test_resident_units_move_master_and_state_to_the_device_and_shrink_the_windo
     host = len(numels) - round(0.5 * len(numels))
     assert half.resident == tuple(not h for h in spread_host_units(len(numels), host))
     assert sum(half.resident) == round(0.5 * len(numels)) and half.resident[0] and not half.resident[-1]
+    on_host = ", ".join(str(u) for u, r in enumerate(half.resident) if not r)
+    assert f"units on the host (spread over the backward order): {on_host}\n" in half.table() + "\n"
+    assert "units on the host" not in all_res.table()
     assert half.device["window"] == 2 * 3 * numels[-1] * 2
     layers_only = p.estimate(
         Placement(), _cuda_machine(80), resident=[True] + [False] * (len(numels) - 2) + [True]
