@@ -11,6 +11,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=/tmp/site
 fi
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/slidekit-off /tmp/slidekit-bench
+build_layer_adam() {  # compile slidekit's CPU Adam extension once, before the timed runs
+  timeout 120 python3 -c "from slidekit_optim.layer_adam import load_kernel; load_kernel()" > "$OUT/build_layer_adam.log" 2>&1
+}
+RUN="--seq 1024 --warmup 2 --steps 3 --activations device"  # the settings of every suite run
 python3 - <<'PY' | tee "$OUT/env.txt"
 import torch, triton, transformers, platform
 print(platform.python_version(), torch.__version__, triton.__version__, transformers.__version__,
@@ -82,7 +86,7 @@ case "${1:-tests}" in
     # same model, batches and tokens, every run its own process, all inside 570 s of this script. The two
     # CPU Adam extensions (slidekit's layer_adam, DeepSpeed's cpu_adam) are built first, side by side.
     export DS_ACCELERATOR=cuda DS_SKIP_CUDA_CHECK=1
-    timeout 120 python3 -c "from slidekit_optim.layer_adam import load_kernel; load_kernel()" > "$OUT/build_layer_adam.log" 2>&1 &
+    build_layer_adam &
     timeout 120 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
       > "$OUT/build_ds_cpu_adam.log" 2>&1 &
     wait
@@ -101,41 +105,38 @@ case "${1:-tests}" in
     ;;
   verify-7b)  # the third session's unmeasured changes: gradient pieces (host RSS per parameter at 7B and 3B), the
     # device-timed gradient copy (eta), adamw_8bit's host RSS with its state in RAM, a trace of partial residency
-    python3 -c "from slidekit_optim.layer_adam import load_kernel; load_kernel()" > "$OUT/build_layer_adam.log" 2>&1
-    V="--seq 1024 --warmup 2 --steps 3 --activations device"
-    python3 -m slidekit.cli bench --model qwen2.5-7b --batch 16 $V --resident none,0.65 --baselines "" --timeout 150 \
+    build_layer_adam
+    python3 -m slidekit.cli bench --model qwen2.5-7b --batch 16 $RUN --resident none,0.65 --baselines "" --timeout 150 \
       --out "$OUT/verify.jsonl" --markdown "$OUT/verify_7b_layer_adam.md" 2>&1 | tail -5
-    python3 -m slidekit.cli bench --model qwen2.5-7b --batch 16 $V --resident none --optimizer adamw_8bit --baselines "" \
+    python3 -m slidekit.cli bench --model qwen2.5-7b --batch 16 $RUN --resident none --optimizer adamw_8bit --baselines "" \
       --timeout 150 --out "$OUT/verify.jsonl" --markdown "$OUT/verify_7b_adamw_8bit.md" 2>&1 | tail -4
-    python3 -m slidekit.cli bench --model qwen2.5-3b --batch 8 $V --resident none --baselines "" --timeout 100 \
+    python3 -m slidekit.cli bench --model qwen2.5-3b --batch 8 $RUN --resident none --baselines "" --timeout 100 \
       --out "$OUT/verify.jsonl" --markdown "$OUT/verify_3b.md" 2>&1 | tail -4
-    timeout 150 python3 benchmarks/train_throughput.py --model qwen2.5-7b --batch 16 $V --resident 0.65 --steps 2 \
+    timeout 150 python3 benchmarks/train_throughput.py --model qwen2.5-7b --batch 16 $RUN --resident 0.65 --steps 2 \
       --trace "$OUT/trace_7b_b16_r065.json" 2>&1 | tail -1
     ;;
   suite-large)  # Llama-3.1-8B and Qwen2.5-14B in one call: torchao and DeepSpeed need more host RAM than the machine has
     # (the bench's guard says so), no offload fits neither at batch 16; Qwen2.5-14B's layer_adam state (~180 GB)
     # fits in RAM only with part of the units on the GPU, so it runs with the planner's choice alone.
-    python3 -c "from slidekit_optim.layer_adam import load_kernel; load_kernel()" > "$OUT/build_layer_adam.log" 2>&1
-    V="--seq 1024 --warmup 2 --steps 3 --activations device"
-    python3 -m slidekit.cli bench --model llama-3.1-8b --batch 8,16 $V --resident none,auto \
+    build_layer_adam
+    python3 -m slidekit.cli bench --model llama-3.1-8b --batch 8,16 $RUN --resident none,auto \
       --baselines none,torchao,deepspeed --timeout 150 --time-budget 300 --out "$OUT/bench_llama-3.1-8b.jsonl" \
       --markdown "$OUT/bench_llama-3.1-8b.md" 2>&1 | tail -12
-    python3 -m slidekit.cli bench --model qwen2.5-14b --batch 8,16 $V --resident auto --baselines "" --timeout 150 \
+    python3 -m slidekit.cli bench --model qwen2.5-14b --batch 8,16 $RUN --resident auto --baselines "" --timeout 150 \
       --time-budget $((560 - SECONDS)) --out "$OUT/bench_qwen2.5-14b.jsonl" --markdown "$OUT/bench_qwen2.5-14b.md" \
       2>&1 | tail -5
     ;;
   spread)  # host units spread over the backward order, prefetches that never wait: 7B at batch 16 with 0.65 of the
     # units resident and with none, Qwen2.5-14B with the planner's choice (compare with the verify-7b and suite-large
     # calls of the same day), then a trace of the 7B 0.65 run
-    python3 -c "from slidekit_optim.layer_adam import load_kernel; load_kernel()" > "$OUT/build_layer_adam.log" 2>&1
-    V="--seq 1024 --warmup 2 --steps 3 --activations device --baselines '' --timeout 140"
-    eval python3 -m slidekit.cli bench --model qwen2.5-7b --batch 16 $V --resident 0.65,none \
+    build_layer_adam
+    python3 -m slidekit.cli bench --model qwen2.5-7b --batch 16 $RUN --resident 0.65,none --baselines "" --timeout 140 \
       --out "$OUT/spread.jsonl" --markdown "$OUT/spread_7b.md" 2>&1 | tail -4
-    eval python3 -m slidekit.cli bench --model qwen2.5-14b --batch 16,8 $V --resident auto --time-budget $((380 - SECONDS)) \
-      --out "$OUT/spread.jsonl" --markdown "$OUT/spread_14b.md" 2>&1 | tail -4
+    python3 -m slidekit.cli bench --model qwen2.5-14b --batch 16,8 $RUN --resident auto --baselines "" --timeout 140 \
+      --time-budget $((380 - SECONDS)) --out "$OUT/spread.jsonl" --markdown "$OUT/spread_14b.md" 2>&1 | tail -4
     if [ $SECONDS -lt 330 ]; then
-      timeout $((420 - SECONDS)) python3 benchmarks/train_throughput.py --model qwen2.5-7b --batch 16 --seq 1024 \
-        --activations device --resident 0.65 --warmup 2 --steps 2 --trace "$OUT/trace_7b_b16_r065.json" 2>&1 | tail -1
+      timeout $((420 - SECONDS)) python3 benchmarks/train_throughput.py --model qwen2.5-7b --batch 16 $RUN --resident 0.65 \
+        --steps 2 --trace "$OUT/trace_7b_b16_r065.json" 2>&1 | tail -1
     fi
     ;;
   suite|suite-3b|suite-7b)
@@ -152,7 +153,7 @@ case "${1:-tests}" in
     esac
     timeout 120 python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
       > "$OUT/build_ds_cpu_adam.log" 2>&1 &
-    python3 -c "from slidekit_optim.layer_adam import load_kernel; load_kernel()" > "$OUT/build_layer_adam.log" 2>&1
+    build_layer_adam
     if [ "$1" = suite-3b ] && [ -z "${SKIP_TESTS:-}" ]; then
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/plugins/test_adam_triton.py \
         tests/plugins/test_layer_adam.py tests/test_telemetry.py tests/test_tier_placement.py 2>&1 \
@@ -160,7 +161,7 @@ case "${1:-tests}" in
     fi
     wait
     echo "ready at ${SECONDS} s"; free -g | head -2
-    python3 -m slidekit.cli bench --model $M --batch $BATCHES --seq 1024 --warmup 2 --steps 3 --activations device \
+    python3 -m slidekit.cli bench --model $M --batch $BATCHES $RUN \
       --resident $RESIDENT --baselines none,torchao,deepspeed --timeout 150 --time-budget $((575 - SECONDS)) \
       --out "$OUT/bench_$M.jsonl" --markdown "$OUT/bench_$M.md" --logs "$OUT/bench_logs" 2>&1 | tail -30
     ;;

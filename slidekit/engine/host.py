@@ -90,12 +90,13 @@ class HostStore:
             [u.numel for u in units], [u.kind for u in units], sliding, pieces=self.state.linear
         )
         self.ring = GradRing(grad_buffers, self.piece, grad_dtype, self.memory, pipeline)
+        self._pieces = [unit_pieces(u.numel, self.piece) for u in units]  # asked for three times a step
         self._unit_grads: dict[int, torch.Tensor] = {}
         self._grad_dtype = grad_dtype
 
     def pieces(self, unit: int) -> list[tuple[int, int]]:
         """The ranges [a, b) of ``unit`` that come down and are updated one ring buffer at a time."""
-        return unit_pieces(self.units[unit].numel, self.piece)
+        return self._pieces[unit]
 
     def unit_grad(self, unit: int) -> torch.Tensor:
         """A gradient buffer of the unit's own, for steps that must keep every gradient until the end
