@@ -103,17 +103,20 @@ GRANULE = 1 << 12
 
 
 def ring_numel(numels: Sequence[int], kinds: Sequence[str], sliding: Sequence[bool], *, pieces: bool) -> int:
-    """Elements of one shared host gradient buffer.
+    """Elements of one shared host gradient buffer; 0 when no unit slides (the ring is not needed).
 
     The buffers take the gradients of every unit that slides. Where the
     optimizer can update a unit piece by piece (``pieces``: its state is
     linear in the parameters, see ``slidekit.engine.state``), they are sized
     for the largest sliding *layer* (rounded up to ``GRANULE``), and a larger
     unit (an embedding, a head) comes down and is updated in pieces of that
-    size; otherwise for the largest sliding unit.
+    size; otherwise for the largest sliding unit. Units kept on the compute
+    device never come down, so they size nothing.
     """
     moving = [(n, k) for n, k, s in zip(numels, kinds, sliding, strict=True) if s]
-    biggest = max((n for n, _ in moving), default=1)
+    if not moving:
+        return 0
+    biggest = max(n for n, _ in moving)
     layers = [n for n, k in moving if k == "layer"]
     if not pieces or not layers:
         return biggest
@@ -121,7 +124,14 @@ def ring_numel(numels: Sequence[int], kinds: Sequence[str], sliding: Sequence[bo
 
 
 def unit_pieces(numel: int, piece: int) -> list[tuple[int, int]]:
-    """The ranges [a, b) a unit of ``numel`` parameters comes down in, through buffers of ``piece``."""
+    """The ranges [a, b) a unit of ``numel`` parameters comes down in, through buffers of ``piece``.
+
+    ``piece`` comes from ``ring_numel`` for a unit that slides, so it is at
+    least a layer (or the unit itself): a unit has a handful of pieces, never
+    one per parameter.
+    """
+    if piece < 1:
+        raise ValueError(f"a gradient piece needs at least one element, got {piece} (does the unit slide?)")
     return [(a, min(a + piece, numel)) for a in range(0, numel, piece)] if numel else [(0, 0)]
 
 

@@ -221,7 +221,7 @@ class Trainer:
             grad_buffers=ec.grad_buffers,
             pipeline=pipeline,
             state_chunk=ec.state_chunk,
-            device_masters=[self.device if r and self.device.type == "cuda" else None for r in resident],
+            device_masters=[self.device if r else None for r in resident],  # the CPU too: same code path
         )
         for unit, on_device in enumerate(resident):
             mapped = host.state.mapped(unit) or {}

@@ -4,12 +4,14 @@ Per unit: one flat FP32 master (page-locked when an accelerator exists) and
 the optimizer's state, on the tier the plan chose for the unit
 (``slidekit.engine.state``).
 
-Shared by all units: ``grad_buffers`` flat buffers in the compute dtype that
+Shared by the units that slide: ``grad_buffers`` flat buffers in the compute dtype that
 gradients land in from the device and that the optimizer reads, each the size
 of a layer (``slidekit.plan.ring_numel``): an embedding or head larger than
 that comes down, and is updated, in layer-sized pieces (``pieces``). Host
 memory is therefore about 4 (master) + the optimizer's state bytes per
-parameter, plus a few layer-sized buffers.
+parameter, plus a few layer-sized buffers. A unit kept on the compute device
+(``device_masters[i]`` set) keeps its master there and never uses the ring;
+when every unit is kept there, the ring is empty.
 """
 
 from __future__ import annotations
@@ -84,18 +86,21 @@ class HostStore:
             pipeline=pipeline,
             chunk=state_chunk,
         )
-        # The ring holds gradients on their way down: resident units never come down.
-        sliding = [dev is None for dev in on]
+        # The ring holds gradients on their way down: units kept on the compute device never come down.
+        self.sliding = [dev is None for dev in on]
         self.piece = ring_numel(
-            [u.numel for u in units], [u.kind for u in units], sliding, pieces=self.state.linear
+            [u.numel for u in units], [u.kind for u in units], self.sliding, pieces=self.state.linear
         )
-        self.ring = GradRing(grad_buffers, self.piece, grad_dtype, self.memory, pipeline)
-        self._pieces = [unit_pieces(u.numel, self.piece) for u in units]  # asked for three times a step
+        self.ring = GradRing(grad_buffers if self.piece else 0, self.piece, grad_dtype, self.memory, pipeline)
+        self._pieces = [
+            unit_pieces(u.numel, self.piece) if slides else [] for u, slides in zip(units, self.sliding, strict=True)
+        ]
         self._unit_grads: dict[int, torch.Tensor] = {}
         self._grad_dtype = grad_dtype
 
     def pieces(self, unit: int) -> list[tuple[int, int]]:
-        """The ranges [a, b) of ``unit`` that come down and are updated one ring buffer at a time."""
+        """The ranges [a, b) of ``unit`` that come down and are updated one ring buffer at a time
+        (none for a unit kept on the compute device: it is updated where it is)."""
         return self._pieces[unit]
 
     def unit_grad(self, unit: int) -> torch.Tensor:
