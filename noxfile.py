@@ -1,8 +1,9 @@
 """Developer sessions: ``nox -s tests``, ``lint``, ``types``, ``gpu``, ``bench``.
 
 ``tests`` is what CI runs (.ci/run calls the README's test command, which is
-the same pytest call). ``gpu`` runs the GPU-only tests on a CUDA machine;
-``bench`` the throughput benchmark.
+the same pytest call). ``gpu`` is the GPU gate (benchmarks/gpu_gate.py: the
+whole suite and short real-shape runs on a CUDA machine, recorded in
+docs/benchmarks/GPU-VERIFIED.json); ``bench`` the throughput benchmark.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ def types(session: nox.Session) -> None:
 
 @nox.session(venv_backend="none")
 def gpu(session: nox.Session) -> None:
-    """On a CUDA machine, in its own environment: the GPU-only tests with their figures."""
-    session.run("python", "-m", "pytest", "-q", "-s", "tests/gpu", *session.posargs)
+    """The GPU gate, on the GPU machine in its own environment: the whole test suite plus one short
+    real-shape run per residency mode; writes docs/benchmarks/GPU-VERIFIED.json (benchmarks/gpu_gate.py).
+    ``nox -s gpu -- --check`` says whether the record covers the checked-out commit."""
+    session.run("python", "benchmarks/gpu_gate.py", *session.posargs)
 
 
 @nox.session(venv_backend="none")

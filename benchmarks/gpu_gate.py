@@ -1,0 +1,428 @@
+"""The GPU gate: the whole test suite plus short real-shape runs on the GPU, and the record that says so.
+
+CI sees only the CPU, so a change to slidekit/ or plugins/ is verified by hand
+on the GPU machine before its issue is resolved:
+
+    python benchmarks/gpu_gate.py --commit $(git rev-parse HEAD)     # nox -s gpu -- --commit ...
+    python benchmarks/gpu_gate.py --check                            # does the record cover this tree?
+
+A gate run does two things, and writes ``docs/benchmarks/GPU-VERIFIED.json``
+(atomically, also into ``$OUT`` when set) with what it found:
+
+1. the WHOLE test suite (``pytest tests``: the GPU-only files and the tests
+   that take a CUDA branch where there is one), with pass, fail, error and skip
+   counts and the names of the failures;
+2. one short training run per residency mode (every unit kept on the GPU,
+   the planner's default ``auto``, half of them, none), each in its own process
+   on a real model shape (a Qwen2.5-3B shape at batch 8, 1024 tokens a row by
+   default), with tokens/s over whole steps, peak GPU memory and peak host RSS.
+
+A step is a whole step: the timed steps run back to back and the period is
+taken start to start, from the first timed step's start to the end of the
+last one, after every queued update has been applied and the device has
+finished (``Engine.wait_updates`` and a device synchronize), so updates that
+overlap the next step are counted; the per-step times are kept as well.
+
+The record names the commit (``--commit``, or ``git rev-parse HEAD`` where the
+tree is a checkout) and a digest of every source file under slidekit/ and
+plugins/, which ``--check`` recomputes: a record covers a commit when the
+digest equals that commit's. ``ok`` is true only when no test failed and
+every run trained and its loss is finite.
+
+Test: ``pytest tests/test_gpu_gate.py`` (the digest, the check, the record and
+one run on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD = ROOT / "docs" / "benchmarks" / "GPU-VERIFIED.json"
+#: The directories whose every source file the record's digest covers.
+SOURCE_DIRS = ("slidekit", "plugins")
+#: What a source digest leaves out: build products and caches, never code.
+IGNORED_PARTS = {"__pycache__", ".pytest_cache", "build", ".mypy_cache", ".ruff_cache"}
+IGNORED_SUFFIXES = {".pyc", ".pyo", ".so", ".o"}
+#: residency modes of the real-shape runs: engine.gpu_resident values.
+MODES = ("all", "auto", "0.5", "none")
+
+
+# ---------------------------------------------------------------------------- what was verified
+
+
+def source_files(root: Path = ROOT) -> list[Path]:
+    """Every source file under slidekit/ and plugins/, sorted (caches and build products left out)."""
+    out = []
+    for top in SOURCE_DIRS:
+        for path in (root / top).rglob("*"):
+            rel = path.relative_to(root)
+            ignored = IGNORED_PARTS & set(rel.parts) or any(p.endswith(".egg-info") for p in rel.parts)
+            if path.is_file() and not ignored and path.suffix not in IGNORED_SUFFIXES:
+                out.append(path)
+    return sorted(out, key=lambda p: p.relative_to(root).as_posix())
+
+
+def source_digest(root: Path = ROOT) -> str:
+    """sha256 over the relative path and bytes of every source file under slidekit/ and plugins/."""
+    h = hashlib.sha256()
+    for path in source_files(root):
+        rel = path.relative_to(root).as_posix().encode()
+        data = path.read_bytes()
+        h.update(len(rel).to_bytes(8, "little") + rel + len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()
+
+
+def commit_digest(commit: str, root: Path = ROOT) -> str:
+    """``source_digest`` of the tree of ``commit`` (read from git, not from the working tree)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(
+            ["git", "-C", str(root), "archive", "--format=tar", commit, *SOURCE_DIRS],
+            check=True,
+            capture_output=True,
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        return source_digest(Path(tmp))
+
+
+def _git_head(root: Path) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def check(record_path: Path, commit: str | None, root: Path = ROOT) -> tuple[bool, str]:
+    """Whether the record at ``record_path`` verifies ``commit`` (default HEAD): (ok, why)."""
+    if not record_path.is_file():
+        return False, f"no record at {record_path}: run the gate on the GPU machine (nox -s gpu)"
+    try:
+        record = json.loads(record_path.read_text())
+    except json.JSONDecodeError as e:
+        return False, f"{record_path} is not valid JSON ({e}); run the gate again"
+    commit = commit or _git_head(root)
+    if commit is None:
+        return False, "not a git checkout: name the commit to check with --commit"
+    want = commit_digest(commit, root)
+    if record.get("source_digest") != want:
+        return False, (
+            f"the record (commit {str(record.get('commit'))[:12]}) verified other sources than {commit[:12]} "
+            f"has under {', '.join(SOURCE_DIRS)}: run the gate again on this commit"
+        )
+    if not record.get("ok"):
+        return False, f"the record for {commit[:12]}'s sources says the gate FAILED: {record.get('why')}"
+    return (
+        True,
+        f"verified: {commit[:12]}'s slidekit/ and plugins/ are those of the record ({record['date']})",
+    )
+
+
+# ---------------------------------------------------------------------------- the machine
+
+
+def machine() -> dict[str, Any]:
+    """What the gate ran on: GPU, driver-side versions, CPU and memory."""
+    import torch
+
+    out: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "host_ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+    }
+    for name in ("triton", "transformers"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        out["gpu"] = props.name
+        out["gpu_mem_gib"] = round(props.total_memory / 2**30, 1)
+        out["cuda"] = torch.version.cuda
+    else:
+        out["gpu"] = None
+    return out
+
+
+# ---------------------------------------------------------------------------- the test suite
+
+
+def run_suite(timeout: float, log: Path, extra: Sequence[str] = ()) -> dict[str, Any]:
+    """``pytest tests`` in a child process: counts, failures and the time it took."""
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={junit}"]
+        cmd += [*extra, "tests"]
+        t0 = time.perf_counter()
+        with log.open("w") as out:
+            try:
+                proc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+                code: int | None = proc.returncode
+            except subprocess.TimeoutExpired:
+                code = None
+        seconds = round(time.perf_counter() - t0, 1)
+        result: dict[str, Any] = {"command": " ".join(cmd[1:]), "seconds": seconds, "exit_code": code}
+        if code is None:
+            return {**result, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "timed_out": True}
+        if not junit.is_file():
+            return {**result, "passed": 0, "failed": 0, "errors": 1, "skipped": 0, "failures": ["no junit"]}
+        return {**result, **junit_counts(junit)}
+
+
+def junit_counts(path: Path) -> dict[str, Any]:
+    """Passed, failed, errors, skipped and the failed test ids of a pytest JUnit XML report."""
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failures: list[str] = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        kinds = {child.tag for child in case}
+        if "failure" in kinds:
+            counts["failed"] += 1
+            failures.append(name)
+        elif "error" in kinds:
+            counts["errors"] += 1
+            failures.append(name)
+        elif "skipped" in kinds:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    return {**counts, "failures": failures}
+
+
+# ---------------------------------------------------------------------------- one real-shape run
+
+
+def run_one(model: str, batch: int, seq: int, resident: str, warmup: int, steps: int) -> dict[str, Any]:
+    """Train ``warmup`` + ``steps`` steps of preset ``model`` with ``engine.gpu_resident=resident``.
+
+    Everything else is the engine's default, as a user gets it. The timed steps
+    run back to back in one ``fit``; the period is start to start, ending once
+    every update is applied and the device is idle.
+    """
+    import torch
+
+    from slidekit import Batch, DataConfig, EngineConfig, ModelConfig, OptimConfig, TrainConfig, Trainer
+    from slidekit.bench import synthetic_tokens
+    from slidekit.presets import write_config
+    from slidekit.telemetry import model_flops, peak_rss_bytes, reset_peak_rss
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_config(model, Path(tmp), seq)
+        cfg = TrainConfig(
+            model=ModelConfig(source=tmp, random_init=True),
+            data=DataConfig(seq_len=seq, batch_size=batch),
+            optim=OptimConfig(lr=1e-5),
+            engine=EngineConfig(gpu_resident=resident),
+            steps=warmup + steps,
+        )
+        t0 = time.perf_counter()
+        trainer = Trainer(cfg)
+        setup_s = time.perf_counter() - t0
+        with trainer:
+            device, spec = trainer.device, trainer.spec
+            kept = len(trainer.engine.window.resident)
+            data = (Batch(x, y) for x, y in synthetic_tokens(spec.vocab_size, batch, seq))
+            if warmup:
+                trainer.fit(data, steps=warmup)
+            trainer.engine.wait_updates()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            reset_peak_rss()
+            start = time.perf_counter()
+            result = trainer.fit(data, steps=steps)
+            trainer.engine.wait_updates()  # fit drains too; this states it
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            period = time.perf_counter() - start
+            peak_gpu = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    tokens = batch * seq * steps
+    losses = result.losses
+    return {
+        "status": "ok" if len(losses) == steps and all(math.isfinite(x) for x in losses) else "failed",
+        "model": model,
+        "batch": batch,
+        "seq": seq,
+        "gpu_resident": resident,
+        "resident_units": f"{kept}/{len(spec.units)}",
+        "params": spec.num_params,
+        "warmup": warmup,
+        "steps": len(losses),
+        "setup_s": round(setup_s, 2),
+        "period_s": period,  # unrounded: the figures below derive from it
+        "tokens_per_s": round(tokens / period, 1),
+        "model_tflops": round(model_flops(spec, batch * seq, seq) * steps / period / 1e12, 2),
+        "step_seconds": result.step_seconds,
+        "peak_gpu_gib": None if peak_gpu is None else round(peak_gpu, 3),
+        "peak_host_rss_gib": round(peak_rss_bytes() / 2**30, 3),
+        "losses": [round(x, 4) for x in losses],
+        "device": str(device),
+    }
+
+
+def run_child(args: argparse.Namespace, resident: str, timeout: float) -> dict[str, Any]:
+    """``run_one`` in its own process (peaks belong to a process); a failure is a record too."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--run-one", resident]
+    cmd += ["--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq)]
+    cmd += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
+    base = {"model": args.model, "batch": args.batch, "seq": args.seq, "gpu_resident": resident}
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {**base, "status": "failed", "why": f"timed out after {timeout:.0f} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:400]
+        return {**base, "status": "failed", "why": f"exit code {proc.returncode}: {tail}"}
+    return dict(json.loads(lines[-1]))
+
+
+# ---------------------------------------------------------------------------- the record
+
+
+def write_record(record: dict[str, Any], paths: Sequence[Path]) -> None:
+    """Write ``record`` to each path atomically (a temporary file in the same directory, then a rename)."""
+    text = json.dumps(record, indent=2) + "\n"
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+def verdict(tests: dict[str, Any] | None, runs: Sequence[dict[str, Any]]) -> tuple[bool, str]:
+    """(ok, why): ok only when the suite ran with no failure or error and every run trained."""
+    problems = []
+    if tests is None:
+        problems.append("the test suite was not run")
+    elif tests.get("timed_out"):
+        problems.append(f"the test suite timed out after {tests['seconds']} s")
+    elif tests["failed"] or tests["errors"] or tests.get("exit_code") not in (0, None):
+        problems.append(f"{tests['failed']} tests failed, {tests['errors']} errors")
+    problems += [
+        f"run gpu_resident={r['gpu_resident']}: {r.get('why', 'failed')}" for r in runs if r["status"] != "ok"
+    ]
+    if not runs:
+        problems.append("no training run")
+    return not problems, "; ".join(problems) or "all passed"
+
+
+def gate(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print(
+            "gpu_gate: no CUDA device here; the gate verifies the GPU path (--allow-cpu only tests the script)"
+        )
+        return 2
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    commit = args.commit or _git_head(ROOT)
+    started = dt.datetime.now(dt.UTC)
+    record: dict[str, Any] = {
+        "commit": commit,
+        "source_digest": source_digest(),
+        "date": started.isoformat(timespec="seconds"),
+        "machine": machine(),
+        "command": " ".join(["python", "benchmarks/gpu_gate.py", *args.argv]),
+    }
+    tests = None
+    if not args.skip_tests:
+        log = (out or Path(tempfile.gettempdir())) / "gpu-gate-tests.log"
+        print(f"gpu_gate: the whole test suite (log {log})", flush=True)
+        tests = run_suite(args.tests_timeout, log, shlex.split(args.pytest_args))
+        print(
+            f"gpu_gate: tests {json.dumps({k: v for k, v in tests.items() if k != 'failures'})}", flush=True
+        )
+        for name in tests.get("failures", []):
+            print(f"gpu_gate:   FAILED {name}", flush=True)
+    runs = []
+    for mode in args.modes.split(","):
+        run = run_child(args, mode, args.run_timeout)
+        print(f"gpu_gate: run {json.dumps(run)}", flush=True)
+        runs.append(run)
+    ok, why = verdict(tests, runs)
+    record.update(
+        ok=ok,
+        why=why,
+        tests=tests,
+        runs=runs,
+        seconds=round((dt.datetime.now(dt.UTC) - started).total_seconds()),
+    )
+    paths = [args.record] + ([out / "GPU-VERIFIED.json"] if out else [])
+    write_record(record, paths)
+    print(
+        f"gpu_gate: {'PASSED' if ok else 'FAILED'} ({why}); record {', '.join(map(str, paths))}", flush=True
+    )
+    return 0 if ok else 1
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--commit", default=None, help="the commit the tree is (default: git rev-parse HEAD)")
+    p.add_argument("--check", action="store_true", help="only check that the record covers --commit (HEAD)")
+    p.add_argument("--record", type=Path, default=RECORD, help="where the record goes (default: %(default)s)")
+    p.add_argument("--model", default="qwen2.5-3b", help="preset shape of the runs (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=8, help="rows per step (default: %(default)s)")
+    p.add_argument("--seq", type=int, default=1024, help="tokens per row (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps (default: %(default)s)")
+    p.add_argument(
+        "--modes", default=",".join(MODES), help="engine.gpu_resident of each run (default: %(default)s)"
+    )
+    p.add_argument(
+        "--tests-timeout", type=float, default=480.0, help="seconds for the suite (default: %(default)s)"
+    )
+    p.add_argument("--run-timeout", type=float, default=240.0, help="seconds per run (default: %(default)s)")
+    p.add_argument(
+        "--skip-tests", action="store_true", help="runs only (the record then says the gate failed)"
+    )
+    p.add_argument("--pytest-args", default="", help="extra pytest arguments, one string (e.g. '-x --lf')")
+    p.add_argument("--allow-cpu", action="store_true", help="run without CUDA (to test this script)")
+    p.add_argument("--run-one", default=None, metavar="RESIDENT", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    args.argv = argv
+    if args.run_one is not None:
+        print(json.dumps(run_one(args.model, args.batch, args.seq, args.run_one, args.warmup, args.steps)))
+        return 0
+    if args.check:
+        ok, why = check(args.record, args.commit)
+        print(f"gpu_gate: {why}")
+        return 0 if ok else 1
+    return gate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

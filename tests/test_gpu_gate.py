@@ -1,0 +1,141 @@
+"""The GPU gate's bookkeeping (benchmarks/gpu_gate.py): what a record covers, how it is judged, one run.
+
+The gate itself runs on the GPU machine; here its pieces run on the CPU: the
+source digest, the check of a record against a commit (in a scratch git
+repository), the JUnit counts, the verdict, the atomic record and one short
+training run through the same child-process path the gate takes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gate():
+    spec = importlib.util.spec_from_file_location("gpu_gate", ROOT / "benchmarks" / "gpu_gate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_gate"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gate = _gate()
+
+
+def _git(repo: Path, *args: str) -> str:
+    cmd = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", *args]
+    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """A scratch checkout with slidekit/ and plugins/ and one commit."""
+    (tmp_path / "slidekit").mkdir()
+    (tmp_path / "plugins" / "p").mkdir(parents=True)
+    (tmp_path / "slidekit" / "a.py").write_text("A = 1\n")
+    (tmp_path / "plugins" / "p" / "k.cpp").write_text("int k;\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "x.md").write_text("docs\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "one")
+    return tmp_path
+
+
+def test_the_digest_covers_every_source_file_and_nothing_else(repo: Path):
+    base = gate.source_digest(repo)
+    (repo / "slidekit" / "__pycache__").mkdir()
+    (repo / "slidekit" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0")
+    (repo / "plugins" / "p" / "k.so").write_bytes(b"\0")
+    (repo / "docs" / "x.md").write_text("other docs\n")
+    assert gate.source_digest(repo) == base  # caches, build products and docs are not code
+    (repo / "plugins" / "p" / "k.cpp").write_text("int k2;\n")
+    assert gate.source_digest(repo) != base
+    (repo / "plugins" / "p" / "k.cpp").write_text("int k;\n")
+    (repo / "slidekit" / "b.py").write_text("")  # a new, empty file counts
+    assert gate.source_digest(repo) != base
+    assert gate.commit_digest("HEAD", repo) == base  # read from git, not from the work tree
+
+
+def test_a_record_covers_a_commit_only_with_its_sources_and_a_pass(repo: Path, tmp_path_factory):
+    record = tmp_path_factory.mktemp("rec") / "GPU-VERIFIED.json"
+    first = _git(repo, "rev-parse", "HEAD")
+    ok, why = gate.check(record, first, repo)
+    assert not ok and "no record" in why
+    entry = {"commit": first, "source_digest": gate.source_digest(repo), "ok": True, "date": "d"}
+    gate.write_record(entry, [record])
+    assert gate.check(record, first, repo)[0]
+
+    # A later commit that leaves slidekit/ and plugins/ alone is covered by the same record...
+    (repo / "docs" / "x.md").write_text("more docs\n")
+    _git(repo, "commit", "-qam", "docs")
+    assert gate.check(record, _git(repo, "rev-parse", "HEAD"), repo)[0]
+    # ...one that touches them is not.
+    (repo / "slidekit" / "a.py").write_text("A = 2\n")
+    _git(repo, "commit", "-qam", "code")
+    ok, why = gate.check(record, _git(repo, "rev-parse", "HEAD"), repo)
+    assert not ok and "run the gate again" in why
+    # A failed gate never verifies, even on the right sources.
+    gate.write_record({**entry, "ok": False, "why": "2 tests failed, 0 errors"}, [record])
+    ok, why = gate.check(record, first, repo)
+    assert not ok and "2 tests failed" in why
+    record.write_text("{torn")
+    assert not gate.check(record, first, repo)[0]
+
+
+def test_junit_counts_and_the_verdict(tmp_path: Path):
+    xml = tmp_path / "junit.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.a" name="ok1"/><testcase classname="tests.a" name="ok2"/>'
+        '<testcase classname="tests.b" name="bad"><failure message="x"/></testcase>'
+        '<testcase classname="tests.b" name="broken"><error message="y"/></testcase>'
+        '<testcase classname="tests.c" name="gpu"><skipped message="needs CUDA"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    counts = gate.junit_counts(xml)
+    assert {k: counts[k] for k in ("passed", "failed", "errors", "skipped")} == {
+        "passed": 2,
+        "failed": 1,
+        "errors": 1,
+        "skipped": 1,
+    }
+    assert counts["failures"] == ["tests.b::bad", "tests.b::broken"]
+
+    clean = {"passed": 3, "failed": 0, "errors": 0, "skipped": 1, "exit_code": 0}
+    run = {"gpu_resident": "all", "status": "ok"}
+    assert gate.verdict(clean, [run]) == (True, "all passed")
+    assert not gate.verdict({**clean, "failed": 1, "exit_code": 1}, [run])[0]
+    assert not gate.verdict({**clean, "timed_out": True, "seconds": 9}, [run])[0]
+    assert not gate.verdict(None, [run])[0]
+    ok, why = gate.verdict(clean, [run, {"gpu_resident": "none", "status": "failed", "why": "OOM"}])
+    assert not ok and "gpu_resident=none: OOM" in why
+
+
+@pytest.mark.slow
+def test_one_run_per_mode_through_the_child_process_path(tmp_path: Path):
+    """The gate's runs on the tiny preset, on the CPU: whole-step timing, peaks and the record."""
+    record = tmp_path / "GPU-VERIFIED.json"
+    argv = ["--allow-cpu", "--skip-tests", "--model", "tiny", "--batch", "2", "--seq", "16"]
+    argv += ["--warmup", "1", "--steps", "2", "--modes", "all,none", "--record", str(record), "--commit", "abc"]
+    assert gate.main(argv) == 1  # the suite was skipped, so the gate cannot pass
+    written = json.loads(record.read_text())
+    assert written["commit"] == "abc" and written["source_digest"] == gate.source_digest()
+    assert not written["ok"] and written["why"] == "the test suite was not run"
+    by_mode = {r["gpu_resident"]: r for r in written["runs"]}
+    assert by_mode["all"]["resident_units"] == "6/6" and by_mode["none"]["resident_units"] == "0/6"
+    for run in written["runs"]:
+        assert run["status"] == "ok" and run["steps"] == 2 and len(run["step_seconds"]) == 2
+        # start to start, drained: the period holds every timed step
+        assert run["period_s"] >= sum(run["step_seconds"])
+        assert abs(run["tokens_per_s"] - 2 * 16 * 2 / run["period_s"]) <= 0.05  # rounded to 0.1 from it
+    assert by_mode["all"]["losses"] == by_mode["none"]["losses"]  # residency never changes the math
