@@ -43,6 +43,7 @@ import math
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -166,25 +167,67 @@ def machine() -> dict[str, Any]:
 # ---------------------------------------------------------------------------- the test suite
 
 
-def run_suite(timeout: float, log: Path, extra: Sequence[str] = ()) -> dict[str, Any]:
-    """``pytest tests`` in a child process: counts, failures and the time it took."""
+def pytest_workers(requested: str) -> int:
+    """Worker processes for the suite: ``requested``, or for "auto" 4 where pytest-xdist is installed and the
+    machine has 8 cores or more (the GPU machine), else 1 (one process, no xdist)."""
+    if requested != "auto":
+        return max(1, int(requested))
+    try:
+        import xdist  # noqa: F401
+    except ImportError:
+        return 1
+    return 4 if (os.cpu_count() or 1) >= 8 else 1
+
+
+def run_suite(
+    timeout: float, log: Path, extra: Sequence[str] = (), workers: int = 1, paths: Sequence[str] = ("tests",)
+) -> dict[str, Any]:
+    """``pytest tests`` (or ``paths``) in a child process: counts, failures and the time it took.
+
+    With ``workers`` > 1 the files are spread over that many pytest-xdist
+    processes, each file whole in one of them (``--dist loadfile``), each with
+    a share of the cores. Past ``timeout`` the suite is interrupted (SIGINT:
+    pytest still reports what ran, the failures included) and then killed.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={junit}"]
-        cmd += [*extra, "tests"]
+        env = dict(os.environ)
+        if workers > 1:
+            cmd += ["-n", str(workers), "--dist", "loadfile"]
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or workers) // workers)))
+        cmd += [*extra, *paths]
         t0 = time.perf_counter()
+        timed_out = False
         with log.open("w") as out:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
             try:
-                proc = subprocess.run(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
-                code: int | None = proc.returncode
+                code: int | None = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                code = None
+                timed_out = True
+                proc.send_signal(signal.SIGINT)  # pytest reports what ran and writes the JUnit file
+                try:
+                    code = proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    code = proc.wait()
         seconds = round(time.perf_counter() - t0, 1)
-        result: dict[str, Any] = {"command": " ".join(cmd[1:]), "seconds": seconds, "exit_code": code}
-        if code is None:
-            return {**result, "passed": 0, "failed": 0, "errors": 0, "skipped": 0, "timed_out": True}
+        result: dict[str, Any] = {
+            "command": " ".join(cmd[1:]),
+            "workers": workers,
+            "seconds": seconds,
+            "exit_code": code,
+            "timed_out": timed_out,
+        }
         if not junit.is_file():
-            return {**result, "passed": 0, "failed": 0, "errors": 1, "skipped": 0, "failures": ["no junit"]}
+            return {
+                **result,
+                "passed": 0,
+                "failed": 0,
+                "errors": 1,
+                "skipped": 0,
+                "failures": ["no JUnit report"],
+            }
         return {**result, **junit_counts(junit)}
 
 
@@ -193,6 +236,9 @@ def junit_counts(path: Path) -> dict[str, Any]:
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     failures: list[str] = []
     for case in ET.parse(path).getroot().iter("testcase"):
+        if case.get("name") is None:  # the test an interrupt stopped: it neither passed nor failed
+            counts["interrupted"] = counts.get("interrupted", 0) + 1
+            continue
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
         kinds = {child.tag for child in case}
         if "failure" in kinds:
@@ -322,7 +368,9 @@ def verdict(tests: dict[str, Any] | None, runs: Sequence[dict[str, Any]]) -> tup
     if tests is None:
         problems.append("the test suite was not run")
     elif tests.get("timed_out"):
-        problems.append(f"the test suite timed out after {tests['seconds']} s")
+        problems.append(
+            f"the test suite timed out after {tests['seconds']} s ({tests['failed']} failed by then)"
+        )
     elif tests["failed"] or tests["errors"] or tests.get("exit_code") not in (0, None):
         problems.append(f"{tests['failed']} tests failed, {tests['errors']} errors")
     problems += [
@@ -355,7 +403,9 @@ def gate(args: argparse.Namespace) -> int:
     if not args.skip_tests:
         log = (out or Path(tempfile.gettempdir())) / "gpu-gate-tests.log"
         print(f"gpu_gate: the whole test suite (log {log})", flush=True)
-        tests = run_suite(args.tests_timeout, log, shlex.split(args.pytest_args))
+        tests = run_suite(
+            args.tests_timeout, log, shlex.split(args.pytest_args), pytest_workers(args.workers)
+        )
         print(
             f"gpu_gate: tests {json.dumps({k: v for k, v in tests.items() if k != 'failures'})}", flush=True
         )
@@ -405,6 +455,11 @@ def parser() -> argparse.ArgumentParser:
         "--skip-tests", action="store_true", help="runs only (the record then says the gate failed)"
     )
     p.add_argument("--pytest-args", default="", help="extra pytest arguments, one string (e.g. '-x --lf')")
+    p.add_argument(
+        "--workers",
+        default="auto",
+        help="pytest-xdist processes for the suite, or auto: 4 with xdist and 8+ cores",
+    )
     p.add_argument("--allow-cpu", action="store_true", help="run without CUDA (to test this script)")
     p.add_argument("--run-one", default=None, metavar="RESIDENT", help=argparse.SUPPRESS)
     return p

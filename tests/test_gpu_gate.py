@@ -121,12 +121,38 @@ def test_junit_counts_and_the_verdict(tmp_path: Path):
     assert not ok and "gpu_resident=none: OOM" in why
 
 
+def test_the_suite_reports_its_counts_and_an_overrun_still_names_its_failures(tmp_path: Path):
+    suite = tmp_path / "test_sample.py"
+    suite.write_text(
+        "import time\ndef test_ok(): pass\ndef test_bad(): assert False\ndef test_stuck(): time.sleep(600)\n"
+    )
+    result = gate.run_suite(120, tmp_path / "log", ["-k", "not stuck"], paths=[str(suite)])
+    assert (result["passed"], result["failed"], result["timed_out"]) == (1, 1, False)
+    assert result["failures"] == ["test_sample::test_bad"] and result["exit_code"] == 1
+
+    # The stuck test is interrupted at the deadline; what ran before it is still counted.
+    result = gate.run_suite(8, tmp_path / "log", paths=[str(suite)])
+    assert result["timed_out"] and (result["passed"], result["failed"], result["interrupted"]) == (1, 1, 1)
+    assert not gate.verdict(result, [{"gpu_resident": "all", "status": "ok"}])[0]
+
+
 @pytest.mark.slow
 def test_one_run_per_mode_through_the_child_process_path(tmp_path: Path):
     """The gate's runs on the tiny preset, on the CPU: whole-step timing, peaks and the record."""
     record = tmp_path / "GPU-VERIFIED.json"
     argv = ["--allow-cpu", "--skip-tests", "--model", "tiny", "--batch", "2", "--seq", "16"]
-    argv += ["--warmup", "1", "--steps", "2", "--modes", "all,none", "--record", str(record), "--commit", "abc"]
+    argv += [
+        "--warmup",
+        "1",
+        "--steps",
+        "2",
+        "--modes",
+        "all,none",
+        "--record",
+        str(record),
+        "--commit",
+        "abc",
+    ]
     assert gate.main(argv) == 1  # the suite was skipped, so the gate cannot pass
     written = json.loads(record.read_text())
     assert written["commit"] == "abc" and written["source_digest"] == gate.source_digest()
