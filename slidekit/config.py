@@ -137,7 +137,8 @@ class EngineConfig:
     activation_tier: str = "device"  # "device" keeps boundary activations where computed, else a tier name
     offload_dir: str | None = None  # directory for file-backed tiers
     window: int = 3  # cache units that take turns on the device (a tied embedding adds one)
-    gpu_resident: str = "auto"  # units kept on the device with master and state: "auto" (what fits), "none",
+    gpu_resident: str = "auto"  # units kept on the compute device (the GPU; the CPU takes the same path) with
+    # master and state there, updated there: "auto" (what fits on a GPU; nothing on the CPU), "none",
     # "all", or a fraction such as "0.5"; the units left on the host are spread over the backward order
     grad_buffers: int = 2  # shared host gradient buffers
     loss_chunk: int | None = None  # tokens per chunk of the fused linear + cross-entropy; None = auto
