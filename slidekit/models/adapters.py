@@ -1,57 +1,30 @@
 """The bundled architecture adapters: Llama 3.x, Qwen2/2.5, Qwen3, Mistral.
 
-Each adapter turns a Hugging Face config into an ``ArchSpec``. They are
+Each adapter turns a Hugging Face config into an ``ArchSpec``, after
+refusing every setting whose math slidekit does not compute
+(``slidekit.models.support``, ``slidekit.models.rope``). They are
 registered as the core plugin "slidekit.models" through the same hook a
 third-party adapter uses (``slidekit_model_adapters``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import torch
-
-from slidekit.errors import ModelLoadError
 from slidekit.hookspecs import hookimpl
 from slidekit.interfaces import ModelAdapterDescriptor
 from slidekit.models.base import ArchSpec, LayerFlags
+from slidekit.models.rope import rope_init
+from slidekit.models.support import attention_window, check_math, padding_index
 
 __all__ = ["llama", "mistral", "qwen2", "qwen3"]
 
 
-def _rope_init(config: Any) -> Callable[[], tuple[torch.Tensor, float]]:
-    """(inv_freq, attention scaling) exactly as transformers computes them for this config."""
-
-    def init() -> tuple[torch.Tensor, float]:
-        params = dict(getattr(config, "rope_parameters", None) or {})
-        rope_type = params.get("rope_type", "default")
-        if rope_type == "default":
-            dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-            base = float(params["rope_theta"])
-            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-            return inv_freq, 1.0
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        if rope_type not in ROPE_INIT_FUNCTIONS:
-            raise ModelLoadError(
-                f"rope_type {rope_type!r} is not supported; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}"
-            )
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
-        return inv_freq, float(scaling)
-
-    return init
-
-
-def _no_layerwise_window(config: Any) -> None:
-    if getattr(config, "use_sliding_window", False):
-        raise ModelLoadError(
-            f"{config.model_type}: use_sliding_window=True (sliding attention on some layers only) is not "
-            "supported; set use_sliding_window to false in config.json"
-        )
-
-
-def _spec(config: Any, family: str, flags: LayerFlags, sliding_window: int | None) -> ArchSpec:
+def _spec(config: Any, family: str, flags: LayerFlags) -> ArchSpec:
+    check_math(config, family)
+    window = attention_window(config, family)
+    rope = rope_init(config)
     heads = config.num_attention_heads
     return ArchSpec(
         family=family,
@@ -66,37 +39,36 @@ def _spec(config: Any, family: str, flags: LayerFlags, sliding_window: int | Non
         rms_eps=config.rms_norm_eps,
         max_positions=config.max_position_embeddings,
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        sliding_window=sliding_window,
+        sliding_window=window,
         flags=flags,
         initializer_range=getattr(config, "initializer_range", 0.02),
-        rope_init=_rope_init(config),
+        rope_init=rope,
+        padding_idx=padding_index(config),
         hf_config=config,
     )
 
 
 def llama(config: Any) -> ArchSpec:
-    """Llama 2/3.x: optional attention and MLP biases, rope scaling of type llama3."""
+    """Llama 2/3.x: optional attention and MLP biases, rope scaling (llama3, linear, dynamic, yarn)."""
     bias = bool(getattr(config, "attention_bias", False))
     flags = LayerFlags(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(config, "mlp_bias", False)))
-    return _spec(config, "llama", flags, None)
+    return _spec(config, "llama", flags)
 
 
 def qwen2(config: Any) -> ArchSpec:
-    """Qwen2 / Qwen2.5: biases on q, k and v; tied embeddings on the small sizes."""
-    _no_layerwise_window(config)
-    return _spec(config, "qwen2", LayerFlags(qkv_bias=True), None)
+    """Qwen2 / Qwen2.5: biases on q, k and v; tied embeddings on the small sizes; one window for all layers."""
+    return _spec(config, "qwen2", LayerFlags(qkv_bias=True))
 
 
 def qwen3(config: Any) -> ArchSpec:
-    """Qwen3 (dense): RMSNorm on q and k per head before RoPE."""
-    _no_layerwise_window(config)
+    """Qwen3 (dense): RMSNorm on q and k per head before RoPE; one window for all layers."""
     bias = bool(getattr(config, "attention_bias", False))
-    return _spec(config, "qwen3", LayerFlags(qkv_bias=bias, o_bias=bias, qk_norm=True), None)
+    return _spec(config, "qwen3", LayerFlags(qkv_bias=bias, o_bias=bias, qk_norm=True))
 
 
 def mistral(config: Any) -> ArchSpec:
-    """Mistral: Llama layout with optional sliding-window attention."""
-    return _spec(config, "mistral", LayerFlags(), getattr(config, "sliding_window", None))
+    """Mistral: Llama layout without biases, optional sliding-window attention on every layer."""
+    return _spec(config, "mistral", LayerFlags())
 
 
 @hookimpl

@@ -122,6 +122,7 @@ class ArchSpec:
     flags: LayerFlags
     initializer_range: float
     rope_init: Callable[[], tuple[torch.Tensor, float]]  # -> (inv_freq (D/2,), attention scaling)
+    padding_idx: int | None = None  # embedding row the lookup gives no gradient (nn.Embedding's)
     hf_config: Any = field(repr=False)  # the transformers config the spec came from
     units: tuple[UnitLayout, ...] = ()
 
@@ -129,6 +130,10 @@ class ArchSpec:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
+            )
+        if self.padding_idx is not None and not 0 <= self.padding_idx < self.vocab_size:
+            raise ValueError(
+                f"padding_idx {self.padding_idx} is not a token id below vocab_size {self.vocab_size}"
             )
         if not self.units:
             object.__setattr__(self, "units", build_units(self))

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from slidekit.interfaces import KernelSet
 from slidekit.models.base import ArchSpec
+from slidekit.models.rope import rope_type
 
 __all__ = ["RopeTables", "embed_backward", "embed_forward", "head_loss", "layer_forward"]
 
@@ -33,8 +34,16 @@ class RopeTables:
         self._inv_freq = inv_freq.to(torch.float32).cpu()
         self._scaling = float(scaling)
         self._cache: dict[tuple[int, torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
+        # Dynamic NTK RoPE rescales its frequencies past max_position_embeddings (and transformers keeps
+        # the rescaled ones afterwards): the fixed frequencies here hold only up to that length.
+        self._limit = spec.max_positions if rope_type(spec.hf_config) == "dynamic" else None
 
     def get(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        if self._limit is not None and seq_len > self._limit:
+            raise ValueError(
+                f"rows of {seq_len} tokens are longer than max_position_embeddings={self._limit}, past which "
+                "rope_type 'dynamic' changes its frequencies; slidekit computes it up to that length only"
+            )
         key = (seq_len, device, dtype)
         if key not in self._cache:
             pos = torch.arange(seq_len, dtype=torch.float32)
@@ -51,15 +60,17 @@ def embed_forward(w: Weights, ids: Tensor) -> Tensor:
     return F.embedding(ids, w["embed_tokens.weight"])
 
 
-def embed_backward(grad_weight: Tensor, ids: Tensor, dh: Tensor) -> None:
+def embed_backward(grad_weight: Tensor, ids: Tensor, dh: Tensor, padding_idx: int | None = None) -> None:
     """Add the embedding's weight gradient into ``grad_weight`` (V, H), in place.
 
     Rows are summed in FP32 over the distinct tokens of the batch, then
-    added once per distinct row. The sum must not depend on thread timing:
-    on CUDA ``index_put_(accumulate=True)`` sorts and is deterministic (its
-    ``index_add_`` uses atomics); on the CPU it is the other way round
-    (``index_put_`` adds FP32 with atomics on several threads, ``index_add_``
-    walks the indices in order), so each device gets its deterministic one.
+    added once per distinct row; the ``padding_idx`` row (``spec.padding_idx``)
+    gets nothing, as with ``nn.Embedding(padding_idx=...)``. The sum must not
+    depend on thread timing: on CUDA ``index_put_(accumulate=True)`` sorts
+    and is deterministic (its ``index_add_`` uses atomics); on the CPU it is
+    the other way round (``index_put_`` adds FP32 with atomics on several
+    threads, ``index_add_`` walks the indices in order), so each device gets
+    its deterministic one.
     """
     flat_ids = ids.reshape(-1)
     uniq, inverse = torch.unique(flat_ids, return_inverse=True)
@@ -69,6 +80,8 @@ def embed_backward(grad_weight: Tensor, ids: Tensor, dh: Tensor) -> None:
         rows.index_add_(0, inverse, src)
     else:
         rows.index_put_((inverse,), src, accumulate=True)
+    if padding_idx is not None:
+        rows.masked_fill_((uniq == padding_idx).unsqueeze(1), 0.0)  # no host sync, unlike boolean indexing
     grad_weight[uniq] += rows.to(grad_weight.dtype)
 
 

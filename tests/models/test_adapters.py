@@ -1,6 +1,14 @@
-"""Model adapters: unit layouts cover the Hugging Face parameters exactly; special configs match transformers."""
+"""Model adapters: unit layouts cover the Hugging Face parameters exactly; special configs match transformers.
+
+Every config variant slidekit implements (RoPE scaling types, the config.json
+forms transformers reads them from, windows, head shapes, biases, padding
+rows) trains two steps exactly as transformers' model with torch.optim.AdamW
+does. The variants slidekit refuses are in test_math_support.py.
+"""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -28,9 +36,13 @@ def test_units_cover_every_parameter_once(family):
     assert spec.num_params == sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
 
 
-def _two_steps_match(tmp_path, family, seq_len=16, **overrides):
+def _two_steps_match(tmp_path, family, seq_len=16, batches=None, **overrides):
     model_dir = save_tiny_model(family, tmp_path, **overrides)
-    batches = random_batches(128, steps=2, seq_len=seq_len)
+    return _two_steps_match_dir(model_dir, seq_len, batches)
+
+
+def _two_steps_match_dir(model_dir, seq_len=16, batches=None):
+    batches = batches or random_batches(128, steps=2, seq_len=seq_len)
     cfg = TrainConfig(
         model=ModelConfig(source=str(model_dir)),
         optim=OptimConfig(lr=1e-4),
@@ -43,22 +55,93 @@ def _two_steps_match(tmp_path, family, seq_len=16, **overrides):
     ref = reference_run(t.hf_config, init, batches, lr=1e-4)
     assert_losses_close(res.losses, ref.losses, rtol=1e-5)
     assert_states_close(final, ref.state, rtol=1e-5)
+    return t.spec
 
 
-def test_llama3_rope_scaling(tmp_path):
-    rope = {
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32,
-        "rope_theta": 500000.0,
-    }
-    _two_steps_match(tmp_path, "llama", rope_parameters=rope)
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+    "rope_theta": 500000.0,
+}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 1e6}
+ROPES = [
+    ("llama", LLAMA3),
+    ("llama", {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+    ("mistral", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+    ("qwen2", YARN),
+    ("qwen3", {**YARN, "beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 0.9}),
+]
+
+
+@pytest.mark.parametrize(("family", "rope"), ROPES, ids=[f"{f}-{r['rope_type']}" for f, r in ROPES])
+def test_rope_scaling_matches_transformers(tmp_path, family, rope):
+    spec = _two_steps_match(tmp_path, family, rope_parameters=rope)
+    default = tiny_config(family, rope_parameters={"rope_type": "default", "rope_theta": rope["rope_theta"]})
+    plain = Plugins().adapter_for(family).descriptor.factory(default).rope_init()
+    inv_freq, scaling = spec.rope_init()
+    same = inv_freq.equal(plain[0]) and scaling == plain[1]
+    assert same == (rope["rope_type"] == "dynamic")  # dynamic equals default up to max_position_embeddings
+
+
+LEGACY = [  # config.json as transformers 4 wrote it: rope_theta beside rope_scaling, "type" for rope_type
+    (
+        "qwen2",
+        {
+            "rope_theta": 1e6,
+            "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        },
+        "yarn",
+    ),
+    (
+        "llama",
+        {"rope_theta": 5e5, "rope_scaling": {k: v for k, v in LLAMA3.items() if k != "rope_theta"}},
+        "llama3",
+    ),
+    ("mistral", {"rope_theta": 1e6, "rope_scaling": None}, "default"),
+]
+
+
+@pytest.mark.parametrize(("family", "fields", "rope_type"), LEGACY, ids=[f for f, _, _ in LEGACY])
+def test_transformers_4_rope_fields_in_config_json_match(tmp_path, family, fields, rope_type):
+    model_dir = save_tiny_model(family, tmp_path)
+    path = model_dir / "config.json"
+    values = json.loads(path.read_text())
+    del values["rope_parameters"]
+    path.write_text(json.dumps({**values, **fields}))
+    spec = _two_steps_match_dir(model_dir)
+    params = spec.hf_config.rope_parameters  # as transformers 5 normalised it on load
+    assert (params["rope_type"], params["rope_theta"]) == (rope_type, fields["rope_theta"])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_sliding_window_on_every_layer_matches(tmp_path, family):
+    spec = _two_steps_match(
+        tmp_path, family, seq_len=24, use_sliding_window=True, sliding_window=8, max_window_layers=0
+    )
+    assert spec.sliding_window == 8
 
 
 def test_mistral_sliding_window_shorter_than_the_sequence(tmp_path):
     _two_steps_match(tmp_path, "mistral", seq_len=24, sliding_window=8)
+
+
+SHAPES = {  # head_dim other than hidden/heads, MHA and MQA, an rms_norm_eps large enough to matter
+    "llama": {"head_dim": 24, "num_key_value_heads": 4, "rms_norm_eps": 0.1},
+    "qwen2": {"head_dim": 24, "num_key_value_heads": 1, "rms_norm_eps": 0.1},
+    "qwen3": {"head_dim": 8, "num_key_value_heads": 4, "rms_norm_eps": 0.1},
+    "mistral": {"head_dim": 24, "num_key_value_heads": 1, "rms_norm_eps": 0.1, "hidden_act": "swish"},
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_head_shapes_and_norm_eps_match(tmp_path, family):
+    spec = _two_steps_match(tmp_path, family, **SHAPES[family])
+    assert (spec.head_dim, spec.num_kv_heads, spec.rms_eps) == tuple(
+        SHAPES[family][k] for k in ("head_dim", "num_key_value_heads", "rms_norm_eps")
+    )
 
 
 def test_qwen2_untied_and_qwen3_with_biases(tmp_path):
@@ -66,19 +149,18 @@ def test_qwen2_untied_and_qwen3_with_biases(tmp_path):
     _two_steps_match(tmp_path / "b", "qwen3", attention_bias=True)
 
 
-def test_layerwise_sliding_window_is_refused_with_the_fix():
-    from slidekit.errors import ModelLoadError
-
-    config = tiny_config("qwen2", use_sliding_window=True, sliding_window=8)
-    with pytest.raises(ModelLoadError, match="set use_sliding_window to false"):
-        Plugins().adapter_for("qwen2").descriptor.factory(config)
+def test_llama_with_mlp_biases_and_tied_embeddings(tmp_path):
+    spec = _two_steps_match(tmp_path, "llama", mlp_bias=True, tie_word_embeddings=True)
+    assert spec.flags.mlp_bias and spec.tie_embeddings
 
 
-def test_unsupported_rope_type_is_refused():
-    from slidekit.errors import ModelLoadError
-
-    config = tiny_config("llama")
-    config.rope_parameters = {"rope_type": "nonsense", "rope_theta": 10000.0}
-    spec = Plugins().adapter_for("llama").descriptor.factory(config)
-    with pytest.raises(ModelLoadError, match="rope_type 'nonsense' is not supported"):
-        spec.rope_init()
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen2"]
+)  # untied and tied: the head still trains a tied pad row
+def test_pad_token_row_gets_no_gradient_from_the_lookup(tmp_path, family):
+    pad = 5
+    batches = random_batches(128, steps=2)
+    for b in batches:
+        b.input_ids[:, ::3] = pad  # the pad token in every row, as packed documents' eos = pad do
+    spec = _two_steps_match(tmp_path, family, batches=batches, pad_token_id=pad)
+    assert spec.padding_idx == pad
