@@ -57,6 +57,7 @@ import numpy as np
 import torch
 
 from slidekit.errors import ConfigError
+from slidekit.inputs import IGNORE_INDEX, check_pair
 
 __all__ = [
     "FORMATS",
@@ -76,7 +77,6 @@ __all__ = [
 
 FORMATS = ("auto", "text", "prompt_completion", "chat")
 ROLES = ("system", "user", "assistant")
-IGNORE_INDEX = -100
 _FIELDS = {"text": ("text",), "prompt_completion": ("prompt", "completion"), "chat": ("messages",)}
 _EXAMPLES = (
     '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [{"role": ..., "content": ...}]}'
@@ -86,17 +86,19 @@ _JSONL = "each line must be one JSON object, such as " + _EXAMPLES
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """One step's data: ``input_ids`` and ``labels`` (B, T), label -100 where no loss is taken."""
+    """One micro-batch: ``input_ids`` and ``labels``, integer tensors (B, T); label -100 where no loss is taken.
+
+    ``labels[b, t]`` is the token that follows ``input_ids[b, t]``. Batches of
+    one step (``grad_accum``) may differ in B and T; padding them to the
+    longest row, with label -100 on the padding, changes nothing (causal
+    attention: a real token never sees the padding after it).
+    """
 
     input_ids: torch.Tensor
     labels: torch.Tensor
 
     def __post_init__(self) -> None:
-        if self.input_ids.shape != self.labels.shape or self.input_ids.dim() != 2:
-            raise ValueError(
-                f"input_ids {tuple(self.input_ids.shape)} and labels {tuple(self.labels.shape)} "
-                "must both be (batch, seq_len)"
-            )
+        check_pair(self.input_ids, self.labels)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -26,24 +26,42 @@ Weights = Mapping[str, Tensor]
 
 
 class RopeTables:
-    """cos/sin tables for positions 0..T-1, computed once per (T, device, dtype) and shared by all layers."""
+    """cos/sin tables for positions 0..T-1, shared by all layers and by every length T.
+
+    One table per (device, dtype) covers the longest length asked for so far
+    (grown geometrically, at most to the model's positions); a length T gets
+    views of its first T rows. Micro-batches of different lengths in one step
+    thus use the very same values at the same position, and a row does not
+    depend on the table's length (each element is computed from its position
+    alone), so a step's result does not depend on the lengths seen before.
+    """
 
     def __init__(self, spec: ArchSpec) -> None:
         inv_freq, scaling = spec.rope_init()
         self._inv_freq = inv_freq.to(torch.float32).cpu()
         self._scaling = float(scaling)
-        self._cache: dict[tuple[int, torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
+        self._max_positions = spec.max_positions
+        self._cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
 
     def get(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        key = (seq_len, device, dtype)
-        if key not in self._cache:
-            pos = torch.arange(seq_len, dtype=torch.float32)
-            freqs = torch.outer(pos, self._inv_freq)  # (T, D/2)
-            emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
-            cos = (emb.cos() * self._scaling).to(device=device, dtype=dtype)
-            sin = (emb.sin() * self._scaling).to(device=device, dtype=dtype)
-            self._cache[key] = (cos, sin)
-        return self._cache[key]
+        """(cos, sin), each (seq_len, D): contiguous views of the shared table."""
+        key = (device, dtype)
+        table = self._cache.get(key)
+        if table is None or table[0].shape[0] < seq_len:
+            have = 0 if table is None else table[0].shape[0]
+            self._cache[key] = table = self._compute(
+                max(seq_len, min(2 * have, self._max_positions)), device, dtype
+            )
+        cos, sin = table
+        return cos[:seq_len], sin[:seq_len]
+
+    def _compute(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        pos = torch.arange(n, dtype=torch.float32)
+        freqs = torch.outer(pos, self._inv_freq)  # (T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
+        cos = (emb.cos() * self._scaling).to(device=device, dtype=dtype)
+        sin = (emb.sin() * self._scaling).to(device=device, dtype=dtype)
+        return cos, sin
 
 
 def embed_forward(w: Weights, ids: Tensor) -> Tensor:
