@@ -33,6 +33,11 @@ to stop) and BOS none. ``packing=False`` puts one framed document per row, trunc
 ``seq_len + 1`` or right-padded with the pad token (EOS if there is none), padding labelled -100.
 Rows without a single labelled token are dropped (a step must have something to learn from).
 
+Padding token. The tokenizer's pad token only fills rows; training treats the *model's*
+``pad_token_id`` (config.json) as transformers does: its embedding row gets no gradient from the
+lookup, wherever it occurs, so where the model's pad is EOS the EOS row learns only through a tied
+LM head (and shrinks by weight decay). See docs/design.md, "The padding token".
+
 Split and order. ``eval_fraction`` of the documents (not rows) is held out by a seeded permutation,
 so the split depends only on the file and ``DataSpec.seed``. Training batches are endless: each
 epoch is a fresh permutation of the rows from a generator seeded by the ``batches`` seed. Evaluation
@@ -91,7 +96,9 @@ class Batch:
     ``labels[b, t]`` is the token that follows ``input_ids[b, t]``. Batches of
     one step (``grad_accum``) may differ in B and T; padding them to the
     longest row, with label -100 on the padding, changes nothing (causal
-    attention: a real token never sees the padding after it).
+    attention: a real token never sees the padding after it). The model's
+    ``pad_token_id`` (from its config.json) gets no gradient through the
+    embedding lookup, as in transformers (``nn.Embedding(padding_idx=...)``).
     """
 
     input_ids: torch.Tensor

@@ -587,7 +587,7 @@ class Engine:
         grad = embed.views(slot.grads)["embed_tokens.weight"]
         with self.timeline.device("bwd", 0, self.streams.compute):
             for ids, dx in zip(c["ids"], c.pop("dx"), strict=True):
-                embed_backward(grad, ids, dx)
+                embed_backward(grad, ids, dx, padding_idx=self.spec.pad_token_id)
         self._finish_unit(0, slot, c)
 
     # ================================================================== forward only

@@ -51,6 +51,24 @@ def _no_layerwise_window(config: Any) -> None:
         )
 
 
+def _pad_token_id(config: Any) -> int | None:
+    """The row ``nn.Embedding(vocab_size, hidden, padding_idx=config.pad_token_id)`` keeps out of training.
+
+    None when the config has none. Negative ids count from the end, as torch counts ``padding_idx``.
+    """
+    pad = getattr(config, "pad_token_id", None)
+    if pad is None:
+        return None
+    vocab = config.vocab_size
+    if isinstance(pad, bool) or not isinstance(pad, int) or not -vocab <= pad < vocab:
+        raise ModelLoadError(
+            f"{config.model_type}: pad_token_id {pad!r} is not a token id of the vocabulary of {vocab} "
+            f"(0..{vocab - 1}); correct it in config.json or override it (model.overrides "
+            "{'pad_token_id': ID}, or None for no padding token)"
+        )
+    return pad % vocab
+
+
 def _spec(config: Any, family: str, flags: LayerFlags, sliding_window: int | None) -> ArchSpec:
     heads = config.num_attention_heads
     return ArchSpec(
@@ -66,6 +84,7 @@ def _spec(config: Any, family: str, flags: LayerFlags, sliding_window: int | Non
         rms_eps=config.rms_norm_eps,
         max_positions=config.max_position_embeddings,
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        pad_token_id=_pad_token_id(config),
         sliding_window=sliding_window,
         flags=flags,
         initializer_range=getattr(config, "initializer_range", 0.02),

@@ -118,6 +118,9 @@ class ArchSpec:
     rms_eps: float
     max_positions: int
     tie_embeddings: bool
+    # The HF config's pad_token_id, in 0..vocab_size-1, or None: its embedding row gets no gradient from the
+    # lookup (transformers builds nn.Embedding(padding_idx=pad_token_id)); a tied LM head still trains it.
+    pad_token_id: int | None = None
     sliding_window: int | None  # attention window, None for full causal attention
     flags: LayerFlags
     initializer_range: float
@@ -129,6 +132,10 @@ class ArchSpec:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
+            )
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(
+                f"pad_token_id {self.pad_token_id} is not a token id of the vocabulary (0..{self.vocab_size - 1})"
             )
         if not self.units:
             object.__setattr__(self, "units", build_units(self))

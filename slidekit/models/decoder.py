@@ -69,7 +69,7 @@ def embed_forward(w: Weights, ids: Tensor) -> Tensor:
     return F.embedding(ids, w["embed_tokens.weight"])
 
 
-def embed_backward(grad_weight: Tensor, ids: Tensor, dh: Tensor) -> None:
+def embed_backward(grad_weight: Tensor, ids: Tensor, dh: Tensor, padding_idx: int | None = None) -> None:
     """Add the embedding's weight gradient into ``grad_weight`` (V, H), in place.
 
     Rows are summed in FP32 over the distinct tokens of the batch, then
@@ -78,6 +78,10 @@ def embed_backward(grad_weight: Tensor, ids: Tensor, dh: Tensor) -> None:
     ``index_add_`` uses atomics); on the CPU it is the other way round
     (``index_put_`` adds FP32 with atomics on several threads, ``index_add_``
     walks the indices in order), so each device gets its deterministic one.
+
+    The row ``padding_idx`` (the model's ``pad_token_id``) gets nothing, as in
+    ``nn.Embedding(padding_idx=...)``; a tied LM head's gradient, already in
+    ``grad_weight``, stays.
     """
     flat_ids = ids.reshape(-1)
     uniq, inverse = torch.unique(flat_ids, return_inverse=True)
@@ -87,6 +91,8 @@ def embed_backward(grad_weight: Tensor, ids: Tensor, dh: Tensor) -> None:
         rows.index_add_(0, inverse, src)
     else:
         rows.index_put_((inverse,), src, accumulate=True)
+    if padding_idx is not None:  # a mask, not a selection: no device synchronisation
+        rows.masked_fill_((uniq == padding_idx).unsqueeze(1), 0.0)
     grad_weight[uniq] += rows.to(grad_weight.dtype)
 
 

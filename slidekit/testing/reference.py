@@ -40,7 +40,11 @@ class ReferenceResult:
 def build_hf_model(
     hf_config: Any, state: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device
 ) -> Any:
-    """The transformers model for ``hf_config`` holding ``state`` (SDPA attention, no KV cache)."""
+    """The transformers model for ``hf_config`` holding ``state`` (SDPA attention, no KV cache).
+
+    Built as transformers builds it, so its embedding's ``padding_idx`` is
+    ``hf_config.pad_token_id``, the field slidekit's ``ArchSpec.pad_token_id`` comes from.
+    """
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
