@@ -33,6 +33,11 @@ to stop) and BOS none. ``packing=False`` puts one framed document per row, trunc
 ``seq_len + 1`` or right-padded with the pad token (EOS if there is none), padding labelled -100.
 Rows without a single labelled token are dropped (a step must have something to learn from).
 
+Padding token. The tokenizer's pad token only fills rows; training treats the *model's*
+``pad_token_id`` (config.json) as transformers does: its embedding row gets no gradient from the
+lookup, wherever it occurs, so where the model's pad is EOS the EOS row learns only through a tied
+LM head (and shrinks by weight decay). See docs/design.md, "The padding token".
+
 Split and order. ``eval_fraction`` of the documents (not rows) is held out by a seeded permutation,
 so the split depends only on the file and ``DataSpec.seed``. Training batches are endless: each
 epoch is a fresh permutation of the rows from a generator seeded by the ``batches`` seed. Evaluation
@@ -57,6 +62,7 @@ import numpy as np
 import torch
 
 from slidekit.errors import ConfigError
+from slidekit.inputs import IGNORE_INDEX, check_pair
 
 __all__ = [
     "FORMATS",
@@ -76,7 +82,6 @@ __all__ = [
 
 FORMATS = ("auto", "text", "prompt_completion", "chat")
 ROLES = ("system", "user", "assistant")
-IGNORE_INDEX = -100
 _FIELDS = {"text": ("text",), "prompt_completion": ("prompt", "completion"), "chat": ("messages",)}
 _EXAMPLES = (
     '{"text": ...}, {"prompt": ..., "completion": ...} or {"messages": [{"role": ..., "content": ...}]}'
@@ -86,17 +91,21 @@ _JSONL = "each line must be one JSON object, such as " + _EXAMPLES
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """One step's data: ``input_ids`` and ``labels`` (B, T), label -100 where no loss is taken."""
+    """One micro-batch: ``input_ids`` and ``labels``, integer tensors (B, T); label -100 where no loss is taken.
+
+    ``labels[b, t]`` is the token that follows ``input_ids[b, t]``. Batches of
+    one step (``grad_accum``) may differ in B and T; padding them to the
+    longest row, with label -100 on the padding, changes nothing (causal
+    attention: a real token never sees the padding after it). The model's
+    ``pad_token_id`` (from its config.json) gets no gradient through the
+    embedding lookup, as in transformers (``nn.Embedding(padding_idx=...)``).
+    """
 
     input_ids: torch.Tensor
     labels: torch.Tensor
 
     def __post_init__(self) -> None:
-        if self.input_ids.shape != self.labels.shape or self.input_ids.dim() != 2:
-            raise ValueError(
-                f"input_ids {tuple(self.input_ids.shape)} and labels {tuple(self.labels.shape)} "
-                "must both be (batch, seq_len)"
-            )
+        check_pair(self.input_ids, self.labels)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

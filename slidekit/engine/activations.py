@@ -1,10 +1,11 @@
 """Boundary activations: each decoder layer's input, saved in the forward pass for recompute.
 
-Activations are keyed by ``(unit, micro_batch)``. Two places to keep them:
-on the compute device (``DeviceActivations``), or on
-a storage tier (``TierActivations``): the forward pass writes each one out
-asynchronously, and the backward pass reads the next one back while the
-current layer recomputes. Either way a layer's activations inside the layer
+Activations are keyed by ``(unit, micro_batch)``; micro-batches may differ in
+shape (dynamic padding), and each comes back with its own. Two places to keep
+them: on the compute device (``DeviceActivations``), or on a storage tier
+(``TierActivations``): the forward pass writes each one out asynchronously,
+and the backward pass reads the next one back while the current layer
+recomputes. Either way a layer's activations inside the layer
 are never kept: the backward pass recomputes them from the boundary.
 """
 
@@ -82,7 +83,9 @@ class TierActivations(ActivationStore):
     def save(self, key: Hashable, x: torch.Tensor) -> None:
         x = x.contiguous()
         nbytes = x.numel() * x.element_size()
-        if self._regions.get(key) != nbytes:
+        # A region only grows: micro-batches of other lengths (dynamic padding) reuse it from byte 0,
+        # instead of freeing and allocating tier storage at every step.
+        if self._regions.get(key, -1) < nbytes:
             if key in self._regions:
                 self.tier.free(self._key(key))
             self.tier.allocate(self._key(key), nbytes)

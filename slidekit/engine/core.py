@@ -36,6 +36,7 @@ from slidekit.engine.runtime import Pipeline, Streams
 from slidekit.engine.state import slice_groups
 from slidekit.engine.window import Slot, Window
 from slidekit.errors import NonFiniteError
+from slidekit.inputs import check_step
 from slidekit.interfaces import KernelSet, ParamGroupRange, UnitOptimizer
 from slidekit.models.base import ArchSpec, UnitKind
 from slidekit.models.decoder import RopeTables, embed_backward, embed_forward, head_loss, layer_forward
@@ -439,7 +440,10 @@ class Engine:
         Gradients of all micro-batches add up in each cache unit while it is
         resident (every micro-batch passes through a unit before it moves on),
         so the step equals one step on their concatenation; the loss is the
-        mean over all labelled tokens (label -100 carries none).
+        mean over all labelled tokens (label -100 carries none). B and T may
+        differ between micro-batches: the step then equals one step on all
+        rows right-padded to the longest with label -100 on the padding.
+        Inputs are checked first (``slidekit.inputs.check_step``).
 
         Updates overlap the backward pass unless the step must see every
         gradient first: clipping by the global norm (``max_grad_norm``), or
@@ -450,24 +454,16 @@ class Engine:
         """
         t0 = time.perf_counter()
         self.pipeline.check()
-        if not micro:
-            raise ValueError("a step needs at least one micro-batch")
-        longest = max(ids.shape[1] for ids, _ in micro)
-        if longest > self.spec.max_positions:
-            raise ValueError(
-                f"a batch has {longest} tokens per row, more than the model's {self.spec.max_positions} positions"
-            )
-        labelled = sum(int((labels != -100).sum()) for _, labels in micro)
-        if labelled == 0:
-            raise ValueError("the batch has no labelled token (every label is -100); nothing to learn from")
-        ids = [i.to(self.device, non_blocking=True) for i, _ in micro]
-        tgt = [t.to(self.device, non_blocking=True) for _, t in micro]
-        cos, sin = self.rope.get(ids[0].shape[1], self.device, self.dtype)
+        # Every micro-batch checked before anything moves: bad input fails here, naming its cause.
+        labelled = check_step(micro, vocab_size=self.spec.vocab_size, max_positions=self.spec.max_positions)
+        ids = [i.to(self.device, torch.int64, non_blocking=True) for i, _ in micro]
+        tgt = [t.to(self.device, torch.int64, non_blocking=True) for _, t in micro]
+        # Micro-batches may differ in length: each gets the first T rows of one shared table.
+        rope = [self.rope.get(i.shape[1], self.device, self.dtype) for i in ids]
         c: dict[str, Any] = {
             "ids": ids,
             "labels": tgt,
-            "cos": cos,
-            "sin": sin,
+            "rope": rope,  # (cos, sin) per micro-batch
             "lr": lr,
             "labelled": labelled,
             "clip": max_grad_norm,
@@ -525,7 +521,8 @@ class Engine:
             else:
                 for mb, x in enumerate(c["x"]):
                     self.acts.save((visit.unit, mb), x)
-                    c["x"][mb] = layer_forward(self.spec, w, x, c["cos"], c["sin"], self.kernels)
+                    cos, sin = c["rope"][mb]
+                    c["x"][mb] = layer_forward(self.spec, w, x, cos, sin, self.kernels)
         if not slot.pinned:
             self.window.release(slot, self.streams.record(self.streams.compute))
 
@@ -566,7 +563,8 @@ class Engine:
             with self.timeline.host("act_load", visit.unit):  # the main thread waiting for the tier's read
                 x = self.acts.load((visit.unit, mb)).detach().requires_grad_(True)
             with torch.enable_grad(), self.timeline.device("bwd", visit.unit, self.streams.compute):
-                y = layer_forward(self.spec, w, x, c["cos"], c["sin"], self.kernels)
+                cos, sin = c["rope"][mb]
+                y = layer_forward(self.spec, w, x, cos, sin, self.kernels)
                 torch.autograd.backward(y, c["dx"][mb])
             c["dx"][mb] = x.grad
         self._finish_unit(visit.unit, slot, c)
@@ -589,7 +587,7 @@ class Engine:
         grad = embed.views(slot.grads)["embed_tokens.weight"]
         with self.timeline.device("bwd", 0, self.streams.compute):
             for ids, dx in zip(c["ids"], c.pop("dx"), strict=True):
-                embed_backward(grad, ids, dx, self.spec.padding_idx)
+                embed_backward(grad, ids, dx, padding_idx=self.spec.pad_token_id)
         self._finish_unit(0, slot, c)
 
     # ================================================================== forward only

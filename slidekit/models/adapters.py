@@ -43,7 +43,7 @@ def _spec(config: Any, family: str, flags: LayerFlags) -> ArchSpec:
         flags=flags,
         initializer_range=getattr(config, "initializer_range", 0.02),
         rope_init=rope,
-        padding_idx=padding_index(config),
+        pad_token_id=padding_index(config),
         hf_config=config,
     )
 

@@ -122,7 +122,9 @@ class ArchSpec:
     flags: LayerFlags
     initializer_range: float
     rope_init: Callable[[], tuple[torch.Tensor, float]]  # -> (inv_freq (D/2,), attention scaling)
-    padding_idx: int | None = None  # embedding row the lookup gives no gradient (nn.Embedding's)
+    # The HF config's pad_token_id, in 0..vocab_size-1, or None: its embedding row gets no gradient from the
+    # lookup (transformers builds nn.Embedding(padding_idx=pad_token_id)); a tied LM head still trains it.
+    pad_token_id: int | None = None
     hf_config: Any = field(repr=False)  # the transformers config the spec came from
     units: tuple[UnitLayout, ...] = ()
 
@@ -131,9 +133,9 @@ class ArchSpec:
             raise ValueError(
                 f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads {self.num_kv_heads}"
             )
-        if self.padding_idx is not None and not 0 <= self.padding_idx < self.vocab_size:
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(
-                f"padding_idx {self.padding_idx} is not a token id below vocab_size {self.vocab_size}"
+                f"pad_token_id {self.pad_token_id} is not a token id of the vocabulary (0..{self.vocab_size - 1})"
             )
         if not self.units:
             object.__setattr__(self, "units", build_units(self))

@@ -27,32 +27,50 @@ Weights = Mapping[str, Tensor]
 
 
 class RopeTables:
-    """cos/sin tables for positions 0..T-1, computed once per (T, device, dtype) and shared by all layers."""
+    """cos/sin tables for positions 0..T-1, shared by all layers and by every length T.
+
+    One table per (device, dtype) covers the longest length asked for so far
+    (grown geometrically, at most to the model's positions); a length T gets
+    views of its first T rows. Micro-batches of different lengths in one step
+    thus use the very same values at the same position, and a row does not
+    depend on the table's length (each element is computed from its position
+    alone), so a step's result does not depend on the lengths seen before.
+    """
 
     def __init__(self, spec: ArchSpec) -> None:
         inv_freq, scaling = spec.rope_init()
         self._inv_freq = inv_freq.to(torch.float32).cpu()
         self._scaling = float(scaling)
-        self._cache: dict[tuple[int, torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
+        self._max_positions = spec.max_positions
+        self._cache: dict[tuple[torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
         # Dynamic NTK RoPE rescales its frequencies past max_position_embeddings (and transformers keeps
         # the rescaled ones afterwards): the fixed frequencies here hold only up to that length.
         self._limit = spec.max_positions if rope_type(spec.hf_config) == "dynamic" else None
 
     def get(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(cos, sin), each (seq_len, D): contiguous views of the shared table."""
         if self._limit is not None and seq_len > self._limit:
             raise ValueError(
                 f"rows of {seq_len} tokens are longer than max_position_embeddings={self._limit}, past which "
                 "rope_type 'dynamic' changes its frequencies; slidekit computes it up to that length only"
             )
-        key = (seq_len, device, dtype)
-        if key not in self._cache:
-            pos = torch.arange(seq_len, dtype=torch.float32)
-            freqs = torch.outer(pos, self._inv_freq)  # (T, D/2)
-            emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
-            cos = (emb.cos() * self._scaling).to(device=device, dtype=dtype)
-            sin = (emb.sin() * self._scaling).to(device=device, dtype=dtype)
-            self._cache[key] = (cos, sin)
-        return self._cache[key]
+        key = (device, dtype)
+        table = self._cache.get(key)
+        if table is None or table[0].shape[0] < seq_len:
+            have = 0 if table is None else table[0].shape[0]
+            self._cache[key] = table = self._compute(
+                max(seq_len, min(2 * have, self._max_positions)), device, dtype
+            )
+        cos, sin = table
+        return cos[:seq_len], sin[:seq_len]
+
+    def _compute(self, n: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        pos = torch.arange(n, dtype=torch.float32)
+        freqs = torch.outer(pos, self._inv_freq)  # (T, D/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
+        cos = (emb.cos() * self._scaling).to(device=device, dtype=dtype)
+        sin = (emb.sin() * self._scaling).to(device=device, dtype=dtype)
+        return cos, sin
 
 
 def embed_forward(w: Weights, ids: Tensor) -> Tensor:
@@ -64,13 +82,15 @@ def embed_backward(grad_weight: Tensor, ids: Tensor, dh: Tensor, padding_idx: in
     """Add the embedding's weight gradient into ``grad_weight`` (V, H), in place.
 
     Rows are summed in FP32 over the distinct tokens of the batch, then
-    added once per distinct row; the ``padding_idx`` row (``spec.padding_idx``)
-    gets nothing, as with ``nn.Embedding(padding_idx=...)``. The sum must not
-    depend on thread timing: on CUDA ``index_put_(accumulate=True)`` sorts
-    and is deterministic (its ``index_add_`` uses atomics); on the CPU it is
-    the other way round (``index_put_`` adds FP32 with atomics on several
-    threads, ``index_add_`` walks the indices in order), so each device gets
-    its deterministic one.
+    added once per distinct row. The sum must not depend on thread timing:
+    on CUDA ``index_put_(accumulate=True)`` sorts and is deterministic (its
+    ``index_add_`` uses atomics); on the CPU it is the other way round
+    (``index_put_`` adds FP32 with atomics on several threads, ``index_add_``
+    walks the indices in order), so each device gets its deterministic one.
+
+    The row ``padding_idx`` (the model's ``pad_token_id``) gets nothing, as in
+    ``nn.Embedding(padding_idx=...)``; a tied LM head's gradient, already in
+    ``grad_weight``, stays.
     """
     flat_ids = ids.reshape(-1)
     uniq, inverse = torch.unique(flat_ids, return_inverse=True)
@@ -80,8 +100,8 @@ def embed_backward(grad_weight: Tensor, ids: Tensor, dh: Tensor, padding_idx: in
         rows.index_add_(0, inverse, src)
     else:
         rows.index_put_((inverse,), src, accumulate=True)
-    if padding_idx is not None:
-        rows.masked_fill_((uniq == padding_idx).unsqueeze(1), 0.0)  # no host sync, unlike boolean indexing
+    if padding_idx is not None:  # a mask, not a selection: no device synchronisation
+        rows.masked_fill_((uniq == padding_idx).unsqueeze(1), 0.0)
     grad_weight[uniq] += rows.to(grad_weight.dtype)
 
 

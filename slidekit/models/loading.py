@@ -8,8 +8,8 @@ config, which starts from random weights when asked to.
 Weights stream tensor by tensor from safetensors into the unit masters, so a
 model never needs to fit in memory twice. Random initialisation follows
 transformers' (normal(0, initializer_range) for matrices, ones for norms, zeros
-for biases and for the embedding's padding row) with one generator per unit, so it does not depend on order or
-threads.
+for biases and for the embedding row of ``pad_token_id``) with one generator
+per unit, so it does not depend on order or threads.
 """
 
 from __future__ import annotations
@@ -124,6 +124,6 @@ def init_unit(spec: ArchSpec, unit: UnitLayout, master: torch.Tensor, seed: int)
             view.fill_(1.0)
         elif e.key.endswith(".weight"):
             view.normal_(0.0, spec.initializer_range, generator=gen)
-            if e.key == "embed_tokens.weight" and spec.padding_idx is not None:
-                view[spec.padding_idx].zero_()  # as nn.Embedding and transformers' _init_weights do
+            if e.key == "embed_tokens.weight" and spec.pad_token_id is not None:
+                view[spec.pad_token_id].zero_()  # as transformers initialises nn.Embedding(padding_idx=...)
         # biases stay zero

@@ -192,6 +192,7 @@ def padding_index(config: Any) -> int | None:
             pad,
             f"transformers makes it the embedding's padding_idx, which must be a token id below "
             f"vocab_size={vocab}",
-            "set pad_token_id to null or to a token id of the vocabulary",
+            "set pad_token_id to null or to a token id of the vocabulary in config.json, or override it "
+            "(model.overrides={'pad_token_id': ID}, or None for no padding token)",
         )
     return pad % vocab

@@ -3,7 +3,10 @@
 ``save_tiny_model`` writes ``config.json`` + ``model.safetensors`` through
 transformers itself, with biases and norm weights perturbed away from their
 usual 0 / 1 initial values (as in a trained checkpoint), so tests exercise
-the same loading path as a user's model and every parameter matters.
+the same loading path as a user's model and every parameter matters. The
+tiny configs set no ``pad_token_id`` unless asked (``pad_token_id=...``); with
+one, the padding row of the embedding, which transformers initialises to
+zero, is random too, as in a checkpoint whose padding token is its EOS.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ def save_tiny_model(family: str, directory: Path, *, seed: int = 0, **overrides:
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.05)
+        pad = model.get_input_embeddings().padding_idx
+        if pad is not None:
+            weight = model.get_input_embeddings().weight
+            weight[pad] = torch.randn_like(weight[pad]) * config.initializer_range
     model.save_pretrained(directory)
     return directory
 

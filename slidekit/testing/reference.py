@@ -40,7 +40,11 @@ class ReferenceResult:
 def build_hf_model(
     hf_config: Any, state: Mapping[str, torch.Tensor], dtype: torch.dtype, device: torch.device
 ) -> Any:
-    """The transformers model for ``hf_config`` holding ``state`` (SDPA attention, no KV cache)."""
+    """The transformers model for ``hf_config`` holding ``state`` (SDPA attention, no KV cache).
+
+    Built as transformers builds it, so its embedding's ``padding_idx`` is
+    ``hf_config.pad_token_id``, the field slidekit's ``ArchSpec.pad_token_id`` comes from.
+    """
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa", dtype=torch.float32)
@@ -61,10 +65,41 @@ def _groups(
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
+def _step_loss(model: Any, step: Batch | Sequence[Batch], device: torch.device) -> torch.Tensor:
+    """Forward and backward of one step; returns its loss (mean cross-entropy over labelled tokens).
+
+    A Batch is one forward pass. A sequence of Batches (micro-batches, of any
+    lengths) is gradient accumulation: each micro-batch's summed loss over the
+    step's labelled tokens, backpropagated in turn, as transformers' Trainer
+    does with ``num_items_in_batch``.
+    """
+    if isinstance(step, Batch):
+        ids, labels = step.input_ids.to(device), step.labels.to(device)
+        logits = model(input_ids=ids).logits
+        loss = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+        )
+        loss.backward()
+        return loss.detach()
+    labelled = sum(int((b.labels != -100).sum()) for b in step)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for b in step:
+        logits = model(input_ids=b.input_ids.to(device)).logits
+        part = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]),
+            b.labels.to(device).reshape(-1),
+            ignore_index=-100,
+            reduction="sum",
+        )
+        (part / labelled).backward()
+        total += part.detach()
+    return total / labelled
+
+
 def reference_run(
     hf_config: Any,
     init_state: Mapping[str, torch.Tensor],
-    batches: Iterable[Batch],
+    batches: Iterable[Batch | Sequence[Batch]],
     *,
     lr: float,
     betas: tuple[float, float] = (0.9, 0.999),
@@ -78,8 +113,10 @@ def reference_run(
 ) -> ReferenceResult:
     """Train the transformers model on ``batches`` with ``torch.optim.AdamW``; return losses and final state.
 
-    The loss is the mean cross-entropy over labelled tokens (label -100 is
-    ignored). ``lr_factor(step)`` (1-based) scales ``lr`` per step;
+    One step per item of ``batches``: a Batch, or a sequence of Batches taken
+    as micro-batches (gradient accumulation; they may differ in shape). The
+    loss is the mean cross-entropy over the step's labelled tokens (label -100
+    is ignored). ``lr_factor(step)`` (1-based) scales ``lr`` per step;
     ``max_grad_norm`` clips with ``torch.nn.utils.clip_grad_norm_`` on the FP32
     (master) gradients before the step. ``grad_norms`` holds the norms before clipping.
     """
@@ -102,13 +139,7 @@ def reference_run(
     for step, batch in enumerate(batches, 1):
         for group in opt.param_groups:
             group["lr"] = lr * (lr_factor(step) if lr_factor else 1.0)
-        ids, labels = batch.input_ids.to(device), batch.labels.to(device)
-        logits = model(input_ids=ids).logits
-        loss = F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
-        )
-        loss.backward()
-        losses.append(loss.item())
+        losses.append(_step_loss(model, batch, device).item())
         if precision != "float32":
             for (_, p), m in zip(named, masters, strict=True):
                 m.grad = p.grad.float() if p.grad is not None else None

@@ -163,4 +163,4 @@ def test_pad_token_row_gets_no_gradient_from_the_lookup(tmp_path, family):
     for b in batches:
         b.input_ids[:, ::3] = pad  # the pad token in every row, as packed documents' eos = pad do
     spec = _two_steps_match(tmp_path, family, batches=batches, pad_token_id=pad)
-    assert spec.padding_idx == pad
+    assert spec.pad_token_id == pad

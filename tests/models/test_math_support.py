@@ -193,7 +193,7 @@ def test_values_that_change_nothing_are_accepted(family):
     config = tiny_config(family, **NO_OPS, **FAMILY_NO_OPS[family])
     spec = _factory(family)(config)
     assert spec.sliding_window is None
-    assert spec.padding_idx is None
+    assert spec.pad_token_id is None
     inv_freq, scaling = spec.rope_init()
     assert scaling == 1.0 and inv_freq.shape == (spec.head_dim // 2,)
 
@@ -210,7 +210,7 @@ def test_a_window_on_every_layer_is_one_window():
 
 
 def test_negative_pad_token_id_counts_from_the_end_as_in_nn_embedding():
-    assert _factory("llama")(tiny_config("llama", pad_token_id=-1)).padding_idx == 127
+    assert _factory("llama")(tiny_config("llama", pad_token_id=-1)).pad_token_id == 127
 
 
 def test_a_rope_variant_missing_a_parameter_is_refused_at_once():

@@ -1,0 +1,117 @@
+"""What a training step takes: micro-batches of ``(input_ids, labels)``, checked before anything runs.
+
+Each micro-batch is a pair of integer tensors of one shape (B, T): token ids
+and, per position, the id of the next token, or -100 where no loss is taken.
+Micro-batches of one step may differ in B and in T (per-batch dynamic
+padding gives exactly that); the step equals one step on all their rows
+padded to the longest, with label -100 on the padding. ``check_pair`` is the
+shape and dtype check that ``slidekit.Batch`` runs when it is built;
+``check_step`` is the engine's check of a whole step against the model
+(vocabulary, positions), run before any transfer or kernel so that bad input
+fails with its cause rather than inside a kernel (on CUDA an out-of-range id
+is a device-side assert that poisons the process).
+
+Test: ``python -m pytest -q tests/test_inputs.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["IGNORE_INDEX", "TOKEN_DTYPES", "check_pair", "check_step"]
+
+#: The label of a position that carries no loss (as in ``torch.nn.functional.cross_entropy``).
+IGNORE_INDEX = -100
+
+#: The dtypes token ids and labels may have.
+TOKEN_DTYPES = (torch.int64, torch.int32)
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.shape)
+
+
+def check_pair(input_ids: Any, labels: Any, where: str = "") -> None:
+    """Refuse an ``(input_ids, labels)`` pair that is not two integer tensors of one (batch, seq_len) shape.
+
+    ``where`` prefixes the message (e.g. "micro-batch 2: "). Raises TypeError
+    for a wrong type or dtype, ValueError for a wrong shape.
+    """
+    for name, t in (("input_ids", input_ids), ("labels", labels)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{where}{name} must be a torch.Tensor (batch, seq_len), got {type(t).__name__}")
+    if input_ids.dim() != 2 or labels.dim() != 2:
+        raise ValueError(
+            f"{where}input_ids {_shape(input_ids)} and labels {_shape(labels)} must both be 2-D "
+            "(batch, seq_len); a single sequence needs a batch dimension (.unsqueeze(0))"
+        )
+    if input_ids.shape != labels.shape:
+        raise ValueError(
+            f"{where}input_ids {_shape(input_ids)} and labels {_shape(labels)} must have the same shape: "
+            "labels[b, t] is the token that follows input_ids[b, t] (or -100 for no loss)"
+        )
+    for name, t in (("input_ids", input_ids), ("labels", labels)):
+        if t.dtype not in TOKEN_DTYPES:
+            raise TypeError(
+                f"{where}{name} has dtype {t.dtype}; token ids must be torch.int64 or torch.int32 "
+                "(convert with .long())"
+            )
+
+
+def check_step(micro: Sequence[Any], *, vocab_size: int, max_positions: int) -> int:
+    """Check every ``(input_ids, labels)`` micro-batch of a step; return the number of labelled tokens.
+
+    Beyond ``check_pair``: each micro-batch holds at least one token and at
+    most ``max_positions`` per row, its ids lie in ``[0, vocab_size)``, its
+    labels there too or at -100, and the step has a labelled token.
+    """
+    if isinstance(micro, torch.Tensor) or not isinstance(micro, Sequence):
+        raise TypeError(
+            f"a step takes a sequence of (input_ids, labels) micro-batches, got {type(micro).__name__}"
+        )
+    if not micro:
+        raise ValueError("a step needs at least one micro-batch")
+    labelled = 0
+    for i, pair in enumerate(micro, 1):
+        where = f"micro-batch {i} of {len(micro)}: "
+        if isinstance(pair, torch.Tensor) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise TypeError(
+                f"{where}expected a pair (input_ids, labels), got {type(pair).__name__} "
+                "(for a Batch b: (b.input_ids, b.labels))"
+            )
+        ids, labels = pair
+        check_pair(ids, labels, where)
+        rows, length = ids.shape
+        if rows == 0 or length == 0:
+            raise ValueError(
+                f"{where}input_ids {_shape(ids)} is empty; a micro-batch needs a row and a token"
+            )
+        if length > max_positions:
+            raise ValueError(
+                f"{where}{length} tokens per row, more than the model's {max_positions} positions "
+                "(max_position_embeddings); cut the rows to at most that"
+            )
+        lo, hi = (int(v) for v in torch.aminmax(ids))
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"{where}input_ids hold token id {bad}, outside the model's vocabulary of {vocab_size} "
+                f"(ids 0..{vocab_size - 1}); use the tokenizer that belongs to the model"
+            )
+        target = labels != IGNORE_INDEX
+        count = int(target.sum())
+        if count:
+            lo, hi = (int(v) for v in torch.aminmax(labels[target]))
+            if lo < 0 or hi >= vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(
+                    f"{where}labels hold {bad}, neither a token id of the vocabulary of {vocab_size} "
+                    f"(0..{vocab_size - 1}) nor {IGNORE_INDEX} (no loss)"
+                )
+        labelled += count
+    if labelled == 0:
+        raise ValueError("the batch has no labelled token (every label is -100); nothing to learn from")
+    return labelled
