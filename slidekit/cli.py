@@ -272,6 +272,8 @@ def rescue_dir(config: TrainConfig) -> Path | None:
     if not config.run.export_dir or config.run.dir:
         return None
     target = Path(os.path.realpath(Path(config.run.export_dir).expanduser()))
+    if not target.name:  # the root: refused as a target anyway
+        return None
     return target.with_name(f"{target.name}.slidekit-run")
 
 
@@ -284,14 +286,23 @@ def _export_after_fit(trainer: Any, config: TrainConfig, result: Any) -> bool:
     done = trainer.engine.steps_done
     if result.interrupted or done < config.steps:
         why = f"stopped by {result.interrupted}" if result.interrupted else "the data ran out"
+        where = (
+            f"; its checkpoint is in {run.checkpoints}: continue with the same command and --run-dir "
+            f"{run.path} --resume, which exports when the run completes"
+            if run is not None
+            else ""
+        )
         print(
             f"not exported: the run {why} after step {done} of {config.steps}, and a partial run never "
-            f"replaces an export ({rc.export_dir} is left as it was); its checkpoint is in {run.checkpoints}: "
-            f"continue with --run-dir {run.path} --resume, which exports when the run completes",
+            f"replaces an export ({rc.export_dir} is left as it was){where}",
             file=sys.stderr,
         )
         return False
-    print(f"the trained model is in the checkpoint {run.last_path}; exporting to {rc.export_dir}", flush=True)
+    if run is not None:
+        print(
+            f"the trained model is in the checkpoint {run.last_path}; exporting to {rc.export_dir}",
+            flush=True,
+        )
     path = trainer.export(rc.export_dir, dtype=rc.export_dtype, overwrite=rc.overwrite)
     print(f"exported the model to {path} ({rc.export_dtype})")
     return True

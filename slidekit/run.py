@@ -287,7 +287,8 @@ def discard_run(path: str | os.PathLike[str], *, checkpoints: bool) -> bool:
     try:
         if not checkpoints and _checkpoint_entries(path):
             return False
-        _remove_entries(path, RUN_ENTRIES)
+        # config.json late: a crash before it leaves a directory that is still recognisably a run
+        _remove_entries(path, ("checkpoints", "metrics.jsonl", "config.json", RUN_LOCK))
         with contextlib.suppress(OSError):
             path.rmdir()  # left in place when something else lives there
     finally:

@@ -289,7 +289,7 @@ def test_a_run_stopped_by_sigterm_never_replaces_a_good_export(tmp_path, capsys)
     assert _tree(good) == before  # the partial model did not replace the good export
     err = capsys.readouterr().err
     assert "not exported: the run stopped by SIGTERM after step 4 of 40" in err
-    assert f"continue with --run-dir {tmp_path / 'b'} --resume" in err
+    assert f"continue with the same command and --run-dir {tmp_path / 'b'} --resume" in err
     latest = ck.latest(tmp_path / "b" / "checkpoints")
     assert latest is not None and latest.name == "step-00000004"
 
@@ -303,7 +303,7 @@ def test_a_stopped_run_without_a_run_dir_keeps_its_checkpoint_and_resumes_to_the
     ) == (128 + signal.SIGTERM)
     assert not out.exists()
     err = capsys.readouterr().err
-    assert f"continue with --run-dir {rescue} --resume" in err
+    assert f"and --run-dir {rescue} --resume" in err
     latest = ck.latest(rescue / "checkpoints")
     assert latest is not None and latest.name == "step-00000003"
     assert (
