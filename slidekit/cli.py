@@ -16,14 +16,21 @@ Every option of ``finetune`` maps onto one field of ``slidekit.config``
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
+import signal
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from slidekit.config import TrainConfig, from_dict, load_toml
 from slidekit.errors import SlidekitError
 
-__all__ = ["FLAGS", "build_parser", "config_from_args", "main"]
+if TYPE_CHECKING:
+    from slidekit.plugins import Plugins
+
+__all__ = ["FLAGS", "build_parser", "config_from_args", "finetune", "main", "rescue_dir"]
 
 #: flag -> (dotted TrainConfig field, type or "flag", help). Defaults come from slidekit.config.
 FLAGS: dict[str, tuple[str, Any, str]] = {
@@ -67,6 +74,12 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--resume": ("run.resume", "flag", "continue from the newest checkpoint in --run-dir"),
     "--export": ("run.export_dir", str, "write the fine-tuned model here as a Hugging Face directory"),
     "--export-dtype": ("run.export_dtype", str, "bfloat16, float16 or float32"),
+    "--overwrite": (
+        "run.overwrite",
+        "flag",
+        "discard a previous run in --run-dir (without --resume) and replace a previous slidekit export in "
+        "--export; files slidekit did not write are never touched",
+    ),
     "--trace": ("run.trace", str, "write a Chrome trace of the pipeline (open in Perfetto)"),
 }
 
@@ -191,37 +204,123 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _finetune(args: argparse.Namespace) -> int:
+    return finetune(config_from_args(args), progress=not args.quiet)
+
+
+def finetune(
+    config: TrainConfig,
+    *,
+    progress: bool = False,
+    plugins: Plugins | None = None,
+    fault_hook: Callable[[str], None] | None = None,
+) -> int:
+    """``slidekit finetune`` on ``config``: train, then export when the run is complete; the exit status
+    (128 + the signal's number for a run a signal stopped). ``plugins`` and ``fault_hook`` go to the
+    Trainer (tests inject signals and faults through them).
+
+    With an export and no run directory, the run gets one beside the export target (``rescue_dir``): its
+    final checkpoint is written before the export and removed once the export is in place, so an export
+    that fails, or a run stopped by a signal, leaves a checkpoint to resume from, and says where.
+    """
+    from slidekit.run import discard_run
     from slidekit.trainer import Trainer
 
-    config = config_from_args(args)
-    with Trainer(config, progress=not args.quiet) as trainer:
-        spec = trainer.spec
-        print(
-            f"model: {config.model.source} ({spec.family}, {spec.num_layers} layers, "
-            f"{spec.num_params / 1e6:.2f}M parameters) on {trainer.device}, {str(trainer.compute_dtype)[6:]}; "
-            f"drivers: " + ", ".join(f"{k}={s.name}" for k, s in trainer.selections.items()),
-            flush=True,
-        )
-        left = config.steps - trainer.engine.steps_done
-        result = trainer.fit()
-        if config.run.export_dir:
-            path = trainer.export(config.run.export_dir, dtype=config.run.export_dtype, overwrite=True)
-            print(f"exported the model to {path} ({config.run.export_dtype})")
+    rescue = rescue_dir(config)
+    if rescue is not None:
+        config = dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(rescue)))
+    fresh = rescue is not None and not rescue.exists()
+    try:
+        with Trainer(config, plugins=plugins, progress=progress, fault_hook=fault_hook) as trainer:
+            spec = trainer.spec
+            print(
+                f"model: {config.model.source} ({spec.family}, {spec.num_layers} layers, "
+                f"{spec.num_params / 1e6:.2f}M parameters) on {trainer.device}, "
+                f"{str(trainer.compute_dtype)[6:]}; drivers: "
+                + ", ".join(f"{k}={s.name}" for k, s in trainer.selections.items()),
+                flush=True,
+            )
+            if rescue is not None:
+                print(f"no --run-dir: the final checkpoint goes to {rescue} until the export is written")
+            left = config.steps - trainer.engine.steps_done
+            result = trainer.fit()
+            exported = _export_after_fit(trainer, config, result)
+    except BaseException as exc:
+        if fresh and rescue is not None:
+            _forget(rescue, mention=str(rescue) not in str(exc))
+        raise
+    if rescue is not None and exported:
+        discard_run(rescue, checkpoints=True)
     if result.interrupted:
         print(f"stopped by {result.interrupted} after {len(result.losses)} steps")
-    if not result.losses:
-        if left <= 0:
-            print(f"nothing left to do: the run already took its {config.steps} steps")
-            return 0
+    if result.losses:
+        head = sum(result.losses[:5]) / min(5, len(result.losses))
+        tail = sum(result.losses[-5:]) / min(5, len(result.losses))
+        print(
+            f"done: {len(result.losses)} steps in {result.seconds:.1f}s, {result.tokens_per_s:.0f} tokens/s; "
+            f"loss {head:.3f} -> {tail:.3f} (mean of first and last 5 steps)"
+        )
+    elif left <= 0:
+        print(f"nothing left to do: the run already took its {config.steps} steps")
+    elif not result.interrupted:
         print("no step was run: the data ran out", file=sys.stderr)
         return 1
-    head = sum(result.losses[:5]) / min(5, len(result.losses))
-    tail = sum(result.losses[-5:]) / min(5, len(result.losses))
+    return 128 + signal.Signals[result.interrupted].value if result.interrupted else 0
+
+
+def rescue_dir(config: TrainConfig) -> Path | None:
+    """The run directory ``finetune`` gives a run that exports without one: ``OUT.slidekit-run`` beside OUT."""
+    if not config.run.export_dir or config.run.dir:
+        return None
+    target = Path(os.path.realpath(Path(config.run.export_dir).expanduser()))
+    if not target.name:  # the root: refused as a target anyway
+        return None
+    return target.with_name(f"{target.name}.slidekit-run")
+
+
+def _export_after_fit(trainer: Any, config: TrainConfig, result: Any) -> bool:
+    """Export a run that took all its steps; a partial one never replaces an export. Whether it exported."""
+    rc = config.run
+    if not rc.export_dir:
+        return False
+    run = trainer.run
+    done = trainer.engine.steps_done
+    if result.interrupted or done < config.steps:
+        why = f"stopped by {result.interrupted}" if result.interrupted else "the data ran out"
+        where = (
+            f"; its checkpoint is in {run.checkpoints}: continue with the same command and --run-dir "
+            f"{run.path} --resume, which exports when the run completes"
+            if run is not None
+            else ""
+        )
+        print(
+            f"not exported: the run {why} after step {done} of {config.steps}, and a partial run never "
+            f"replaces an export ({rc.export_dir} is left as it was){where}",
+            file=sys.stderr,
+        )
+        return False
+    if run is not None:
+        print(
+            f"the trained model is in the checkpoint {run.last_path}; exporting to {rc.export_dir}",
+            flush=True,
+        )
+    path = trainer.export(rc.export_dir, dtype=rc.export_dtype, overwrite=rc.overwrite)
+    print(f"exported the model to {path} ({rc.export_dtype})")
+    return True
+
+
+def _forget(rescue: Path, *, mention: bool) -> None:
+    """After a failure: remove the run directory ``finetune`` made, unless it holds a checkpoint (then say so)."""
+    from slidekit.run import discard_run
+
+    try:
+        if discard_run(rescue, checkpoints=False) or not mention:
+            return
+    except SlidekitError:
+        return
     print(
-        f"done: {len(result.losses)} steps in {result.seconds:.1f}s, {result.tokens_per_s:.0f} tokens/s; "
-        f"loss {head:.3f} -> {tail:.3f} (mean of first and last 5 steps)"
+        f"slidekit: the run's checkpoints are in {rescue}: continue with --run-dir {rescue} --resume",
+        file=sys.stderr,
     )
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -25,9 +25,13 @@ from slidekit.schedules import SCHEDULES
 DEMO_LR = 2e-3
 DEFAULT_LR = 2e-5
 
+#: The dtypes an export can write its weights in (``RunConfig.export_dtype``).
+EXPORT_DTYPES = ("bfloat16", "float16", "float32")
+
 __all__ = [
     "DEFAULT_LR",
     "DEMO_LR",
+    "EXPORT_DTYPES",
     "DataConfig",
     "EngineConfig",
     "ModelConfig",
@@ -198,10 +202,22 @@ class RunConfig:
     export_dir: str | None = None  # write the final model here as a Hugging Face directory
     export_dtype: str = "bfloat16"  # dtype of the exported weights: bfloat16, float16 or float32
     trace: str | None = None  # write a Chrome trace of the pipeline here (relative: to the current directory)
+    # Start afresh in a dir that holds a previous run (its checkpoints and metrics are removed), and replace
+    # a previous slidekit export in export_dir (only the files its manifest lists). See docs/runs.md.
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         _positive("run", "checkpoint_every", self.checkpoint_every, allow_zero=True)
         _positive("run", "keep", self.keep)
+        if self.export_dtype not in EXPORT_DTYPES:
+            raise ConfigError(
+                f"run.export_dtype (CLI: --export-dtype) must be one of {list(EXPORT_DTYPES)}, "
+                f"got {self.export_dtype!r}"
+            )
+        for name in ("dir", "export_dir"):
+            value = getattr(self, name)
+            if value is not None and not value.strip():
+                raise ConfigError(f"run.{name} must be a directory path, or None; got {value!r}")
         if self.trace is not None and not self.trace.strip():
             raise ConfigError("run.trace must be a file path such as trace.json, or None for no trace")
         if self.resume and not self.dir:

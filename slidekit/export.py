@@ -1,49 +1,218 @@
-"""Export a fine-tuned model as a Hugging Face model directory.
+"""Export a fine-tuned model as a Hugging Face model directory, replacing nothing slidekit did not write.
 
     OUT/
       config.json                         the model's config (torch_dtype set to the export dtype)
       model.safetensors                   or model-0000i-of-0000n.safetensors + model.safetensors.index.json
       tokenizer.json, tokenizer_config.json, ...   when the source model had a tokenizer
+      slidekit-export.json                the manifest: every file this export wrote, dtype, step, source
 
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads it. Tensors
-are written one shard at a time (at most ``shard_bytes`` each) from the FP32
-masters, so an export needs about one shard of extra memory. The directory
-is assembled beside OUT and renamed into place: a failed export never leaves
-a half-written model where a good one is expected.
+are converted and written one shard at a time (at most ``shard_bytes`` each)
+from the FP32 masters, so an export needs about one shard of extra memory.
+
+What may be replaced (``check_target``, docs/runs.md): OUT is new, an empty
+directory, or a previous slidekit export (recognised by its manifest), which
+is replaced only with ``overwrite`` and then only the files its manifest
+lists: a file the user added stays. A non-empty directory without a manifest
+is refused, with or without ``overwrite``; so is OUT when it is a file, lies
+below a file, or is or contains a guarded path (the current directory, the run
+directory, the source model, the data, ...: ``export_guards``).
+
+How it is written: into a sibling ``.OUT.slidekit-export-*`` directory (flock-ed
+while an export writes it), every file fsynced, then put in place in one
+rename where possible: a rename for a new or empty OUT, an atomic exchange
+(Linux ``renameat2``) for a previous export holding only its own files.
+Otherwise (OUT holds a user's file, or is a mount point) files are moved one
+by one under a manifest that lists the old and the new files, so OUT is a
+recognisable export at every moment. ``remove_leftovers`` deletes the staging
+directories of exports that died (no process holds their flock); every export
+calls it first.
 
 Test: ``pytest tests/test_export.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import fcntl
+import glob
 import json
 import os
 import shutil
+import sys
 import tempfile
-from collections.abc import Iterator, Mapping
-from pathlib import Path
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from slidekit.errors import ConfigError
+from slidekit.atomic import write_text_atomically
+from slidekit.config import EXPORT_DTYPES
+from slidekit.errors import ConfigError, SlidekitError
+from slidekit.paths import describe, directory_path, encloses
 
-__all__ = ["export_model"]
+if TYPE_CHECKING:
+    from slidekit.config import TrainConfig
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+__all__ = [
+    "MANIFEST",
+    "ExportError",
+    "Guard",
+    "Target",
+    "check_dtype",
+    "check_target",
+    "export_guards",
+    "export_model",
+    "remove_leftovers",
+]
+
+MANIFEST = "slidekit-export.json"
+_FORMAT = "slidekit-export"
+# Staging directories: ".OUT.slidekit-export-*" beside OUT, or ".slidekit-export-*" inside a mount point.
+_STAGING = ".slidekit-export-"
+_DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}
 
 
-def _shards(
-    state: Mapping[str, torch.Tensor], dtype: torch.dtype, limit: int
-) -> Iterator[dict[str, torch.Tensor]]:
-    shard: dict[str, torch.Tensor] = {}
+class ExportError(SlidekitError):
+    """An export failed while writing; the message says where the trained weights are."""
+
+
+@dataclass(frozen=True, slots=True)
+class Guard:
+    """A path an export target may not be or contain (with ``inside``: nor lie inside)."""
+
+    what: str  # "the run directory", for the error message
+    path: Path
+    inside: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A checked export target: where, and the manifest of the previous export there (None: none)."""
+
+    path: Path
+    previous: dict[str, Any] | None
+
+
+def export_guards(config: TrainConfig, model_dir: Path | None) -> list[Guard]:
+    """The paths a run's export may not replace: the current directory, the run directory (and its own
+    entries, which it may not go inside either), the source model, the data, the offload directory, the trace."""
+    from slidekit.models.loading import demo_dir
+    from slidekit.run import RUN_ENTRIES
+
+    rc = config.run
+    guards = [Guard("the current directory", Path.cwd())]
+    if rc.dir:
+        run = Path(rc.dir).expanduser()
+        guards.append(Guard("the run directory", run))
+        guards += [Guard(f"the run directory's {name}", run / name, inside=True) for name in RUN_ENTRIES]
+    if model_dir is not None:
+        guards.append(Guard("the source model", model_dir))
+    data = config.data.path
+    guards.append(Guard("the data file", Path(data).expanduser() if data else demo_dir() / "corpus.jsonl"))
+    if config.engine.offload_dir:
+        guards.append(Guard("the offload directory", Path(config.engine.offload_dir).expanduser()))
+    if rc.trace:
+        guards.append(Guard("the trace file", Path(rc.trace).expanduser()))
+    return guards
+
+
+def check_dtype(dtype: str) -> None:
+    """ConfigError unless ``dtype`` is one an export can write (``EXPORT_DTYPES``)."""
+    if dtype not in _DTYPES:
+        raise ConfigError(f"export dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+
+
+def check_target(
+    out: str | os.PathLike[str], *, overwrite: bool = False, guards: Sequence[Guard] = ()
+) -> Target:
+    """``out`` as an export target, or ConfigError naming what it would destroy and what to do instead."""
+    path = Path(os.path.realpath(Path(out).expanduser()))
+    for g in guards:
+        guarded = Path(os.path.realpath(g.path))
+        if encloses(path, guarded):
+            relation = "is" if path == guarded else "contains"
+            raise ConfigError(
+                f"the export target {str(path)!r} {relation} {g.what} ({guarded}), which the export would "
+                "replace; export into a new or an empty directory (run.export_dir, CLI: --export)"
+            )
+        if g.inside and encloses(guarded, path):
+            raise ConfigError(
+                f"the export target {str(path)!r} lies inside {g.what} ({guarded}), which slidekit manages; "
+                "export into a new or an empty directory (run.export_dir, CLI: --export)"
+            )
+    directory_path(path, role="export target", option="run.export_dir, CLI: --export")
+    if not path.is_dir():
+        return Target(path, None)
+    entries = [e for e in os.listdir(path) if not e.startswith(_STAGING)]
+    if not entries:
+        return Target(path, None)
+    previous, problem = _read_manifest(path)
+    if problem:
+        raise ConfigError(
+            f"the export target {str(path)!r} holds {MANIFEST}, but {problem}, so it is not a slidekit export "
+            "slidekit can replace; export into a new or an empty directory"
+        )
+    if previous is None:
+        raise ConfigError(
+            f"the export target {str(path)!r} is not empty ({describe(entries)}) and holds no slidekit export; "
+            "slidekit never deletes files it did not write: export into a new or an empty directory"
+        )
+    if not overwrite:
+        step = f" of step {previous['step']}" if "step" in previous else ""
+        raise ConfigError(
+            f"the export target {str(path)!r} holds a previous slidekit export{step}; set overwrite=True "
+            "(run.overwrite, CLI: --overwrite) to replace it (only the files its manifest lists), or export "
+            "into a new directory"
+        )
+    return Target(path, previous)
+
+
+def _read_manifest(directory: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(manifest, None) for a slidekit export, (None, None) without a manifest, (None, why) for a bad one."""
+    path = directory / MANIFEST
+    if not path.exists():
+        return None, None
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return None, f"it cannot be read ({exc})"
+    if not isinstance(doc, dict) or doc.get("format") != _FORMAT or doc.get("version") != 1:
+        return None, f"it is not a {_FORMAT} manifest of version 1"
+    files = doc.get("files")
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        return None, "its 'files' is not a list of file names"
+    bad = [f for f in files if not _plain_relative(f)]
+    if bad:
+        return None, f"it lists paths outside the directory ({describe(bad)})"
+    return doc, None
+
+
+def _plain_relative(name: str) -> bool:
+    p = PurePosixPath(name)
+    return (
+        bool(name) and not p.is_absolute() and ".." not in p.parts and "\\" not in name and name != MANIFEST
+    )
+
+
+# ---------------------------------------------------------------------- writing
+
+
+def _shard_names(state: Mapping[str, torch.Tensor], dtype: torch.dtype, limit: int) -> Iterator[list[str]]:
+    """Tensor names grouped into shards of at most ``limit`` bytes (a larger tensor gets a shard alone)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shard: list[str] = []
     size = 0
     for name, t in state.items():
-        nbytes = t.numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = t.numel() * itemsize
         if shard and size + nbytes > limit:
             yield shard
-            shard, size = {}, 0
-        shard[name] = t.to(dtype).contiguous()
+            shard, size = [], 0
+        shard.append(name)
         size += nbytes
     if shard:
         yield shard
@@ -58,43 +227,233 @@ def export_model(
     dtype: str = "bfloat16",
     shard_bytes: int = 5 << 30,
     overwrite: bool = False,
+    guards: Sequence[Guard] = (),
+    info: Mapping[str, Any] | None = None,
+    progress: Callable[[str, str], None] | None = None,
 ) -> Path:
-    """Write ``state`` (Hugging Face names -> FP32 tensors) with ``hf_config`` and ``tokenizer`` to ``out``."""
+    """Write ``state`` (Hugging Face names -> FP32 tensors) with ``hf_config`` and ``tokenizer`` to ``out``.
+
+    ``out`` is checked with ``check_target`` (``overwrite``, ``guards``); ``info`` goes into the manifest
+    (the trainer records the step, the configured steps and the source model). Returns the directory.
+    ``progress(stage, detail)`` is called with ``("written", staging_dir)`` when every file is written
+    and synced, ``("install", target)`` just before it is put in place and, when files are moved one by
+    one, ``("moved", name)`` after each; an exception it raises fails the export exactly as an I/O error
+    would (tests inject crashes this way).
+    """
+    stage = progress or (lambda _stage, _detail: None)
+    check_dtype(dtype)
+    target = check_target(out, overwrite=overwrite, guards=guards)
+    remove_leftovers(target.path)
+    target.path.parent.mkdir(parents=True, exist_ok=True)
+    staging, held = _staging_dir(target.path)
+    exchanged = False
+    try:
+        files = _write_model(staging, hf_config, state, tokenizer, dtype, shard_bytes)
+        manifest = {"format": _FORMAT, "version": 1, "dtype": dtype, **(info or {}), "files": files}
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
+        _sync_tree(staging)
+        stage("written", str(staging))
+        stage("install", str(target.path))
+        exchanged = _install(staging, target, manifest, stage)
+    finally:
+        os.close(held)
+        if exchanged:  # the staging directory now holds the previous export: remove what it listed
+            assert target.previous is not None
+            _remove_old_export(staging, target.previous["files"])
+        else:  # gone after a rename; otherwise what this export wrote
+            shutil.rmtree(staging, ignore_errors=True)
+    return target.path
+
+
+def _write_model(
+    root: Path, hf_config: Any, state: Mapping[str, torch.Tensor], tokenizer: Any, dtype_name: str, limit: int
+) -> list[str]:
+    """Write the model files into ``root``; their paths relative to it."""
     from safetensors.torch import save_file
 
-    if dtype not in _DTYPES:
-        raise ConfigError(f"export dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
-    target = Path(out).expanduser()
-    if target.exists() and not overwrite:
-        raise ConfigError(f"{target} already exists; choose another directory or allow overwriting")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    dtype = _DTYPES[dtype_name]
+    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    tensors = {n: t for n, t in state.items() if not (tied and n == "lm_head.weight")}
+    shards = list(_shard_names(tensors, dtype, limit))
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
+    weight_map, total = {}, 0
+    for fname, shard in zip(names, shards, strict=True):
+        converted = {n: tensors[n].to(dtype).contiguous() for n in shard}  # one shard in memory at a time
+        save_file(converted, str(root / fname), metadata={"format": "pt"})
+        for n, t in converted.items():
+            weight_map[n] = fname
+            total += t.numel() * t.element_size()
+        del converted
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    hf_config.torch_dtype = dtype_name
+    hf_config.save_pretrained(root)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(root)
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+def _staging_dir(target: Path) -> tuple[Path, int]:
+    """A new staging directory and the descriptor holding its flock (released when the export ends).
+
+    Beside ``target``, so the finished export is renamed into place; inside it when ``target`` is a mount
+    point (a rename cannot cross file systems).
+    """
+    if target.is_dir() and os.stat(target).st_dev != os.stat(target.parent).st_dev:
+        staging = Path(tempfile.mkdtemp(prefix=_STAGING, dir=target))
+    else:
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}{_STAGING}", dir=target.parent))
+    fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return staging, fd
+
+
+def remove_leftovers(target: str | os.PathLike[str]) -> list[Path]:
+    """Remove the staging directories that exports to ``target`` left when they died; return them.
+
+    Only slidekit's own staging directories, and only those no live export holds (their flock is free).
+    """
+    target = Path(target)
+    candidates = list(target.parent.glob(f".{glob.escape(target.name)}{_STAGING}*"))
+    if target.is_dir():
+        candidates += target.glob(f"{_STAGING}*")
+    removed = []
+    for entry in candidates:
+        if entry.is_symlink() or not entry.is_dir():
+            continue
+        try:
+            fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live export is writing it
+        finally:
+            os.close(fd)
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
+def _sync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (so a crash after the rename finds whole files)."""
+    for path in [*sorted(root.rglob("*"), key=lambda p: -len(p.parts)), root]:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-        tensors = {n: t for n, t in state.items() if not (tied and n == "lm_head.weight")}
-        shards = list(_shards(tensors, _DTYPES[dtype], shard_bytes))
-        names = (
-            ["model.safetensors"]
-            if len(shards) == 1
-            else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------- installing
+
+
+def _install(
+    staging: Path, target: Target, manifest: dict[str, Any], stage: Callable[[str, str], None]
+) -> bool:
+    """Put the finished export in ``staging`` at ``target`` (see the module docstring for the order).
+
+    Returns True when the previous export was exchanged into ``staging``."""
+    path, previous = target.path, target.previous
+    beside = staging.parent == path.parent
+    if beside and previous is None:
+        try:
+            os.replace(staging, path)  # atomic onto a new or an empty directory
+            _sync_dir(path.parent)
+            return False
+        except OSError:
+            pass  # the target was filled meanwhile: file by file, which refuses to replace others' files
+    if beside and previous is not None and _holds_only(path, previous["files"]) and _exchange(staging, path):
+        _sync_dir(path.parent)
+        return True
+    _install_files(staging, path, previous, manifest, stage)
+    return False
+
+
+def _holds_only(directory: Path, files: Sequence[str]) -> bool:
+    """Whether ``directory`` holds just ``files`` and the manifest (and staging directories)."""
+    own = {*files, MANIFEST}
+    found = {
+        p.relative_to(directory).as_posix()
+        for p in directory.rglob("*")
+        if not p.is_dir() and not p.relative_to(directory).parts[0].startswith(_STAGING)
+    }
+    return found <= own
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap ``a`` and ``b`` in one atomic step (Linux renameat2 RENAME_EXCHANGE); False where it cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _remove_old_export(directory: Path, files: Sequence[str]) -> None:
+    """Remove the files a previous export listed, then its (now empty) directories; anything else stays."""
+    for name in [*files, MANIFEST]:
+        (directory / name).unlink(missing_ok=True)
+    for sub in sorted((p for p in directory.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        with contextlib.suppress(OSError):
+            sub.rmdir()
+    try:
+        directory.rmdir()
+    except OSError:
+        warnings.warn(
+            f"{directory} holds files the replaced export did not list; they were left there",
+            RuntimeWarning,
+            stacklevel=3,
         )
-        weight_map, total = {}, 0
-        for fname, shard in zip(names, shards, strict=True):
-            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-            for n, t in shard.items():
-                weight_map[n] = fname
-                total += t.numel() * t.element_size()
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        hf_config.torch_dtype = dtype
-        hf_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+
+
+def _install_files(
+    staging: Path,
+    path: Path,
+    previous: dict[str, Any] | None,
+    manifest: dict[str, Any],
+    stage: Callable[[str, str], None],
+) -> None:
+    """Move the export into ``path`` file by file, replacing only files a previous export wrote.
+
+    The manifest written first lists the old and the new files, so at every moment ``path`` is an export
+    whose manifest covers everything slidekit put there; the final one lists the new files only.
+    """
+    old = set(previous["files"]) if previous else set()
+    new = list(manifest["files"])
+    theirs = [f for f in [*new, MANIFEST] if f not in old and (f != MANIFEST or not previous)]
+    clash = [f for f in theirs if os.path.lexists(path / f)]
+    if clash:
+        raise ConfigError(
+            f"the export target {str(path)!r} holds {describe(clash)}, which slidekit did not write and the "
+            "export would replace; move them away, or export into a new or an empty directory"
+        )
+    path.mkdir(exist_ok=True)
+    pending = {**manifest, "files": sorted(old | set(new)), "status": "replacing"}
+    write_text_atomically(path / MANIFEST, json.dumps(pending, indent=1) + "\n")
+    for name in new:
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging / name, path / name)  # the staging directory is on the target's file system
+        stage("moved", name)
+    for name in sorted(old - set(new)):
+        (path / name).unlink(missing_ok=True)
+    write_text_atomically(path / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    _sync_dir(path)

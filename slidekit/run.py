@@ -1,21 +1,37 @@
-"""A run's directory: the effective configuration, the metrics, the checkpoints.
+"""A run's directory: one run, its configuration, metrics and checkpoints, and nothing slidekit did not write.
 
     RUN_DIR/
       config.json      the effective TrainConfig (written atomically when the run starts)
       metrics.jsonl    one JSON object per step: step, loss, tokens/s, grad norm, lane timings, ...
       checkpoints/     step-NNNNNNNN/ directories (slidekit.checkpoint), the newest ``keep`` of them
+      run.lock         the pid and host of the process running in it (flock-ed while it runs)
 
 A checkpoint holds the engine's masters and optimizer state (see
 ``slidekit.engine.snapshot``) and, in ``meta.json``, the step counters, the
 number of batches consumed from the configured data, and the configuration;
 resuming from it continues bitwise as if the run had never stopped.
 
-Test: ``pytest tests/test_resume.py``.
+Ownership (docs/runs.md): a run directory is new, empty, or holds a slidekit
+run (a ``config.json`` that is a slidekit configuration); anything else, a
+model directory for one, is refused before anything is written. A fresh run
+(no ``run.resume``) in a directory that holds a previous run's checkpoints or
+metrics is refused unless ``run.overwrite``, which removes exactly those.
+One process at a time: ``run.lock`` is held with ``fcntl.flock`` for the
+run's life, so a second run is refused with the first one's pid, and the OS
+drops the lock when its holder dies (a SIGKILL never leaves it stuck).
+
+Test: ``pytest tests/test_run_dir.py tests/test_resume.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
+import secrets
+import shutil
+import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,32 +40,81 @@ from slidekit import checkpoint as ck
 from slidekit.atomic import write_text_atomically
 from slidekit.engine import snapshot
 from slidekit.errors import ConfigError
+from slidekit.paths import describe, directory_path
 
 if TYPE_CHECKING:
     from slidekit.config import TrainConfig
     from slidekit.engine import Engine
 
-__all__ = ["RunDirectory"]
+__all__ = ["RUN_ENTRIES", "RUN_LOCK", "RunDirectory", "RunDirectoryBusy", "discard_run", "foreign_content"]
+
+RUN_LOCK = "run.lock"
+#: Everything slidekit writes in a run directory, and all it ever removes there.
+RUN_ENTRIES = ("config.json", "metrics.jsonl", "checkpoints", RUN_LOCK)
+_DISCARDED = ".discarded-"  # prefix of an entry renamed aside to be removed (a crash may leave one)
+_RUN_SECTIONS = {"model", "data", "optim", "engine", "run"}
+
+
+class RunDirectoryBusy(ConfigError):
+    """Another live process runs in this run directory; the message names its pid."""
 
 
 class RunDirectory:
-    """Owns RUN_DIR for one Trainer: configuration, metrics log and checkpoint writer."""
+    """Owns RUN_DIR for one Trainer: the lock, configuration, metrics log and checkpoint writer."""
 
     def __init__(self, config: TrainConfig, *, progress: Callable[[str, str], None] | None = None) -> None:
+        """Claim ``config.run.dir``: refused (ConfigError) when it holds anything but a slidekit run, when
+        another process runs in it (RunDirectoryBusy), or, for a fresh run, when it holds a previous run
+        and ``run.overwrite`` is not set."""
         rc = config.run
         assert rc.dir is not None
-        self.path = Path(rc.dir).expanduser()
+        self.path = directory_path(rc.dir, role="run directory", option="run.dir, CLI: --run-dir")
+        self.config = config
+        self.checkpoints = self.path / "checkpoints"
+        self.last_saved: int | None = None
+        self.last_path: Path | None = None  # the newest checkpoint known to be complete
+        self._handles: list[ck.SaveHandle] = []
+        self._metrics: Any = None
+        self.writer: ck.CheckpointWriter | None = None
+        self._refuse_foreign()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"cannot create the run directory {str(self.path)!r}: {exc}") from exc
-        self.config = config
-        self.checkpoints = self.path / "checkpoints"
-        write_text_atomically(self.path / "config.json", json.dumps(config.to_dict(), indent=1) + "\n")
-        self.writer = ck.CheckpointWriter(self.checkpoints, keep=rc.keep, progress=progress)
-        self._metrics = (self.path / "metrics.jsonl").open("a", encoding="utf-8")
-        self.last_saved: int | None = None
-        self._handles: list[ck.SaveHandle] = []
+        self._lock: int | None = _lock(self.path)
+        try:
+            _remove_discarded(self.path)
+            if not rc.resume:
+                self._start_fresh(rc.overwrite)
+            write_text_atomically(self.path / "config.json", json.dumps(config.to_dict(), indent=1) + "\n")
+            self.writer = ck.CheckpointWriter(self.checkpoints, keep=rc.keep, progress=progress)
+            self._metrics = (self.path / "metrics.jsonl").open("a", encoding="utf-8")
+        except BaseException:
+            self.close()
+            raise
+
+    def _refuse_foreign(self) -> None:
+        problem = foreign_content(self.path)
+        if problem:
+            raise ConfigError(
+                f"the run directory {str(self.path)!r} {problem}; a run directory holds one slidekit run "
+                "and nothing else, and slidekit would write its config.json, metrics.jsonl and checkpoints/ "
+                "there: give run.dir (CLI: --run-dir) a new or an empty directory"
+            )
+
+    def _start_fresh(self, overwrite: bool) -> None:
+        """A fresh run: refuse a directory holding a previous run, or (``overwrite``) remove that run."""
+        previous = _previous_run(self.path)
+        if previous is None:
+            return
+        if not overwrite:
+            raise ConfigError(
+                f"the run directory {str(self.path)!r} holds a previous run ({previous}), which a fresh run "
+                f"would delete: continue it with run.resume (CLI: --run-dir {self.path} --resume), start "
+                "this run in a new directory, or set run.overwrite (CLI: --overwrite) to discard the "
+                "previous run's checkpoints and metrics"
+            )
+        _remove_entries(self.path, ("checkpoints", "metrics.jsonl"))
 
     # ------------------------------------------------------------------ metrics
 
@@ -61,6 +126,8 @@ class RunDirectory:
 
     def save(self, engine: Engine, meta: Mapping[str, Any], *, deferred_updates: bool) -> ck.SaveHandle:
         """Checkpoint the engine after its updates; its next updates wait for their own tensors only."""
+        if self.writer is None:
+            raise RuntimeError(f"the run directory {self.path} is closed")
         engine.wait_updates()
         step = engine.steps_done
         handle = self.writer.save(
@@ -75,7 +142,7 @@ class RunDirectory:
         """Wait for every checkpoint requested so far; raise the first one's error if any failed."""
         handles, self._handles = self._handles, []
         for h in handles:
-            h.result()
+            self.last_path = h.result()
 
     def resume(self, engine: Engine) -> dict[str, Any]:
         """Load the newest complete checkpoint into the engine; return its metadata."""
@@ -96,7 +163,7 @@ class RunDirectory:
         snapshot.restore(engine, path)
         engine.steps_done = int(meta["step"])
         engine.updates_applied = int(meta["updates_applied"])
-        self.last_saved = engine.steps_done
+        self.last_saved, self.last_path = engine.steps_done, path
         self._drop_metrics_after(engine.steps_done)
         return meta
 
@@ -125,8 +192,145 @@ class RunDirectory:
         return {"model_type": spec.model_type, "layers": spec.num_layers, "params": spec.num_params}
 
     def close(self) -> None:
-        """Finish pending checkpoints, close the metrics file."""
+        """Finish pending checkpoints, close the metrics file, release the lock. Idempotent."""
+        writer, self.writer = self.writer, None
         try:
-            self.writer.close()
+            if writer is not None:
+                writer.close()
         finally:
-            self._metrics.close()
+            metrics, self._metrics = self._metrics, None
+            if metrics is not None:
+                metrics.close()
+            lock, self._lock = self._lock, None
+            if lock is not None:
+                os.close(lock)  # drops the flock
+
+
+# ---------------------------------------------------------------------- ownership
+
+
+def foreign_content(path: Path) -> str | None:
+    """Why ``path`` cannot be a run directory (it holds something other than a slidekit run), or None."""
+    if not path.is_dir():
+        return None
+    entries = [e for e in os.listdir(path) if e != RUN_LOCK]
+    if not entries:
+        return None
+    config = path / "config.json"
+    if _is_run_config(config):
+        return None
+    if config.exists():
+        return "holds a config.json that is not a slidekit run configuration (is it a model directory?)"
+    return f"is not empty ({describe(entries)}) and holds no slidekit run"
+
+
+def _is_run_config(path: Path) -> bool:
+    try:
+        if not path.is_file() or path.stat().st_size > 1 << 20:
+            return False
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(doc, dict) and set(doc) >= _RUN_SECTIONS and isinstance(doc["run"], dict)
+
+
+def _previous_run(path: Path) -> str | None:
+    """What a previous run left in ``path`` (checkpoints, logged steps), or None when it left nothing."""
+    found = []
+    if names := _checkpoint_entries(path):
+        found.append(f"checkpoints/: {describe(names, 3)}")
+    metrics = path / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        with metrics.open("rb") as f:
+            found.append(f"{sum(1 for _ in f)} logged step(s) in metrics.jsonl")
+    return "; ".join(found) or None
+
+
+def _checkpoint_entries(path: Path) -> list[str]:
+    checkpoints = path / "checkpoints"
+    return os.listdir(checkpoints) if checkpoints.is_dir() else []
+
+
+def _remove_entries(path: Path, names: tuple[str, ...]) -> None:
+    """Remove the run's own entries ``names``; a directory is renamed aside first, so a crash mid-way never
+    leaves a half-deleted checkpoints/ that a later run would read."""
+    for name in names:
+        entry = path / name
+        if entry.is_dir() and not entry.is_symlink():
+            aside = path / f"{_DISCARDED}{name}-{secrets.token_hex(4)}"
+            os.rename(entry, aside)
+            shutil.rmtree(aside)
+        elif entry.exists() or entry.is_symlink():
+            entry.unlink()
+
+
+def _remove_discarded(path: Path) -> None:
+    """Finish removals a crash interrupted (only entries this module renamed aside)."""
+    for entry in path.glob(f"{_DISCARDED}*"):
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def discard_run(path: str | os.PathLike[str], *, checkpoints: bool) -> bool:
+    """Remove the slidekit run in ``path``: its own entries, then the directory if nothing else is left.
+
+    Returns False, and removes nothing, when ``path`` holds something other than a slidekit run or (with
+    ``checkpoints=False``) when the run holds a checkpoint. RunDirectoryBusy while another
+    process runs in it.
+    """
+    path = Path(os.path.realpath(Path(path).expanduser()))
+    if not path.is_dir():
+        return True
+    if foreign_content(path):
+        return False
+    lock = _lock(path)
+    try:
+        if not checkpoints and _checkpoint_entries(path):
+            return False
+        # config.json late: a crash before it leaves a directory that is still recognisably a run
+        _remove_entries(path, ("checkpoints", "metrics.jsonl", "config.json", RUN_LOCK))
+        with contextlib.suppress(OSError):
+            path.rmdir()  # left in place when something else lives there
+    finally:
+        os.close(lock)
+    return True
+
+
+def _lock(path: Path) -> int:
+    """Take ``path/run.lock`` (flock, exclusive, never waiting) and write our pid in it; the descriptor."""
+    lock = path / RUN_LOCK
+    for _attempt in range(3):
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise ConfigError(f"cannot lock the run directory {str(path)!r}: {exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise RunDirectoryBusy(
+                f"the run directory {str(path)!r} is in use by another slidekit run ({holder}); two runs in "
+                "one directory would mix their checkpoints: wait for that run to end (or stop it), or give "
+                "this run another run.dir (CLI: --run-dir)"
+            ) from None
+        except OSError as exc:
+            os.close(fd)
+            raise ConfigError(f"cannot lock the run directory {str(path)!r}: {exc}") from exc
+        try:
+            current = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+            return fd
+        os.close(fd)  # the holder removed the directory's lock file as we took it: take the new one
+    raise RunDirectoryBusy(f"the run directory {str(path)!r} is being removed by another process")
+
+
+def _holder(fd: int) -> str:
+    words = os.pread(fd, 256, 0).decode(errors="replace").split()
+    if not words or not words[0].isdigit():
+        return "pid unknown"
+    return f"pid {words[0]}" + (f" on host {words[1]}" if len(words) > 1 else "")

@@ -42,7 +42,7 @@ from slidekit.engine import (
     Window,
 )
 from slidekit.errors import ConfigError, ModelLoadError
-from slidekit.export import export_model
+from slidekit.export import ExportError, check_dtype, check_target, export_guards, export_model
 from slidekit.interfaces import ParamGroupRange, StorageTier, TierContext
 from slidekit.models.base import UnitLayout
 from slidekit.models.loading import (
@@ -160,11 +160,17 @@ class Trainer:
         self._datasets: tuple[PackedDataset, PackedDataset | None] | None = None
         self._consumed = 0  # batches taken from the configured data (restored on resume)
         try:
-            self._engine = self._build_engine()
-            if config.run.dir:
+            if config.run.export_dir:  # a target the export would refuse is refused before any training
+                check_target(
+                    config.run.export_dir,
+                    overwrite=config.run.overwrite,
+                    guards=export_guards(config, self.model_dir),
+                )
+            if config.run.dir:  # claimed (locked) before the engine is built: a second run is refused at once
                 hook = self._fault_hook
                 on_stage = (lambda stage, _detail: hook(f"checkpoint:{stage}")) if hook else None
                 self.run = RunDirectory(config, progress=on_stage)
+            self._engine = self._build_engine()
             if config.run.resume:
                 assert self.run is not None
                 meta = self.run.resume(self._engine)
@@ -568,15 +574,56 @@ class Trainer:
             return None
 
     def export(self, out: str, *, dtype: str = "bfloat16", overwrite: bool = False) -> Path:
-        """Write the current weights as a Hugging Face model directory (see ``slidekit.export``)."""
-        return export_model(
-            out,
-            hf_config=copy.deepcopy(self.hf_config),
-            state=self.engine.master_state(),
-            tokenizer=self.tokenizer(),
-            dtype=dtype,
-            overwrite=overwrite,
-        )
+        """Write the current weights as a Hugging Face model directory (see ``slidekit.export``).
+
+        ``out`` must be new, empty, or a previous slidekit export, which is replaced only with
+        ``overwrite`` and then only the files its manifest lists; it may not be or contain the current
+        directory, the run directory, the source model or the data (ConfigError, before anything is
+        written there). With a run directory the current state is in a checkpoint before the export
+        starts, so an export that is refused or fails (ExportError) loses nothing: the error names the
+        checkpoint to resume from.
+        """
+        engine = self.engine
+        check_dtype(dtype)
+        saved: Path | None = None
+        if self.run is not None:
+            if self.run.last_saved != engine.steps_done:
+                self.checkpoint()
+            self.run.wait()
+            saved = self.run.last_path
+        if saved is not None and self.run is not None:
+            where = (
+                f"the trained weights are safe in the checkpoint {saved} (step {engine.steps_done}): fix the "
+                f"problem, then resume the run directory {self.run.path} to export them (CLI: --run-dir "
+                f"{self.run.path} --resume --export {out}; no step is trained again)"
+            )
+        else:
+            where = "the trained weights are still in this Trainer: fix the problem and call export() again"
+        guards = export_guards(self.config, self.model_dir)
+        hook = self._fault_hook
+        on_stage = (lambda stage, _detail: hook(f"export:{stage}")) if hook else None
+        try:
+            check_target(out, overwrite=overwrite, guards=guards)
+        except ConfigError as exc:
+            raise ConfigError(f"{exc}; {where}" if saved is not None else str(exc)) from None
+        try:
+            return export_model(
+                out,
+                hf_config=copy.deepcopy(self.hf_config),
+                state=engine.master_state(),
+                tokenizer=self.tokenizer(),
+                dtype=dtype,
+                overwrite=overwrite,
+                guards=guards,
+                info={
+                    "step": engine.steps_done,
+                    "steps": self.config.steps,
+                    "model": self.config.model.source,
+                },
+                progress=on_stage,
+            )
+        except Exception as exc:
+            raise ExportError(f"the export to {out} failed: {exc}; {where}") from exc
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Hugging Face name -> FP32 parameter (a copy), once every update has been applied."""

@@ -1,14 +1,25 @@
-"""The command line: option names are pinned, `plugins` lists drivers, `finetune` trains the demo."""
+"""The command line: option names are pinned, `plugins` lists drivers, `finetune` trains the demo, and
+`--export` never destroys: dangerous targets are refused before training, a partial run never replaces an
+export, and a failed export leaves a checkpoint to export from."""
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
-from slidekit.cli import build_parser, config_from_args, main
+from slidekit import Plugins
+from slidekit import checkpoint as ck
+from slidekit.cli import build_parser, config_from_args, finetune, main
+from slidekit.export import ExportError
+from slidekit.hookspecs import hookimpl
 
 PINNED_FINETUNE_OPTIONS = [
     "--config",
@@ -48,6 +59,7 @@ PINNED_FINETUNE_OPTIONS = [
     "--resume",
     "--export",
     "--export-dtype",
+    "--overwrite",
     "--trace",
     "--block",
     "--quiet",
@@ -167,3 +179,163 @@ def test_the_demo_with_no_arguments_learns_in_under_two_minutes():
     assert last < first - 1.0, line  # clearly lower: more than one nat
     assert "loss=" in proc.stderr and "tok_s=" in proc.stderr  # the progress bar
     assert elapsed < 120, f"the demo took {elapsed:.0f}s"
+
+
+# --------------------------------------------------------------------------- --export never destroys
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("cwd", "is the current directory"),
+        ("run dir", "is the run directory"),
+        ("parent of run dir", "contains the run directory"),
+        ("model dir", "is the source model"),
+        ("contains the data", "contains the data file"),
+        ("a file", "is a file, not a directory"),
+        ("below a file", "cannot be created: .* is a file, not a directory"),
+    ],
+)
+def test_a_dangerous_export_target_is_refused_before_training(
+    tiny_model, tmp_path, monkeypatch, capsys, case, message
+):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model("llama"), model)
+    data = tmp_path / "data" / "train.jsonl"
+    data.parent.mkdir()
+    data.write_text("\n".join('{"text": "the cat sat on the mat"}' for _ in range(20)))
+    runs = tmp_path / "runs"
+    (runs / "a").mkdir(parents=True)
+    (runs / "a" / "keep.txt").write_text("a run dir the user made, with a note")  # refused as a run dir too
+    (tmp_path / "file").write_text("x")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "notes.txt").write_text("mine")
+    monkeypatch.chdir(work)
+    target = {
+        "cwd": work,
+        "run dir": runs / "a",
+        "parent of run dir": runs,
+        "model dir": model,
+        "contains the data": data.parent,
+        "a file": tmp_path / "file",
+        "below a file": tmp_path / "file" / "out",
+    }[case]
+    before = _tree(tmp_path)
+    argv = ["finetune", "--model", str(model), "--data", str(data), "--seq-len", "8", "--device", "cpu"]
+    argv += ["--run-dir", str(runs / "a"), "--export", str(target), "--steps", "2", "--quiet", "--overwrite"]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert "slidekit: error: the export target" in err and re.search(message, err), err
+    assert "model:" not in out  # refused before the engine was built, let alone trained
+    assert _tree(tmp_path) == before
+
+
+def test_a_bad_export_dtype_is_refused_before_training(capsys, tmp_path):
+    assert main(["finetune", "--export", str(tmp_path / "out"), "--export-dtype", "int8", "--quiet"]) == 2
+    out, err = capsys.readouterr()
+    assert "run.export_dtype (CLI: --export-dtype) must be one of" in err and "'int8'" in err
+    assert "model:" not in out and os.listdir(tmp_path) == []
+
+
+class Interrupter:
+    """Sends ``sig`` to this process at the end of step ``after`` (as a scheduler's SIGTERM would)."""
+
+    def __init__(self, after: int, sig: int = signal.SIGTERM) -> None:
+        self.after, self.sig = after, sig
+
+    @hookimpl
+    def slidekit_step_end(self, step):
+        if step == self.after:
+            os.kill(os.getpid(), self.sig)
+
+
+DEMO = ["--seq-len", "32", "--batch-size", "2", "--lr", "1e-3", "--device", "cpu", "--quiet"]
+
+
+def _config(*flags: str):
+    return config_from_args(build_parser().parse_args(["finetune", *DEMO, *flags]))
+
+
+def _weights(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(directory / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The export of an uninterrupted 6-step run (no --run-dir)."""
+    out = tmp_path_factory.mktemp("reference") / "out"
+    assert finetune(_config("--steps", "6", "--export", str(out))) == 0
+    assert os.listdir(out.parent) == ["out"]  # the checkpoint kept until the export was written is gone
+    return out
+
+
+def test_a_run_stopped_by_sigterm_never_replaces_a_good_export(tmp_path, capsys):
+    good = tmp_path / "model"
+    assert finetune(_config("--steps", "2", "--run-dir", str(tmp_path / "a"), "--export", str(good))) == 0
+    before = _tree(good)
+    capsys.readouterr()
+    stop = Plugins(extra=[("term", Interrupter(4))])
+    cfg = _config("--steps", "40", "--run-dir", str(tmp_path / "b"), "--export", str(good), "--overwrite")
+    assert finetune(cfg, plugins=stop) == 128 + signal.SIGTERM
+    assert _tree(good) == before  # the partial model did not replace the good export
+    err = capsys.readouterr().err
+    assert "not exported: the run stopped by SIGTERM after step 4 of 40" in err
+    assert f"continue with the same command and --run-dir {tmp_path / 'b'} --resume" in err
+    latest = ck.latest(tmp_path / "b" / "checkpoints")
+    assert latest is not None and latest.name == "step-00000004"
+
+
+def test_a_stopped_run_without_a_run_dir_keeps_its_checkpoint_and_resumes_to_the_export(
+    tmp_path, capsys, reference
+):
+    out, rescue = tmp_path / "out", tmp_path / "out.slidekit-run"
+    assert finetune(
+        _config("--steps", "6", "--export", str(out)), plugins=Plugins(extra=[("t", Interrupter(3))])
+    ) == (128 + signal.SIGTERM)
+    assert not out.exists()
+    err = capsys.readouterr().err
+    assert f"and --run-dir {rescue} --resume" in err
+    latest = ck.latest(rescue / "checkpoints")
+    assert latest is not None and latest.name == "step-00000003"
+    assert (
+        main(["finetune", *DEMO, "--steps", "6", "--run-dir", str(rescue), "--resume", "--export", str(out)])
+        == 0
+    )
+    for name, t in _weights(reference).items():
+        assert torch.equal(_weights(out)[name], t), name  # bitwise the uninterrupted run's model
+
+
+def test_an_export_failing_after_training_leaves_a_checkpoint_and_says_where(tmp_path, capsys, reference):
+    out, rescue = tmp_path / "out", tmp_path / "out.slidekit-run"
+
+    def disk_full_at_export(lane: str) -> None:
+        if lane == "export:install":
+            raise OSError(28, "No space left on device (injected)")
+
+    with pytest.raises(ExportError) as failed:
+        finetune(_config("--steps", "6", "--export", str(out)), fault_hook=disk_full_at_export)
+    message = str(failed.value)
+    assert "No space left on device (injected)" in message
+    latest = ck.latest(rescue / "checkpoints")
+    assert latest is not None and latest.name == "step-00000006"
+    assert f"safe in the checkpoint {latest} (step 6)" in message
+    assert f"--run-dir {rescue} --resume --export {out}" in message
+    assert "exporting to" in capsys.readouterr().out  # said where the weights were before exporting
+    assert sorted(os.listdir(tmp_path)) == ["out.slidekit-run"]  # no half-written export, no staging left
+    # Following the message: the export is written, nothing is trained again, the model is the run's.
+    assert (
+        main(["finetune", *DEMO, "--steps", "6", "--run-dir", str(rescue), "--resume", "--export", str(out)])
+        == 0
+    )
+    assert "nothing left to do" in capsys.readouterr().out
+    for name, t in _weights(reference).items():
+        assert torch.equal(_weights(out)[name], t), name
