@@ -1,6 +1,7 @@
-"""The command line: ``slidekit plugins``, ``finetune``, ``plan`` and ``report``.
+"""The command line: ``slidekit plugins``, ``build``, ``finetune``, ``plan`` and ``report``.
 
     slidekit plugins                 # every driver, available or not, and why
+    slidekit build                   # compile the fused CPU optimizer kernels now, not on first use
     slidekit finetune                # fine-tune the embedded demo model on the sample corpus
     slidekit finetune --model DIR --data FILE.jsonl --steps 500 --lr 2e-5
     slidekit finetune --config run.toml --lr 1e-5       # a TOML file, with flags taking precedence
@@ -96,6 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--block", action="append", default=[], metavar="NAME", help="plugin to leave out (repeatable)"
     )
 
+    k = sub.add_parser(
+        "build",
+        help="compile ahead of time what drivers build on first use (the fused CPU optimizer kernels)",
+    )
+    k.add_argument(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        help="drivers to prepare (default: every one with something to build)",
+    )
+    k.add_argument(
+        "--block", action="append", default=[], metavar="NAME", help="plugin to leave out (repeatable)"
+    )
+
     f = sub.add_parser("finetune", help="fine-tune a model (default: the embedded demo model and corpus)")
     _add_run_options(f)
     f.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -173,10 +188,36 @@ def _plugins(args: argparse.Namespace) -> int:
         table.append(
             (r["family"], r["name"], r["plugin"], status, str(r["priority"]), r["devices"], r["reason"])
         )
-    widths = [max(len(row[i]) for row in table) for i in range(len(header) - 1)]
+    _print_table(table)
+    return 0
+
+
+def _print_table(table: Sequence[Sequence[str]]) -> None:
+    """Rows in aligned columns; the last column, free text, is not padded."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
     for row in table:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) + "  " + row[-1])
-    return 0
+
+
+def _build(args: argparse.Namespace) -> int:
+    """Prepare the drivers; exit status 1 when any requested preparation fails."""
+    from slidekit.plugins import Plugins
+    from slidekit.prepare import STATUSES, prepare_drivers
+
+    outcomes = prepare_drivers(Plugins(block=args.block), args.names)
+    if not outcomes:
+        print("nothing to build: no installed driver compiles anything ahead of time")
+        return 0
+    table = [("FAMILY", "NAME", "STATUS", "SECONDS", "WHERE / WHY")]
+    for o in outcomes:
+        where = f"{o.location} ({o.detail})" if o.location and o.detail else o.location or o.detail
+        table.append((o.family, o.name, o.status, f"{o.seconds:.1f}", where))
+    _print_table(table)
+    print(", ".join(f"{status} {sum(o.status == status for o in outcomes)}" for status in STATUSES))
+    failed = [o for o in outcomes if o.failed]
+    for o in failed:
+        print(f"slidekit: error: building {o.family} {o.name!r} failed: {o.detail}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -328,6 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "plugins":
             return _plugins(args)
+        if args.command == "build":
+            return _build(args)
         if args.command == "report":
             return _report(args)
         if args.command == "plan":

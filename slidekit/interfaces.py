@@ -34,6 +34,7 @@ __all__ = [
     "OptimizerDescriptor",
     "OptimizerHyper",
     "ParamGroupRange",
+    "Prepared",
     "StorageTier",
     "TierContext",
     "TierDescriptor",
@@ -54,6 +55,22 @@ def always_available() -> Availability:
 # --------------------------------------------------------------------------- descriptors
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Prepared:
+    """What a driver's ``prepare()`` did; ``slidekit build`` reports it.
+
+    Fields:
+        built: True when the work was done now (e.g. a kernel compiled); False
+            when an up-to-date result was there already.
+        location: where the result lives (a file or directory), "" if nowhere in particular.
+        detail: one line saying what it is, e.g. "fused C++ kernel from fused_adam.cpp for AVX512".
+    """
+
+    built: bool
+    location: str = ""
+    detail: str = ""
+
+
 #: Where a storage tier keeps its bytes (``TierDescriptor.medium``).
 TIER_MEDIA = ("device", "host", "disk")
 
@@ -69,6 +86,10 @@ class DriverDescriptor:
         priority: automatic selection takes the available driver with the highest priority.
         devices: device types the driver serves ("cpu", "cuda", "rocm").
         description: one line for ``slidekit plugins``.
+        prepare: optional ahead-of-time work the driver would otherwise do on
+            first use, such as compiling a kernel, so that no run waits for it:
+            ``prepare() -> Prepared``, raising with the reason when it cannot.
+            ``slidekit build`` calls it; None: nothing to prepare.
     """
 
     name: str
@@ -77,12 +98,18 @@ class DriverDescriptor:
     priority: int = 0
     devices: tuple[str, ...] = ("cpu", "cuda", "rocm")
     description: str = ""
+    prepare: Callable[[], Prepared] | None = None
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"driver name {self.name!r} is not valid: use letters, digits, '_' and '-' only")
         if not callable(self.factory):
             raise TypeError(f"driver {self.name!r}: factory must be callable, got {self.factory!r}")
+        if self.prepare is not None and not callable(self.prepare):
+            raise TypeError(
+                f"driver {self.name!r}: prepare must be callable (returning Prepared) or None, "
+                f"got {self.prepare!r}"
+            )
         unknown = set(self.devices) - {"cpu", "cuda", "rocm"}
         if unknown:
             raise ValueError(

@@ -81,6 +81,10 @@ def test_finetune_options_are_pinned():
     assert _options("finetune") == PINNED_FINETUNE_OPTIONS
 
 
+def test_build_options_are_pinned():
+    assert _options("build") == ["--block"]
+
+
 def test_options_map_onto_the_config():
     args = build_parser().parse_args(
         [
@@ -129,6 +133,39 @@ def test_plugins_lists_every_driver(capsys):
     for name in ("ram", "layer_adam", "torch_ref", "llama", "qwen2", "qwen3", "mistral"):
         assert name in out
     assert "available" in out
+
+
+@pytest.mark.slow
+def test_build_compiles_the_optimizer_kernels_and_reports():
+    """`slidekit build` in the shared extensions cache (the kernel tests build the same kernels there)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "slidekit.cli", "build"], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    header, *rows, _ = (re.split(r"\s{2,}", ln.strip()) for ln in lines)
+    assert header == ["FAMILY", "NAME", "STATUS", "SECONDS", "WHERE / WHY"]
+    by_name = {row[1]: row for row in rows}
+    assert set(by_name) == {"layer_adam", "adamw_8bit"}, proc.stdout
+    for name, source in (("layer_adam", "fused_adam.cpp"), ("adamw_8bit", "adamw8.cpp")):
+        family, _, status, seconds, where = by_name[name]
+        library, detail = where.split(" (", 1)
+        assert family == "optimizer" and status in ("built", "up to date"), by_name[name]
+        assert float(seconds) >= 0 and library.endswith(".so") and Path(library).is_file(), by_name[name]
+        assert detail.startswith(f"fused C++ kernel from {source} for "), by_name[name]
+    assert lines[-1].endswith("skipped 0, failed 0")
+
+
+def test_build_without_a_compiler_fails_with_the_reason(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert main(["build", "adamw_8bit"]) == 1
+    captured = capsys.readouterr()
+    row = next(ln for ln in captured.out.splitlines() if "adamw_8bit" in ln)
+    assert row.split()[:3] == ["optimizer", "adamw_8bit", "failed"] and "no C++ compiler" in row
+    assert captured.out.splitlines()[-1] == "built 0, up to date 0, skipped 0, failed 1"
+    assert "slidekit: error: building optimizer 'adamw_8bit' failed: no C++ compiler" in captured.err
+    assert main(["build", "adamw_9bit"]) == 2
+    assert "no driver is named 'adamw_9bit'" in capsys.readouterr().err
 
 
 def test_bad_input_is_one_clear_line(capsys, tmp_path):

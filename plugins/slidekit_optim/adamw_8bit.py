@@ -24,7 +24,8 @@ hands the first step) has every scale 0 and so decodes to zero moments.
 Two implementations, chosen by ``AdamW8bit(hyper, impl=...)`` exactly as in
 ``layer_adam`` (same build machinery, same cache, same switch):
 
-* ``"cpp"``: the fused kernel in ``csrc/adamw8.cpp``. One pass, block by
+* ``"cpp"``: the fused kernel in ``csrc/adamw8.cpp`` (built by
+  ``kernel_build``, or ahead of time by ``slidekit build``). One pass, block by
   block, on torch's intra-op threads (``at::parallel_for``; at most
   ``OptimizerHyper.threads`` of them take part, nothing global changes), the
   GIL released: decode both moments into a 1 KiB stack buffer each, update,
@@ -67,6 +68,7 @@ Speed: ``python benchmarks/optimizer_rate.py --numel 20000000``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,16 +79,8 @@ from torch import Tensor
 
 from slidekit.hookspecs import hookimpl
 from slidekit.interfaces import Availability, OptimizerDescriptor, OptimizerHyper, ParamGroupRange
-from slidekit_optim.layer_adam import (
-    _IMPLS,
-    Impl,
-    _scalars,
-    _Segment,
-    _segments,
-    _StepScalars,
-    kernel_status,
-    load_or_fallback,
-)
+from slidekit_optim.kernel_build import CSRC, kernel_status, load_or_fallback, prepare_kernel
+from slidekit_optim.layer_adam import _IMPLS, Impl, _scalars, _Segment, _segments, _StepScalars
 from slidekit_optim.quant8 import (
     BLOCK_SIZE,
     QuantMap,
@@ -100,7 +94,7 @@ __all__ = ["DEFAULT_CHUNK", "KERNEL_SOURCE", "AdamW8bit"]
 
 
 #: The fused kernel's source; ``AdamW8bit(kernel_source=...)`` builds another one instead.
-KERNEL_SOURCE = Path(__file__).resolve().parent / "csrc" / "adamw8.cpp"
+KERNEL_SOURCE = CSRC / "adamw8.cpp"
 
 #: Elements per chunk of the torch path: 4 MiB per FP32 scratch buffer. A multiple of the block size.
 DEFAULT_CHUNK = 1 << 20
@@ -337,4 +331,5 @@ def slidekit_optimizers() -> Iterator[OptimizerDescriptor]:
         devices=("cpu", "cuda", "rocm"),
         description="AdamW with block-wise 8-bit moments (~2 bytes/param), updated per unit on the CPU "
         "(fused C++ kernel or pure torch)",
+        prepare=functools.partial(prepare_kernel, KERNEL_SOURCE),  # slidekit build
     )

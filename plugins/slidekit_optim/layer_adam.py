@@ -22,7 +22,11 @@ Two implementations, chosen by ``LayerAdam(hyper, impl=...)``:
   compiled on first use (the first ``LayerAdam`` made in a process, when no
   cached build exists) with ``torch.utils.cpp_extension`` (a C++ compiler and
   ninja are needed) for the CPU capability torch dispatches to, and cached in
-  the torch extensions directory (``TORCH_EXTENSIONS_DIR`` moves it).
+  the torch extensions directory (``TORCH_EXTENSIONS_DIR`` moves it), or ahead
+  of time by ``slidekit build``. ``kernel_build`` does the building: a build
+  killed halfway is taken over by the next one, and a wait for another
+  process's build gives up after ``SLIDEKIT_BUILD_TIMEOUT`` seconds (300),
+  which counts as a failed build.
 * ``"torch"``: the same sequence of operations as torch ops, over chunks of
   2^19 elements, so that its temporaries stay a few MB (cache-resident).
 * ``"auto"`` (default): ``cpp``, or ``torch`` with one logged warning saying
@@ -61,12 +65,7 @@ Speed: ``python benchmarks/optimizer_rate.py --numel 20000000``.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import os
-import shutil
-import sys
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +76,14 @@ import torch
 
 from slidekit.hookspecs import hookimpl
 from slidekit.interfaces import Availability, OptimizerDescriptor, OptimizerHyper, ParamGroupRange
+from slidekit_optim.kernel_build import (
+    KERNEL_SOURCE,
+    KernelUnavailable,
+    kernel_status,
+    load_kernel,
+    load_or_fallback,
+    prepare_kernel,
+)
 
 __all__ = [
     "KERNEL_SOURCE",
@@ -93,186 +100,10 @@ log = logging.getLogger(__name__)
 Impl = Literal["auto", "cpp", "torch"]
 _IMPLS: tuple[str, ...] = ("auto", "cpp", "torch")
 
-#: The fused kernel's source; ``LayerAdam(kernel_source=...)`` builds another one instead.
-KERNEL_SOURCE = Path(__file__).resolve().parent / "csrc" / "fused_adam.cpp"
-
 #: Elements per chunk of the torch path: its temporaries stay a few MB (cache-resident) on the CPU;
 #: on a GPU larger chunks keep the number of kernel launches down.
 _TORCH_CHUNK = 1 << 19
 _DEVICE_CHUNK = 1 << 24
-
-# -ffp-contract=off: no multiply and add are ever fused, so the vector loop and its scalar remainder
-# round alike. -fno-math-errno lets sqrt vectorize; -fno-trapping-math lets GCC if-convert. Neither
-# changes a result. -fopenmp makes ATen's header-only parallel_for parallel; nothing links an OpenMP
-# runtime, so its calls bind to the one torch loaded (torch's pool and thread count).
-_CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
-# Vector instruction sets per torch CPU capability (those ATen's own kernels for it assume).
-_ISA_FLAGS = {
-    "AVX2": ("-mavx2",),
-    "AVX512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
-}
-_BUILD_SECONDS = 30  # one translation unit, about this long on one core of a recent x86 CPU
-
-
-class KernelUnavailable(RuntimeError):
-    """The fused C++ kernel cannot be built or loaded here; the message says why."""
-
-
-# --------------------------------------------------------------------------- building the kernel
-
-
-@dataclass(frozen=True, slots=True)
-class _BuildSpec:
-    """Where and how one kernel source is built: one directory per source, flags and torch build."""
-
-    source: Path
-    name: str
-    directory: Path
-    flags: tuple[str, ...]
-
-    @property
-    def library(self) -> Path:
-        return self.directory / f"{self.name}{'.pyd' if sys.platform == 'win32' else '.so'}"
-
-
-def _cpu_capability() -> str:
-    return str(torch.backends.cpu.get_cpu_capability())
-
-
-def _missing_tool() -> str | None:
-    """Why the kernel cannot be compiled here (no compiler, no ninja), or None."""
-    from torch.utils import cpp_extension
-
-    cxx = os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension compiles with
-    if shutil.which(cxx) is None:
-        return f"no C++ compiler: {cxx!r} not found; install g++ or set CXX"
-    if not cpp_extension.is_ninja_available():
-        return "ninja not found; pip install ninja"
-    return None
-
-
-def _build_spec(source: Path) -> _BuildSpec:
-    try:  # the source and the headers beside it (it includes them by path): a change to either rebuilds
-        text = b"\0".join(f.read_bytes() for f in [source, *sorted(source.parent.glob("*.h"))])
-    except OSError as e:
-        raise KernelUnavailable(f"cannot read the kernel source {source}: {e}") from e
-    cap = _cpu_capability()
-    flags = _CFLAGS + _ISA_FLAGS.get(cap, ())
-    key = b"\0".join([text, " ".join(flags).encode(), torch.__version__.encode(), sys.version.encode()])
-    name = f"slidekit_fused_adam_{cap.lower()}_{hashlib.sha256(key).hexdigest()[:12]}"
-    from torch.utils import cpp_extension
-
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    return _BuildSpec(source=source, name=name, directory=Path(root) / "slidekit" / name, flags=flags)
-
-
-def _error_summary(err: BaseException) -> str:
-    """The first compiler error line of a failed build (torch puts the whole log in the message)."""
-    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "error" in ln.lower() and not ln.startswith("FAILED")]
-    picked = errors[1] if len(errors) > 1 and errors[0].startswith("Error building") else None
-    text = picked or (errors[0] if errors else (lines[-1] if lines else type(err).__name__))
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-def _build(source: Path) -> ModuleType | str:
-    """Build (or load the cached build of) ``source``; the module, or why it failed."""
-    missing = _missing_tool()
-    if missing:
-        return missing
-    try:
-        spec = _build_spec(source)
-    except KernelUnavailable as e:
-        return str(e)
-    from torch.utils import cpp_extension
-
-    if not spec.library.exists():
-        print(
-            f"slidekit: building the fused CPU Adam kernel (first use, takes ~{_BUILD_SECONDS} s)...",
-            file=sys.stderr,
-            flush=True,
-        )
-    try:
-        spec.directory.mkdir(parents=True, exist_ok=True)
-        return cpp_extension.load(
-            name=spec.name,
-            sources=[str(source)],
-            extra_cflags=list(spec.flags),
-            build_directory=str(spec.directory),
-            verbose=False,
-        )
-    except Exception as e:  # a compiler error, a failed import, an unwritable cache: all mean "not here"
-        return f"building {source.name} failed: {_error_summary(e)}"
-
-
-_KERNELS: dict[Path, ModuleType | str] = {}  # per source: the module, or why it cannot be built
-_FELL_BACK: set[Path] = set()  # sources whose fallback to pure torch has been logged
-_KERNELS_LOCK = threading.Lock()
-
-
-def load_kernel(source: Path = KERNEL_SOURCE) -> ModuleType:
-    """The fused kernel built from ``source``: built once per process (and cached on disk).
-
-    Raises ``KernelUnavailable`` with the reason when it cannot be built; the
-    reason is remembered, so a failed build is tried once per process.
-    """
-    key = Path(source).resolve()
-    with _KERNELS_LOCK:
-        kernel = _KERNELS.get(key)
-        if kernel is None:
-            kernel = _KERNELS[key] = _build(key)
-    if isinstance(kernel, str):
-        raise KernelUnavailable(kernel)
-    return kernel
-
-
-def _log_fallback_once(source: Path, reason: str, owner: str = "layer_adam") -> None:
-    key = Path(source).resolve()
-    with _KERNELS_LOCK:
-        if key in _FELL_BACK:
-            return
-        _FELL_BACK.add(key)
-    log.warning("slidekit: %s runs on pure torch ops, the fused CPU kernel is unavailable: %s", owner, reason)
-
-
-def load_or_fallback(source: Path, requested: str, owner: str) -> ModuleType | None:
-    """The fused kernel built from ``source``, or None where the torch path must serve.
-
-    ``requested`` is the optimizer's ``impl``: "torch" never builds; "cpp"
-    raises ``KernelUnavailable`` (naming ``owner``) when the kernel cannot be
-    built; "auto" falls back to torch with one logged warning per source.
-    """
-    if requested == "torch":
-        return None
-    try:
-        return load_kernel(source)
-    except KernelUnavailable as e:
-        if requested == "cpp":
-            raise KernelUnavailable(
-                f"{owner}: impl='cpp' but the fused kernel is unavailable: {e}. "
-                "Use impl='auto' (falls back to pure torch) or impl='torch'."
-            ) from e
-        _log_fallback_once(source, str(e), owner)
-        return None
-
-
-def kernel_status(source: Path = KERNEL_SOURCE) -> str:
-    """Which path ``impl="auto"`` takes, and why, without compiling anything."""
-    key = Path(source).resolve()
-    with _KERNELS_LOCK:
-        kernel = _KERNELS.get(key)
-    if isinstance(kernel, ModuleType):
-        return "fused C++ kernel (loaded)"
-    if isinstance(kernel, str):
-        return f"pure torch ({kernel})"
-    missing = _missing_tool()
-    if missing:
-        return f"pure torch ({missing})"
-    try:
-        spec = _build_spec(key)
-    except KernelUnavailable as e:
-        return f"pure torch ({e})"
-    return "fused C++ kernel (" + ("built" if spec.library.exists() else "built on first use") + ")"
 
 
 # --------------------------------------------------------------------------- the update
@@ -501,4 +332,5 @@ def slidekit_optimizers() -> Iterator[OptimizerDescriptor]:
         priority=100,
         devices=("cpu", "cuda", "rocm"),
         description="AdamW with FP32 moments, updated per unit on the CPU (fused C++ kernel or pure torch)",
+        prepare=prepare_kernel,  # slidekit build: compile the fused kernel ahead of time
     )

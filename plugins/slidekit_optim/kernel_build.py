@@ -1,0 +1,269 @@
+"""Building the fused CPU optimizer kernels (``csrc/*.cpp``): once per source, cached on disk, never hanging.
+
+``layer_adam`` and ``adamw_8bit`` each have a C++ kernel, compiled on first use
+with ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are needed)
+for the CPU capability torch dispatches to (AVX2, AVX512 flags), and cached in
+the torch extensions directory (``TORCH_EXTENSIONS_DIR`` moves it) under
+``slidekit/<name>``, where the name hashes the source, the headers beside it,
+the flags, torch's and Python's versions: a change to any of them builds anew.
+A process builds or loads each source at most once (``load_kernel``); a failed
+build is remembered with its reason and not retried in that process.
+
+Every build runs under ``build_lock.exclusive_build``: an OS file lock beside
+the build directory that dies with its holder. A build killed halfway (which
+leaves torch's own ``lock`` file behind, on which every later torch build of
+that directory would wait forever) is taken over: the stale file is removed
+and the kernel built again. While another live process builds the same
+kernel, the caller says so on stderr (the lock, the holder's pid) and waits
+at most ``SLIDEKIT_BUILD_TIMEOUT`` seconds (default 300), then gives up with
+an error naming the lock and the fix. A failed or abandoned build behaves as
+any unavailable kernel: ``impl="auto"`` runs the pure-torch path with one
+logged warning giving the reason, ``impl="cpp"`` raises ``KernelUnavailable``.
+
+``slidekit build`` compiles every kernel ahead of time through each
+optimizer descriptor's ``prepare`` (``prepare_kernel`` here), so no run ever
+waits for a compiler.
+
+Test: ``pytest tests/plugins/test_build_lock.py tests/plugins/test_kernel_build.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from slidekit.interfaces import Prepared
+from slidekit_optim.build_lock import BuildLockTimeout, build_timeout, exclusive_build
+
+__all__ = [
+    "CSRC",
+    "KERNEL_SOURCE",
+    "KernelUnavailable",
+    "kernel_status",
+    "load_kernel",
+    "load_or_fallback",
+    "prepare_kernel",
+]
+
+#: The directory of the bundled kernel sources.
+CSRC = Path(__file__).resolve().parent / "csrc"
+#: ``layer_adam``'s kernel, what ``load_kernel()`` builds without an argument.
+KERNEL_SOURCE = CSRC / "fused_adam.cpp"
+
+# -ffp-contract=off: no multiply and add are ever fused, so the vector loop and its scalar remainder
+# round alike. -fno-math-errno lets sqrt vectorize; -fno-trapping-math lets GCC if-convert. Neither
+# changes a result. -fopenmp makes ATen's header-only parallel_for parallel; nothing links an OpenMP
+# runtime, so its calls bind to the one torch loaded (torch's pool and thread count).
+_CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fopenmp")
+# Vector instruction sets per torch CPU capability (those ATen's own kernels for it assume).
+_ISA_FLAGS = {
+    "AVX2": ("-mavx2",),
+    "AVX512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"),
+}
+_BUILD_SECONDS = 30  # one translation unit, about this long on one core of a recent x86 CPU
+
+
+class KernelUnavailable(RuntimeError):
+    """The fused C++ kernel cannot be built or loaded here; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class _BuildSpec:
+    """Where and how one kernel source is built: one directory per source, flags and torch build."""
+
+    source: Path
+    name: str
+    directory: Path
+    flags: tuple[str, ...]
+    capability: str
+
+    @property
+    def library(self) -> Path:
+        return self.directory / f"{self.name}{'.pyd' if sys.platform == 'win32' else '.so'}"
+
+
+def _cpu_capability() -> str:
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
+def _missing_tool() -> str | None:
+    """Why the kernel cannot be compiled here (no compiler, no ninja), or None."""
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension compiles with
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler: {cxx!r} not found; install g++ or set CXX"
+    if not cpp_extension.is_ninja_available():
+        return "ninja not found; pip install ninja"
+    return None
+
+
+def _build_spec(source: Path) -> _BuildSpec:
+    try:  # the source and the headers beside it (it includes them by path): a change to either rebuilds
+        text = b"\0".join(f.read_bytes() for f in [source, *sorted(source.parent.glob("*.h"))])
+    except OSError as e:
+        raise KernelUnavailable(f"cannot read the kernel source {source}: {e}") from e
+    cap = _cpu_capability()
+    flags = _CFLAGS + _ISA_FLAGS.get(cap, ())
+    key = b"\0".join([text, " ".join(flags).encode(), torch.__version__.encode(), sys.version.encode()])
+    name = f"slidekit_fused_adam_{cap.lower()}_{hashlib.sha256(key).hexdigest()[:12]}"
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    directory = Path(root) / "slidekit" / name
+    return _BuildSpec(source=source, name=name, directory=directory, flags=flags, capability=cap)
+
+
+def _error_summary(err: BaseException) -> str:
+    """The first compiler error line of a failed build (torch puts the whole log in the message)."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower() and not ln.startswith("FAILED")]
+    picked = errors[1] if len(errors) > 1 and errors[0].startswith("Error building") else None
+    text = picked or (errors[0] if errors else (lines[-1] if lines else type(err).__name__))
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _build(source: Path, timeout: float) -> ModuleType | str:
+    """Build (or load the cached build of) ``source`` under the build lock; the module, or why not."""
+    missing = _missing_tool()
+    if missing:
+        return missing
+    try:
+        spec = _build_spec(source)
+    except KernelUnavailable as e:
+        return str(e)
+    from torch.utils import cpp_extension
+
+    what = f"the fused CPU kernel {spec.name} ({source.name})"
+    try:
+        with exclusive_build(spec.directory, what=what, timeout=timeout):
+            if not spec.library.exists():
+                print(
+                    f"slidekit: building the fused CPU Adam kernel (first use, takes ~{_BUILD_SECONDS} s) "
+                    f"in {spec.directory}...",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return cpp_extension.load(
+                name=spec.name,
+                sources=[str(source)],
+                extra_cflags=list(spec.flags),
+                build_directory=str(spec.directory),
+                verbose=False,
+            )
+    except BuildLockTimeout as e:  # its message names the lock, the holder and the fix
+        return str(e)
+    except Exception as e:  # a compiler error, a failed import, an unwritable cache: all mean "not here"
+        return f"building {source.name} failed: {_error_summary(e)}"
+
+
+_KERNELS: dict[Path, ModuleType | str] = {}  # per source: the module, or why it cannot be built
+_FELL_BACK: set[Path] = set()  # sources whose fallback to pure torch has been logged
+_KERNELS_LOCK = threading.Lock()
+
+
+def load_kernel(source: Path | str = KERNEL_SOURCE, *, timeout: float | None = None) -> ModuleType:
+    """The fused kernel built from ``source``: built once per process (and cached on disk).
+
+    ``timeout``: seconds to wait for another process building the same kernel
+    (None: ``SLIDEKIT_BUILD_TIMEOUT``, default 300). Raises ``KernelUnavailable``
+    with the reason when it cannot be built; the reason is remembered, so a
+    failed build is tried once per process. ``ValueError`` for a malformed
+    ``SLIDEKIT_BUILD_TIMEOUT``.
+    """
+    key = Path(source).resolve()
+    limit = build_timeout() if timeout is None else timeout
+    with _KERNELS_LOCK:
+        kernel = _KERNELS.get(key)
+        if kernel is None:
+            kernel = _KERNELS[key] = _build(key, limit)
+    if isinstance(kernel, str):
+        raise KernelUnavailable(kernel)
+    return kernel
+
+
+def _log_fallback_once(source: Path, reason: str, owner: str) -> None:
+    key = Path(source).resolve()
+    with _KERNELS_LOCK:
+        if key in _FELL_BACK:
+            return
+        _FELL_BACK.add(key)
+    logging.getLogger(f"slidekit_optim.{owner}").warning(
+        "slidekit: %s runs on pure torch ops, the fused CPU kernel is unavailable: %s", owner, reason
+    )
+
+
+def load_or_fallback(source: Path, requested: str, owner: str) -> ModuleType | None:
+    """The fused kernel built from ``source``, or None where the torch path must serve.
+
+    ``requested`` is the optimizer's ``impl``: "torch" never builds; "cpp"
+    raises ``KernelUnavailable`` (naming ``owner``) when the kernel cannot be
+    built; "auto" falls back to torch with one warning per source, logged by
+    ``slidekit_optim.<owner>``.
+    """
+    if requested == "torch":
+        return None
+    try:
+        return load_kernel(source)
+    except KernelUnavailable as e:
+        if requested == "cpp":
+            raise KernelUnavailable(
+                f"{owner}: impl='cpp' but the fused kernel is unavailable: {e}. "
+                "Use impl='auto' (falls back to pure torch) or impl='torch'."
+            ) from e
+        _log_fallback_once(source, str(e), owner)
+        return None
+
+
+def kernel_status(source: Path = KERNEL_SOURCE) -> str:
+    """Which path ``impl="auto"`` takes, and why, without compiling anything."""
+    key = Path(source).resolve()
+    with _KERNELS_LOCK:
+        kernel = _KERNELS.get(key)
+    if isinstance(kernel, ModuleType):
+        return "fused C++ kernel (loaded)"
+    if isinstance(kernel, str):
+        return f"pure torch ({kernel})"
+    missing = _missing_tool()
+    if missing:
+        return f"pure torch ({missing})"
+    try:
+        spec = _build_spec(key)
+    except KernelUnavailable as e:
+        return f"pure torch ({e})"
+    return "fused C++ kernel (" + ("built" if spec.library.exists() else "built on first use") + ")"
+
+
+def _mtime_ns(path: Path) -> int | None:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return None
+
+
+def prepare_kernel(source: Path | str = KERNEL_SOURCE, *, timeout: float | None = None) -> Prepared:
+    """Build the kernel from ``source`` now, or find its build up to date (an optimizer's ``prepare``).
+
+    Raises ``KernelUnavailable`` with the reason when it cannot be built.
+    """
+    key = Path(source).resolve()
+    missing = _missing_tool()
+    if missing:
+        raise KernelUnavailable(missing)
+    spec = _build_spec(key)
+    before = _mtime_ns(spec.library)
+    load_kernel(key, timeout=timeout)
+    return Prepared(
+        built=_mtime_ns(spec.library) != before,  # ninja relinks only what is out of date
+        location=str(spec.library),
+        detail=f"fused C++ kernel from {key.name} for {spec.capability}",
+    )
