@@ -57,19 +57,35 @@ vector math); the sequence above rounds the same everywhere, and differs from
 those by a few FP32 roundings, far inside the quantization error the tests
 allow against float64 AdamW.
 
-Only units on the CPU: the engine never keeps an ``adamw_8bit`` unit resident
-on the GPU (no ``device_capable``). The first step from a zero state is
-AdamW's up to FP32 rounding: no quantization error enters until the moments
-are stored.
+Tensors on a GPU (units the engine keeps resident on the device,
+``device_capable``) take the fused Triton kernel of ``adamw8_triton.py`` on
+the current stream: the C++ kernel's operation sequence, decoding and
+encoding (same maps and tables, so ``keep_nonzero`` and ties alike), block
+maxima and BF16 rounding, with correctly rounded divide and square root and
+no FMA contraction, so bitwise the CPU's results. Where Triton is missing,
+or with ``impl="torch"``, they take the torch path on the device (also
+bitwise: each of its operations is correctly rounded on a GPU too). The maps
+go to each device once (1.3 MB for both) and are shared by every unit there.
 
-Test: ``pytest tests/plugins/test_adamw_8bit.py tests/plugins/test_adamw8_kernel.py``.
+A resident unit costs 10.03 bytes per parameter of device memory in BF16
+training: the FP32 master (4), the state (2.03), the BF16 weights (2) and
+gradients (2), against 16 with ``layer_adam`` (14.03 and 20 in FP32
+training, whose weights and gradients take 4 bytes each). The Triton kernel
+needs nothing more; the torch path allocates ``chunk`` * 32 bytes of scratch
+per call (32 MiB by default). The first step from a zero state is AdamW's up to
+FP32 rounding: no quantization error enters until the moments are stored.
+
+Test: ``pytest tests/plugins/test_adamw_8bit.py tests/plugins/test_adamw8_kernel.py
+tests/plugins/test_adamw8_triton.py``.
 Speed: ``python benchmarks/optimizer_rate.py --numel 20000000``.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+import logging
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -92,6 +108,8 @@ from slidekit_optim.quant8 import (
 
 __all__ = ["DEFAULT_CHUNK", "KERNEL_SOURCE", "AdamW8bit"]
 
+log = logging.getLogger(__name__)
+
 
 #: The fused kernel's source; ``AdamW8bit(kernel_source=...)`` builds another one instead.
 KERNEL_SOURCE = CSRC / "adamw8.cpp"
@@ -113,16 +131,16 @@ class _Scratch:
     index: Tensor  # int32: code indices / lookup keys
 
     @classmethod
-    def allocate(cls, n: int) -> _Scratch:
-        f32 = [torch.empty(n) for _ in range(5)]
+    def allocate(cls, n: int, device: torch.device) -> _Scratch:
+        f32 = [torch.empty(n, device=device) for _ in range(5)]
         return cls(
             grad=f32[0],
             m=f32[1],
             v=f32[2],
             tmp=f32[3],
             thr=f32[4],
-            wide=torch.empty(n, dtype=torch.float64),
-            index=torch.empty(n, dtype=torch.int32),
+            wide=torch.empty(n, dtype=torch.float64, device=device),
+            index=torch.empty(n, dtype=torch.int32, device=device),
         )
 
 
@@ -134,10 +152,16 @@ class AdamW8bit:
     The kernel is built or loaded here, when the optimizer is made, so a first
     build never runs inside a training step. ``kernel_source`` builds it from
     another file. ``chunk`` sets the torch path's chunk. ``self.impl`` says
-    which path runs. ``m_map``/``v_map`` are read at every step.
+    which path runs on the CPU. Tensors on a GPU take the Triton kernel, or
+    the torch path with ``impl="torch"`` or without Triton. ``m_map``/``v_map``
+    are read at every step.
     """
 
     name = "adamw_8bit"
+    #: ``step`` also takes tensors on a GPU (units the engine keeps resident there): a fused Triton pass there.
+    device_capable = True
+    #: Tests only: send CPU tensors down the GPU path too (the Triton kernel then needs TRITON_INTERPRET=1).
+    _device_path_on_cpu = False
 
     def __init__(
         self,
@@ -166,6 +190,8 @@ class AdamW8bit:
         self._source = Path(kernel_source) if kernel_source is not None else KERNEL_SOURCE
         self._kernel: ModuleType | None = load_or_fallback(self._source, impl, "adamw_8bit")
         self.impl: str = "cpp" if self._kernel is not None else "torch"  # the path in use
+        self._device_maps: dict[torch.device, tuple[QuantMap, QuantMap, QuantMap, QuantMap]] = {}
+        self._device_maps_lock = threading.Lock()
 
     def state_layout(self, numel: int) -> Mapping[str, tuple[torch.dtype, int]]:
         blocks = num_blocks(numel)
@@ -194,32 +220,62 @@ class AdamW8bit:
         grad = grad.reshape(-1)  # a view when contiguous
         segments = _segments(groups, n, lr)
         scalars = _scalars(self.hyper, lr, count)
-        if self.impl == "cpp":
-            self._step_kernel(master, grad, state, segments, scalars, lowp_out)
+        maps = self._maps_on(master.device)
+        kernel: Callable[..., object] | None = None
+        extra: tuple[int, ...] = ()
+        if master.device.type != "cpu" or self._device_path_on_cpu:
+            kernel = None if self.requested_impl == "torch" else _device_kernel()
+        elif self._kernel is not None:
+            kernel, extra = self._kernel.adamw8_step_, (self.hyper.threads or 0,)  # its thread cap
+        if kernel is not None:
+            self._step_fused(kernel, extra, master, grad, state, segments, scalars, lowp_out, *maps)
             return
-        scratch = _Scratch.allocate(min(self.chunk, n))
+        m_map, v_map = maps
+        scratch = _Scratch.allocate(min(self.chunk, n), master.device)
         for start in range(0, n, self.chunk):
             stop = min(start + self.chunk, n)
-            self._step_chunk(master, grad, state, start, stop, scratch, segments, scalars)
+            self._step_chunk(master, grad, state, start, stop, scratch, segments, scalars, m_map, v_map)
         if lowp_out is not None:
             lowp_out.copy_(master.view(lowp_out.shape))
 
-    def _step_kernel(
+    def _maps_on(self, device: torch.device) -> tuple[QuantMap, QuantMap]:
+        """``m_map`` and ``v_map`` with their tensors on ``device``: copied once per device and map."""
+        if device.type == "cpu":
+            return self.m_map, self.v_map
+        with self._device_maps_lock:
+            known = self._device_maps.get(device)
+            if known is None or known[0] is not self.m_map or known[1] is not self.v_map:
+                m, v = (
+                    QuantMap(
+                        values=q.values.to(device),
+                        boundaries=q.boundaries.to(device),
+                        table=q.table.to(device),
+                        threshold=q.threshold.to(device),
+                    )
+                    for q in (self.m_map, self.v_map)
+                )
+                known = self._device_maps[device] = (self.m_map, self.v_map, m, v)
+        return known[2], known[3]
+
+    def _step_fused(
         self,
+        kernel: Callable[..., object],
+        extra: tuple[int, ...],
         master: Tensor,
         grad: Tensor,
         state: Mapping[str, Tensor],
         segments: Sequence[_Segment],
         s: _StepScalars,
         lowp_out: Tensor | None,
+        m_map: QuantMap,
+        v_map: QuantMap,
     ) -> None:
-        """The whole unit in one call of the fused kernel."""
-        assert self._kernel is not None
+        """The whole unit in one call of a fused kernel: the C++ one (``extra``: its thread cap) or the
+        Triton one; both take the same arguments."""
         if master.numel() == 0:
             return
         direct = lowp_out is not None and lowp_out.dtype == torch.bfloat16 and lowp_out.is_contiguous()
-        m_map, v_map = self.m_map, self.v_map
-        self._kernel.adamw8_step_(
+        kernel(
             master,
             grad if grad.is_contiguous() else grad.contiguous(),
             state["exp_avg_codes"],
@@ -236,7 +292,7 @@ class AdamW8bit:
             [stop for _, stop, _ in segments],
             [1.0 if decay is None else decay for _, _, decay in segments],  # times 1 changes no bits
             *s.values(),
-            self.hyper.threads or 0,
+            *extra,
         )
         if lowp_out is not None and not direct:  # another dtype or layout: cast after the update
             lowp_out.copy_(master.view(lowp_out.shape))
@@ -251,6 +307,8 @@ class AdamW8bit:
         s: _Scratch,
         segments: Sequence[_Segment],
         c: _StepScalars,
+        m_map: QuantMap,
+        v_map: QuantMap,
     ) -> None:
         """The torch path for elements [start, stop), a whole number of blocks unless it ends the unit.
 
@@ -262,8 +320,8 @@ class AdamW8bit:
         g = grad[start:stop] if grad.dtype == torch.float32 else s.grad[:n].copy_(grad[start:stop])
         m_codes, m_absmax = state["exp_avg_codes"][start:stop], state["exp_avg_absmax"][blocks]
         v_codes, v_absmax = state["exp_avg_sq_codes"][start:stop], state["exp_avg_sq_absmax"][blocks]
-        m = dequantize_blockwise(m_codes, m_absmax, self.m_map, out=s.m[:n], work=s.index)
-        v = dequantize_blockwise(v_codes, v_absmax, self.v_map, out=s.v[:n], work=s.index)
+        m = dequantize_blockwise(m_codes, m_absmax, m_map, out=s.m[:n], work=s.index)
+        v = dequantize_blockwise(v_codes, v_absmax, v_map, out=s.v[:n], work=s.index)
 
         for lo, hi, decay in segments:  # decoupled weight decay first, as torch.optim.AdamW
             lo, hi = max(lo, start), min(hi, stop)
@@ -277,8 +335,8 @@ class AdamW8bit:
         p.add_(torch.mul(m, c.neg_step, out=num).div_(denom))  # p + (neg_step * m) / den
 
         work = (s.tmp, s.index, s.thr)  # the denominator and numerator are spent
-        quantize_blockwise(m, self.m_map, codes=m_codes, absmax=m_absmax, work=work)
-        quantize_blockwise(v, self.v_map, codes=v_codes, absmax=v_absmax, work=work)
+        quantize_blockwise(m, m_map, codes=m_codes, absmax=m_absmax, work=work)
+        quantize_blockwise(v, v_map, codes=v_codes, absmax=v_absmax, work=work)
 
     def _check(
         self, master: Tensor, grad: Tensor, state: Mapping[str, Tensor], lowp_out: Tensor | None
@@ -306,15 +364,29 @@ class AdamW8bit:
                     f"state {name!r} must be a contiguous {dtype} tensor of {numel} elements, "
                     f"got {t.dtype} with {t.numel()}"
                 )
+        device = master.device
+        if device.type not in ("cpu", "cuda"):  # ROCm GPUs are "cuda" devices to torch
+            raise ValueError(
+                f"adamw_8bit updates on the CPU or a CUDA/ROCm GPU, got master on {device}; "
+                "keep the unit on the host or on the GPU"
+            )
         tensors = {"master": master, "grad": grad, "lowp_out": lowp_out, **state}
-        elsewhere = [
-            f"{k} on {t.device}" for k, t in tensors.items() if t is not None and t.device.type != "cpu"
-        ]
+        elsewhere = [f"{k} on {t.device}" for k, t in tensors.items() if t is not None and t.device != device]
         if elsewhere:
             raise ValueError(
-                f"adamw_8bit updates on the CPU only, got {', '.join(elsewhere)}; "
-                "keep the unit on the host or use layer_adam"
+                f"adamw_8bit: every tensor must be on the master's device {device}, got {', '.join(elsewhere)}"
             )
+
+
+@functools.cache
+def _device_kernel() -> Callable[..., None] | None:
+    """The fused Triton update for GPU tensors, or None (logged once) where Triton cannot be imported."""
+    try:
+        from slidekit_optim.adamw8_triton import adamw8_step_
+    except ImportError as exc:
+        log.warning("adamw_8bit: Triton is unavailable (%s); GPU-resident units take the torch path", exc)
+        return None
+    return adamw8_step_
 
 
 def _availability() -> Availability:
@@ -330,6 +402,6 @@ def slidekit_optimizers() -> Iterator[OptimizerDescriptor]:
         priority=50,  # below layer_adam: chosen explicitly, to save host memory
         devices=("cpu", "cuda", "rocm"),
         description="AdamW with block-wise 8-bit moments (~2 bytes/param), updated per unit on the CPU "
-        "(fused C++ kernel or pure torch)",
+        "(fused C++ kernel or pure torch) or, for units kept on the GPU, there (fused Triton kernel)",
         prepare=functools.partial(prepare_kernel, KERNEL_SOURCE),  # slidekit build
     )
