@@ -30,10 +30,12 @@ beside the final directory; every file and directory in it is fsynced (chunk fil
 ``file_io_sync``, the rest here); it is renamed to ``step-00001234`` (atomic on POSIX) and the parent
 directory is fsynced. A crash, an exception or a full disk before the
 rename leaves only a ``.tmp-*`` directory: it is never taken for a checkpoint, and the next successful
-save or ``latest()`` removes it (one whose writer still holds its ``.writer.lock`` flock is left alone).
-Retention (``keep``) deletes older complete checkpoints only after the new one is committed, and deletes
-by renaming to ``.tmp-*`` first, so a crash mid-delete never leaves a half-deleted ``step-*``; damaged
-checkpoints are neither counted nor deleted. ``overwrite=True`` replaces an existing step: the old
+save, ``latest()`` or ``remove_leftovers()`` removes it (one whose writer still holds its ``.writer.lock``
+flock is left alone). Retention (``keep``) deletes older complete checkpoints only after the new one is
+committed, and deletes by renaming to ``.tmp-delete-*`` first, so a crash mid-delete never leaves a
+half-deleted ``step-*`` (and the ``.tmp-delete-*`` it leaves goes at the next cleanup, whatever its age);
+damaged checkpoints are neither counted nor deleted. ``quarantine()`` moves a damaged checkpoint aside to
+``damaged-step-*`` (kept for a person to inspect) so that its step can be written again. ``overwrite=True`` replaces an existing step: the old
 directory is renamed aside just before the new one is renamed in (a crash between the two loses that
 step, never an older one). One writer per directory: two processes saving into it are not supported.
 
@@ -54,13 +56,19 @@ either way the writer no longer reads those tensors afterwards, so the update ma
 requested while another is still running is queued (FIFO, one writer thread); its tensors are not read
 before the earlier save has finished. Resuming: ``path = latest(directory)``, then
 ``verify_compatible(path, {name: tensor, ...})``, ``load_meta(path)`` and ``read_into(path, name, t)``
-for every tensor.
+for every tensor; ``read_into`` is where a flipped bit shows, so a run's resume (``slidekit.resume``)
+quarantines a checkpoint that fails there too and falls back to the next older one.
+
+A full disk: the save's error says how large the checkpoint is and how much is free, and suggests a
+lower ``keep`` only where one is possible (with ``keep=1`` the disk still holds two checkpoints while
+the new one commits).
 
 Test: ``pytest tests/test_checkpoint.py`` (about 15 s on a 2-core CPU).
 """
 
 from __future__ import annotations
 
+from slidekit.checkpoint._disk import quarantine, remove_leftovers, step_dir, step_dirs
 from slidekit.checkpoint._format import (
     DEFAULT_CHUNK_BYTES,
     FORMAT_VERSION,
@@ -77,6 +85,7 @@ from slidekit.checkpoint._read import (
     Manifest,
     latest,
     load_meta,
+    problems,
     read,
     read_into,
     read_manifest,
@@ -101,9 +110,14 @@ __all__ = [
     "encode_tensor",
     "latest",
     "load_meta",
+    "problems",
+    "quarantine",
     "read",
     "read_into",
     "read_manifest",
+    "remove_leftovers",
+    "step_dir",
+    "step_dirs",
     "verify",
     "verify_compatible",
 ]

@@ -5,6 +5,8 @@ See ``slidekit.checkpoint`` for the commit protocol these implement.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import os
 import secrets
@@ -12,9 +14,11 @@ import shutil
 import time
 from pathlib import Path
 
-from slidekit.checkpoint._format import _LOCK, _STEP_DIR, _step_name
+from slidekit.checkpoint._format import _LOCK, _STEP_DIR, CheckpointError, _step_name
 
 _STALE_UNLOCKED_S = 60.0  # a .tmp-* dir without a lock file is a writer's only before its first instant
+_DOOMED = (".tmp-delete-", ".tmp-replaced-")  # checkpoints renamed aside to be deleted (retention, overwrite)
+_QUARANTINE = "damaged-"  # prefix of a damaged checkpoint moved aside for a person to look at
 
 # --------------------------------------------------------------------------- small file-system helpers
 
@@ -56,19 +60,30 @@ def _lock_held(tmp: Path) -> bool | None:
     return False
 
 
-def _cleanup_tmp(directory: Path) -> None:
-    """Remove ``.tmp-*`` directories that no live writer owns (left by crashes or failed saves)."""
-    for entry in directory.glob(".tmp-*"):
+def _cleanup_tmp(directory: Path) -> list[Path]:
+    """Remove ``.tmp-*`` directories that no live writer owns (left by crashes, kills or failed saves).
+
+    ``.tmp-delete-*`` (retention) and ``.tmp-replaced-*`` (``overwrite``) directories are checkpoints
+    renamed aside to be deleted, never work in progress: they go at once, whatever their age. A
+    ``.tmp-step-*`` directory goes once its writer's lock is free, or, before the writer took the lock,
+    once it is older than a minute. Returns the directories removed.
+    """
+    removed = []
+    for entry in sorted(directory.glob(".tmp-*")):
         if not entry.is_dir():
             continue
-        held = _lock_held(entry)
-        if held or (held is None and time.time() - entry.stat().st_mtime < _STALE_UNLOCKED_S):
-            continue
+        if not entry.name.startswith(_DOOMED):
+            held = _lock_held(entry)
+            if held or (held is None and time.time() - entry.stat().st_mtime < _STALE_UNLOCKED_S):
+                continue
         shutil.rmtree(entry, ignore_errors=True)
+        if not entry.exists():
+            removed.append(entry)
+    return removed
 
 
 def _remove_checkpoint(path: Path) -> None:
-    aside = path.with_name(f".tmp-delete-{path.name}-{secrets.token_hex(4)}")
+    aside = path.with_name(f"{_DOOMED[0]}{path.name}-{secrets.token_hex(4)}")
     os.rename(path, aside)  # a crash from here on leaves a .tmp-* dir, never a half-deleted step-*
     shutil.rmtree(aside, ignore_errors=True)
 
@@ -95,3 +110,76 @@ def _make_tmp(directory: Path, step: int) -> tuple[Path, int]:
     fd = os.open(tmp / _LOCK, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)  # tells _cleanup_tmp (any process) that this directory is alive
     return tmp, fd
+
+
+def step_dirs(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """Every ``step-*`` directory in ``directory`` as ``(step, path)``, oldest first (damaged ones too)."""
+    return _step_dirs(Path(directory))
+
+
+def step_dir(directory: str | os.PathLike[str], step: int) -> Path:
+    """Where checkpoint ``step`` lives (or would live) in ``directory``."""
+    return Path(directory) / _step_name(step)
+
+
+def remove_leftovers(directory: str | os.PathLike[str]) -> list[Path]:
+    """Remove what crashed or killed writers left in ``directory`` (``.tmp-*`` directories no live writer
+    owns: interrupted saves, and checkpoints a kill caught mid-deletion); return what was removed."""
+    directory = Path(directory)
+    return _cleanup_tmp(directory) if directory.is_dir() else []
+
+
+def quarantine(path: str | os.PathLike[str], reason: str) -> Path:
+    """Move damaged checkpoint ``path`` aside (``damaged-step-N-<UTC time>``), so that the run can write
+    that step again and no later resume tries it; a ``DAMAGE.txt`` inside says why. Returns the new path.
+
+    Nothing is deleted: the data stays for a person to inspect (and delete)."""
+    path = Path(path)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = path.with_name(f"{_QUARANTINE}{path.name}-{stamp}")
+    while aside.exists():
+        aside = path.with_name(f"{_QUARANTINE}{path.name}-{stamp}-{secrets.token_hex(2)}")
+    os.rename(path, aside)
+    _fsync_path(path.parent, directory=True)
+    with contextlib.suppress(OSError):  # the note is a courtesy: a damaged directory may refuse it
+        note = f"moved aside by slidekit at {stamp}: {reason}\nDelete this directory once inspected.\n"
+        _write_synced(aside / "DAMAGE.txt", note.encode())
+    return aside
+
+
+def save_error(
+    step: int, where: str, nbytes: int, exc: BaseException, directory: Path, keep: int | None
+) -> CheckpointError:
+    """The error of a failed save of ``nbytes``, with the fix: a full disk says how much was needed."""
+    text = f"{type(exc).__name__}: {exc}"
+    code = getattr(exc, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or any(
+        s in text for s in ("No space left", "quota", "File too large")
+    ):
+        hint = _space_hint(nbytes, directory, keep)
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS) or any(
+        s in text for s in ("Permission denied", "Read-only file system")
+    ):
+        hint = f"make {directory} writable by this process"
+    else:
+        hint = "see the chained exception"
+    err = CheckpointError(
+        f"checkpoint step {step} was not saved: {text} (while {where}). Fix: {hint}. The partial "
+        "write was removed; earlier checkpoints are untouched"
+    )
+    err.__cause__ = exc
+    return err
+
+
+def _space_hint(nbytes: int, directory: Path, keep: int | None) -> str:
+    free = None
+    with contextlib.suppress(OSError):
+        free = shutil.disk_usage(directory if directory.is_dir() else directory.parent).free
+    have = "" if free is None else f", {free / 2**30:.2f} GiB are free there"
+    hint = f"free space where {directory} lives (a checkpoint takes {nbytes / 2**30:.2f} GiB{have})"
+    if keep is None:
+        return f"{hint}, or bound the checkpoints kept (keep=None keeps every one)"
+    if keep > 1:
+        return f"{hint}, or keep fewer checkpoints (keep={keep} now)"
+    # keep=1 cannot go lower: the newest is deleted only after the next one is committed
+    return f"{hint}, or put the run directory on a larger disk (keep=1 still needs room for 2 checkpoints)"

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from slidekit.checkpoint._disk import _cleanup_tmp, _step_dirs
+from slidekit.checkpoint._disk import quarantine as _quarantine
 from slidekit.checkpoint._format import (
     _BY_NAME,
     _DTYPES,
@@ -160,45 +161,61 @@ def _structure_problems(man: Manifest, info: ArrayInfo) -> list[str]:
     return problems
 
 
-def _problems(path: Path, *, data: bool) -> list[str]:
+def problems(path: str | os.PathLike[str], *, verify_data: bool = False) -> list[str]:
+    """What is wrong with checkpoint ``path`` (empty: nothing): manifest, meta.json, chunk files present
+    at their sizes; ``verify_data`` also hashes every byte against its checksum."""
+    path, data = Path(path), verify_data
     try:
         man = read_manifest(path)
-        problems = [p for p in [_meta_problem(man)] if p]
+        found = [p for p in [_meta_problem(man)] if p]
         for info in man.arrays.values():
-            problems += _structure_problems(man, info)
+            found += _structure_problems(man, info)
     except (CheckpointError, OSError) as exc:  # OSError: unreadable (permissions, I/O error)
         return [str(exc)]
-    if data and not problems:
+    if data and not found:
         for name in man.arrays:
             try:
                 read(path, name)
             except (CheckpointError, OSError) as exc:
-                problems.append(str(exc))
-    return problems
+                found.append(str(exc))
+    return found
 
 
 # --------------------------------------------------------------------------- reading
 
 
 def latest(
-    directory: str | os.PathLike[str], *, verify_data: bool = False, cleanup: bool = True
+    directory: str | os.PathLike[str],
+    *,
+    verify_data: bool = False,
+    cleanup: bool = True,
+    quarantine: bool = False,
 ) -> Path | None:
     """The newest complete, undamaged checkpoint in ``directory``, or None.
 
     Skips ``.tmp-*`` directories and damaged checkpoints (with a ``RuntimeWarning`` naming the damage).
     The default check reads manifest and meta.json and stats every chunk file; ``verify_data=True``
     also hashes every byte. ``cleanup`` removes ``.tmp-*`` directories no live writer owns.
+    ``quarantine`` moves each damaged checkpoint it skips aside (``checkpoint.quarantine``), so the
+    writer can save that step again; a run's resume does this.
     """
     directory = Path(directory)
     if cleanup and directory.is_dir():
         _cleanup_tmp(directory)
     for _step, path in reversed(_step_dirs(directory)):
-        problems = _problems(path, data=verify_data)
-        if not problems:
+        found = problems(path, verify_data=verify_data)
+        if not found:
             return path
-        warnings.warn(
-            f"skipping damaged checkpoint {path}: {'; '.join(problems[:5])}", RuntimeWarning, stacklevel=2
-        )
+        what = "; ".join(found[:5])
+        if quarantine:
+            aside = _quarantine(path, what)
+            warnings.warn(
+                f"skipping damaged checkpoint {path}: {what}; moved it aside to {aside}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        else:
+            warnings.warn(f"skipping damaged checkpoint {path}: {what}", RuntimeWarning, stacklevel=2)
     return None
 
 
@@ -238,9 +255,9 @@ def read_into(path: str | os.PathLike[str], name: str, dst: torch.Tensor, *, che
             f"array {name!r} in {man.path} is {info.dtype} {info.shape}, but the destination is "
             f"{dst.dtype} {tuple(dst.shape)}: is this checkpoint from another model or config?"
         )
-    problems = _structure_problems(man, info)
-    if problems:
-        raise CheckpointCorrupt(f"checkpoint {man.path} is damaged: {'; '.join(problems[:5])}")
+    damage = _structure_problems(man, info)
+    if damage:
+        raise CheckpointCorrupt(f"checkpoint {man.path} is damaged: {'; '.join(damage[:5])}")
     ts = _ts()
     root = man.path / "arrays" / array_dir_name(name)
     try:
@@ -284,9 +301,9 @@ def read(path: str | os.PathLike[str], name: str) -> torch.Tensor:
 
 def verify(path: str | os.PathLike[str]) -> None:
     """Check everything: manifest, meta.json, chunk files and every array's checksum; raise on damage."""
-    problems = _problems(Path(path), data=True)
-    if problems:
-        raise CheckpointCorrupt(f"checkpoint {path} is damaged: {'; '.join(problems[:8])}")
+    found = problems(path, verify_data=True)
+    if found:
+        raise CheckpointCorrupt(f"checkpoint {path} is damaged: {'; '.join(found[:8])}")
 
 
 def verify_compatible(

@@ -6,9 +6,9 @@ See ``slidekit.checkpoint`` for the commit protocol and how the engine uses the 
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
+import math
 import os
 import secrets
 import shutil
@@ -34,6 +34,7 @@ from slidekit.checkpoint._disk import (
     _remove_checkpoint,
     _step_dirs,
     _write_synced,
+    save_error,
 )
 from slidekit.checkpoint._format import (
     _LOCK,
@@ -139,27 +140,6 @@ def _versions() -> dict[str, str]:
         except PackageNotFoundError:
             out[dist] = "unknown"
     return out
-
-
-def _save_error(job: _Job, exc: BaseException, directory: Path, keep: int | None) -> CheckpointError:
-    text = f"{type(exc).__name__}: {exc}"
-    code = getattr(exc, "errno", None)
-    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or any(
-        s in text for s in ("No space left", "quota", "File too large")
-    ):
-        hint = f"free space where {directory} lives, or keep fewer checkpoints (keep={keep})"
-    elif code in (errno.EACCES, errno.EPERM, errno.EROFS) or any(
-        s in text for s in ("Permission denied", "Read-only file system")
-    ):
-        hint = f"make {directory} writable by this process"
-    else:
-        hint = "see the chained exception"
-    err = CheckpointError(
-        f"checkpoint step {job.step} was not saved: {text} (while {job.where}). Fix: {hint}. The partial "
-        "write was removed; earlier checkpoints are untouched"
-    )
-    err.__cause__ = exc
-    return err
 
 
 class CheckpointWriter:
@@ -319,7 +299,7 @@ class CheckpointWriter:
                 self._run(job)
             except BaseException as exc:  # a bug here must still reach the caller, not hang it
                 if not job.handle.done():
-                    self._finish(job, error=_save_error(job, exc, self.directory, self.keep))
+                    self._finish(job, error=self._error(job, exc))
 
     def _finish(self, job: _Job, *, path: Path | None = None, error: CheckpointError | None = None) -> None:
         with self._lock:
@@ -329,6 +309,10 @@ class CheckpointWriter:
             job.handle._commit.set_exception(error)
         else:
             job.handle._commit.set_result(path)  # type: ignore[arg-type]
+
+    def _error(self, job: _Job, exc: BaseException) -> CheckpointError:
+        nbytes = sum(math.prod(t.shape) * t.dtype.itemsize for _, t, _ in job.items)
+        return save_error(job.step, job.where, nbytes, exc, self.directory, self.keep)
 
     def _stage(self, stage: str, detail: str) -> None:
         if self._progress is not None:
@@ -362,7 +346,7 @@ class CheckpointWriter:
             job.where = "renaming into place"
             final = self._commit(job, tmp)
         except BaseException as exc:  # every failure must reach the handle, whatever it is
-            error = _save_error(job, exc, self.directory, self.keep)
+            error = self._error(job, exc)
             for fut in job.handle._tensors.values():
                 if not fut.done():
                     fut.set_exception(error)
