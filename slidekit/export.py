@@ -8,8 +8,10 @@
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads it. Tensors
 are written one shard at a time (at most ``shard_bytes`` each) from the FP32
 masters, so an export needs about one shard of extra memory. The directory
-is assembled beside OUT and renamed into place: a failed export never leaves
-a half-written model where a good one is expected.
+is assembled beside OUT (``.OUT.export-<pid>-XXXXXXXX``, owned while it is
+written: ``slidekit.owned``) and renamed into place: a failed export never
+leaves a half-written model where a good one is expected, and what a killed
+export leaves is removed by the next run's start (``leftover_prefix``).
 
 Test: ``pytest tests/test_export.py``.
 """
@@ -19,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,8 +28,9 @@ from typing import Any
 import torch
 
 from slidekit.errors import ConfigError
+from slidekit.owned import OwnedDir
 
-__all__ = ["export_model"]
+__all__ = ["export_model", "leftover_prefix"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
@@ -47,6 +49,11 @@ def _shards(
         size += nbytes
     if shard:
         yield shard
+
+
+def leftover_prefix(out: str | os.PathLike[str]) -> str:
+    """The name prefix of the directories an export to ``out`` assembles beside it (``slidekit.owned``)."""
+    return f".{Path(out).expanduser().name}.export-"
 
 
 def export_model(
@@ -68,7 +75,8 @@ def export_model(
     if target.exists() and not overwrite:
         raise ConfigError(f"{target} already exists; choose another directory or allow overwriting")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    owned = OwnedDir.create(target.parent, leftover_prefix(target))
+    tmp = Path(owned.path)
     try:
         tied = bool(getattr(hf_config, "tie_word_embeddings", False))
         tensors = {n: t for n, t in state.items() if not (tied and n == "lm_head.weight")}
@@ -93,8 +101,11 @@ def export_model(
             tokenizer.save_pretrained(tmp)
         if target.exists():
             shutil.rmtree(target)
+        owned.disown()  # the model directory must not carry the .owner file
         os.replace(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        owned.release()
     return target

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from slidekit import leftovers, owned
 from slidekit.config import DEFAULT_LR, DEMO_LR, TrainConfig
 from slidekit.data import Batch, DataSpec, PackedDataset, build_datasets, load_tokenizer
 from slidekit.devices import device_family
@@ -52,6 +53,7 @@ from slidekit.models.loading import (
     load_unit_weights,
     weight_files,
 )
+from slidekit.owned import Leftover
 from slidekit.plan import place_state, plan_memory
 from slidekit.planner import Estimate, Machine, Placement, Planner
 from slidekit.plugins import Plugins, Selection
@@ -159,7 +161,11 @@ class Trainer:
         self.run: RunDirectory | None = None
         self._datasets: tuple[PackedDataset, PackedDataset | None] | None = None
         self._consumed = 0  # batches taken from the configured data (restored on resume)
+        self._kept_leftovers: list[Leftover] = []  # other runs' offload files, named if space runs short
         try:
+            reclaimed = leftovers.reclaim(config)  # before planning: what killed runs left is free again
+            self._kept_leftovers = reclaimed.kept
+            self.notes += reclaimed.notes(config.engine.offload_dir)
             self._engine = self._build_engine()
             if config.run.dir:
                 hook = self._fault_hook
@@ -287,6 +293,11 @@ class Trainer:
         problems = self.estimate.shortfalls(machine)
         if not problems:
             return
+        if self._kept_leftovers and any(p.startswith("disk") for p in problems):
+            problems.append(
+                "the offload directory also holds other slidekit processes' files, left alone (their "
+                f"owners live, or cannot be told): {owned.describe(self._kept_leftovers)}"
+            )
         better = planner.recommend(placement, machine)
         if better is not None:
             fix = f"this placement fits: {better.placement.flags()}"
@@ -569,6 +580,7 @@ class Trainer:
 
     def export(self, out: str, *, dtype: str = "bfloat16", overwrite: bool = False) -> Path:
         """Write the current weights as a Hugging Face model directory (see ``slidekit.export``)."""
+        self.notes += leftovers.reclaim_export(out)
         return export_model(
             out,
             hf_config=copy.deepcopy(self.hf_config),
