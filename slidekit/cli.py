@@ -181,7 +181,7 @@ def _plan(args: argparse.Namespace) -> int:
     from slidekit.resolve import resolve_device
 
     config = config_from_args(args)
-    machine = Machine.probe(resolve_device(config.engine.device), config.engine.offload_dir)
+    machine = Machine.probe(resolve_device(config.engine.device), config.engine.offload_dir, config.run.dir)
     given = {"device_free": args.gpu_gib, "host_available": args.ram_gib, "disk_free": args.disk_gib}
     what_if: dict[str, Any] = {k: int(v * GIB) for k, v in given.items() if v is not None}
     machine = dataclasses.replace(machine, **what_if)

@@ -262,7 +262,7 @@ class Trainer:
     def machine(self) -> Machine:
         """What this machine has for the run (measured once, unless given to the constructor)."""
         if self._machine is None:
-            self._machine = Machine.probe(self.device, self.config.engine.offload_dir)
+            self._machine = Machine.probe(self.device, self.config.engine.offload_dir, self.config.run.dir)
         return self._machine
 
     def _plan_residency(self, planner: Planner, optimizer: Any) -> list[bool]:
@@ -299,7 +299,9 @@ class Trainer:
                 f"owners live, or cannot be told): {owned.describe(self._kept_leftovers)}"
             )
         better = planner.recommend(placement, machine)
-        if better is not None:
+        if self.estimate.placement_fits(machine):
+            fix = "the placement fits; only the run directory lacks room"
+        elif better is not None:
             fix = f"this placement fits: {better.placement.flags()}"
         else:
             fix = (
