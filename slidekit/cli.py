@@ -25,7 +25,8 @@ from slidekit.errors import SlidekitError
 
 __all__ = ["FLAGS", "build_parser", "config_from_args", "main"]
 
-#: flag -> (dotted TrainConfig field, type or "flag", help). Defaults come from slidekit.config.
+#: flag -> (dotted TrainConfig field, type, "flag", "noflag" or "optional" (a flag that may take a value),
+#: help). Defaults come from slidekit.config.
 FLAGS: dict[str, tuple[str, Any, str]] = {
     "--model": ("model.source", str, "local Hugging Face model directory, or 'demo'"),
     "--random-init": ("model.random_init", "flag", "start from random weights (config.json only)"),
@@ -64,7 +65,11 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--run-dir": ("run.dir", str, "run directory: checkpoints, metrics.jsonl, config.json"),
     "--checkpoint-every": ("run.checkpoint_every", int, "steps between checkpoints (0: at the end only)"),
     "--keep": ("run.keep", int, "checkpoints to keep"),
-    "--resume": ("run.resume", "flag", "continue from the newest checkpoint in --run-dir"),
+    "--resume": (
+        "run.resume",
+        "optional",
+        "continue from the newest intact checkpoint in --run-dir, or from --resume STEP or --resume PATH",
+    ),
     "--export": ("run.export_dir", str, "write the fine-tuned model here as a Hugging Face directory"),
     "--export-dtype": ("run.export_dtype", str, "bfloat16, float16 or float32"),
     "--trace": ("run.trace", str, "write a Chrome trace of the pipeline (open in Perfetto)"),
@@ -123,6 +128,10 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         if kind in ("flag", "noflag"):
             const = kind == "flag"
             parser.add_argument(flag, dest=path, action="store_const", const=const, default=None, help=text)
+        elif kind == "optional":
+            parser.add_argument(
+                flag, dest=path, nargs="?", const=True, default=None, metavar="STEP|PATH", help=text
+            )
         else:
             parser.add_argument(flag, dest=path, type=kind, default=None, help=text)
     parser.add_argument(

@@ -463,7 +463,7 @@ def test_quarantine_moves_a_damaged_checkpoint_aside_and_frees_its_step(make_wri
     with pytest.warns(RuntimeWarning, match=r"skipping damaged checkpoint .*meta\.json.*moved it aside to"):
         assert ck.latest(directory, quarantine=True) == good
     (aside,) = directory.glob("damaged-step-00000002-*")
-    assert not bad.exists() and "meta.json does not match" in (aside / "DAMAGE.txt").read_text()
+    assert not bad.exists() and "meta.json does not match" in (aside / "DAMAGED.txt").read_text()
     assert [s for s, _ in ck.step_dirs(directory)] == [1]
     assert save_ok(w, 2, seed=3) == bad  # the step can be written again, without overwrite=True
     assert ck.latest(directory) == bad and same_bits(ck.read(bad, "master/0"), tensors(3)["master/0"])

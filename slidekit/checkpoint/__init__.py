@@ -34,10 +34,11 @@ save, ``latest()`` or ``remove_leftovers()`` removes it (one whose writer still 
 flock is left alone). Retention (``keep``) deletes older complete checkpoints only after the new one is
 committed, and deletes by renaming to ``.tmp-delete-*`` first, so a crash mid-delete never leaves a
 half-deleted ``step-*`` (and the ``.tmp-delete-*`` it leaves goes at the next cleanup, whatever its age);
-damaged checkpoints are neither counted nor deleted. ``quarantine()`` moves a damaged checkpoint aside to
-``damaged-step-*`` (kept for a person to inspect) so that its step can be written again. ``overwrite=True`` replaces an existing step: the old
-directory is renamed aside just before the new one is renamed in (a crash between the two loses that
-step, never an older one). One writer per directory: two processes saving into it are not supported.
+damaged checkpoints are neither counted nor deleted. ``quarantine()`` moves a damaged checkpoint aside
+to ``damaged-step-*`` (kept for a person to inspect) so that its step can be written again.
+``overwrite=True`` replaces an existing step: the old directory is renamed aside just before the new
+one is renamed in (a crash between the two loses that step, never an older one). One writer per
+directory: two processes saving into it are not supported.
 
 Guarantees: ``latest()`` returns only a directory whose manifest is intact, whose meta.json matches its
 checksum and whose chunk files all exist at their exact sizes (``verify_data=True`` also hashes every
@@ -68,7 +69,7 @@ Test: ``pytest tests/test_checkpoint.py`` (about 15 s on a 2-core CPU).
 
 from __future__ import annotations
 
-from slidekit.checkpoint._disk import quarantine, remove_leftovers, step_dir, step_dirs
+from slidekit.checkpoint._disk import quarantine, remove_leftovers, set_aside, step_dir, step_dirs
 from slidekit.checkpoint._format import (
     DEFAULT_CHUNK_BYTES,
     FORMAT_VERSION,
@@ -116,6 +117,7 @@ __all__ = [
     "read_into",
     "read_manifest",
     "remove_leftovers",
+    "set_aside",
     "step_dir",
     "step_dirs",
     "verify",

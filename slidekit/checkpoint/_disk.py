@@ -18,7 +18,6 @@ from slidekit.checkpoint._format import _LOCK, _STEP_DIR, CheckpointError, _step
 
 _STALE_UNLOCKED_S = 60.0  # a .tmp-* dir without a lock file is a writer's only before its first instant
 _DOOMED = (".tmp-delete-", ".tmp-replaced-")  # checkpoints renamed aside to be deleted (retention, overwrite)
-_QUARANTINE = "damaged-"  # prefix of a damaged checkpoint moved aside for a person to look at
 
 # --------------------------------------------------------------------------- small file-system helpers
 
@@ -129,22 +128,27 @@ def remove_leftovers(directory: str | os.PathLike[str]) -> list[Path]:
     return _cleanup_tmp(directory) if directory.is_dir() else []
 
 
-def quarantine(path: str | os.PathLike[str], reason: str) -> Path:
-    """Move damaged checkpoint ``path`` aside (``damaged-step-N-<UTC time>``), so that the run can write
-    that step again and no later resume tries it; a ``DAMAGE.txt`` inside says why. Returns the new path.
+def set_aside(path: str | os.PathLike[str], kind: str, reason: str) -> Path:
+    """Rename checkpoint ``path`` to ``<kind>-step-N-<UTC time>`` beside it, with ``<KIND>.txt`` inside
+    saying why, so that no resume takes it and the run can write step N again. Returns the new path.
 
     Nothing is deleted: the data stays for a person to inspect (and delete)."""
     path = Path(path)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    aside = path.with_name(f"{_QUARANTINE}{path.name}-{stamp}")
+    aside = path.with_name(f"{kind}-{path.name}-{stamp}")
     while aside.exists():
-        aside = path.with_name(f"{_QUARANTINE}{path.name}-{stamp}-{secrets.token_hex(2)}")
+        aside = path.with_name(f"{kind}-{path.name}-{stamp}-{secrets.token_hex(2)}")
     os.rename(path, aside)
     _fsync_path(path.parent, directory=True)
     with contextlib.suppress(OSError):  # the note is a courtesy: a damaged directory may refuse it
-        note = f"moved aside by slidekit at {stamp}: {reason}\nDelete this directory once inspected.\n"
-        _write_synced(aside / "DAMAGE.txt", note.encode())
+        note = f"set aside by slidekit at {stamp}: {reason}\nDelete this directory once inspected.\n"
+        _write_synced(aside / f"{kind.upper()}.txt", note.encode())
     return aside
+
+
+def quarantine(path: str | os.PathLike[str], reason: str) -> Path:
+    """Move damaged checkpoint ``path`` aside to ``damaged-step-N-<UTC time>`` (``set_aside``)."""
+    return set_aside(path, "damaged", reason)
 
 
 def save_error(

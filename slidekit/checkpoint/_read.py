@@ -287,7 +287,8 @@ def _check_digests(man: Manifest, info: ArrayInfo, dst: torch.Tensor) -> None:
         raise CheckpointCorrupt(
             f"array {info.name!r} of checkpoint {man.path} fails its {man.checksum} checksum "
             f"({len(bad)} of {len(spans)} segments differ, first at bytes {first[0]}..{first[1]}): the "
-            "data on disk is not what was saved; resume from an older checkpoint"
+            "data on disk is not what was saved (a run's resume moves it aside and falls back to the "
+            "next older checkpoint)"
         )
 
 
