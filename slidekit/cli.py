@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 __all__ = ["FLAGS", "build_parser", "config_from_args", "finetune", "main", "rescue_dir"]
 
-#: flag -> (dotted TrainConfig field, type or "flag", help). Defaults come from slidekit.config.
+#: flag -> (dotted TrainConfig field, type, "flag", "noflag" or "optional" (a flag that may take a value),
+#: help). Defaults come from slidekit.config.
 FLAGS: dict[str, tuple[str, Any, str]] = {
     "--model": ("model.source", str, "local Hugging Face model directory, or 'demo'"),
     "--random-init": ("model.random_init", "flag", "start from random weights (config.json only)"),
@@ -72,7 +73,11 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--run-dir": ("run.dir", str, "run directory: checkpoints, metrics.jsonl, config.json"),
     "--checkpoint-every": ("run.checkpoint_every", int, "steps between checkpoints (0: at the end only)"),
     "--keep": ("run.keep", int, "checkpoints to keep"),
-    "--resume": ("run.resume", "flag", "continue from the newest checkpoint in --run-dir"),
+    "--resume": (
+        "run.resume",
+        "optional",
+        "continue from the newest intact checkpoint in --run-dir, or from --resume STEP or --resume PATH",
+    ),
     "--export": ("run.export_dir", str, "write the fine-tuned model here as a Hugging Face directory"),
     "--export-dtype": ("run.export_dtype", str, "bfloat16, float16 or float32"),
     "--overwrite": (
@@ -151,6 +156,10 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         if kind in ("flag", "noflag"):
             const = kind == "flag"
             parser.add_argument(flag, dest=path, action="store_const", const=const, default=None, help=text)
+        elif kind == "optional":
+            parser.add_argument(
+                flag, dest=path, nargs="?", const=True, default=None, metavar="STEP|PATH", help=text
+            )
         else:
             parser.add_argument(flag, dest=path, type=kind, default=None, help=text)
     parser.add_argument(
@@ -235,7 +244,7 @@ def _plan(args: argparse.Namespace) -> int:
     from slidekit.resolve import resolve_device
 
     config = config_from_args(args)
-    machine = Machine.probe(resolve_device(config.engine.device), config.engine.offload_dir)
+    machine = Machine.probe(resolve_device(config.engine.device), config.engine.offload_dir, config.run.dir)
     given = {"device_free": args.gpu_gib, "host_available": args.ram_gib, "disk_free": args.disk_gib}
     what_if: dict[str, Any] = {k: int(v * GIB) for k, v in given.items() if v is not None}
     machine = dataclasses.replace(machine, **what_if)

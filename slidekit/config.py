@@ -198,7 +198,9 @@ class RunConfig:
     dir: str | None = None  # run directory (checkpoints/, metrics.jsonl, config.json); None: keep nothing
     checkpoint_every: int = 0  # steps between checkpoints; 0: only at the end (and when interrupted)
     keep: int = 2  # complete checkpoints to keep
-    resume: bool = False  # continue bitwise from the newest checkpoint in dir/checkpoints
+    resume: bool | int | str = False  # continue bitwise from a checkpoint: True or "latest" for the newest
+    # intact one in dir/checkpoints (damaged ones are moved aside), a step (an int, or a string of digits)
+    # for that step's checkpoint there, any other string for a checkpoint directory's path
     export_dir: str | None = None  # write the final model here as a Hugging Face directory
     export_dtype: str = "bfloat16"  # dtype of the exported weights: bfloat16, float16 or float32
     trace: str | None = None  # write a Chrome trace of the pipeline here (relative: to the current directory)
@@ -220,8 +222,23 @@ class RunConfig:
                 raise ConfigError(f"run.{name} must be a directory path, or None; got {value!r}")
         if self.trace is not None and not self.trace.strip():
             raise ConfigError("run.trace must be a file path such as trace.json, or None for no trace")
-        if self.resume and not self.dir:
+        if self.resume_target() is not None and not self.dir:
             raise ConfigError("run.resume needs run.dir (CLI: --run-dir) to find the checkpoints in")
+
+    def resume_target(self) -> int | str | None:
+        """What ``resume`` asks for: None (start fresh), "latest", a step number or a checkpoint path."""
+        value = self.resume
+        if isinstance(value, bool):
+            return "latest" if value else None
+        if isinstance(value, int) and value >= 0:
+            return value
+        if isinstance(value, str) and value.strip():
+            text = value.strip()
+            return int(text) if text.isascii() and text.isdigit() else text
+        raise ConfigError(
+            f"run.resume must be true/false, 'latest', a step number >= 0 or a checkpoint directory's path, "
+            f"got {value!r}"
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -27,13 +27,18 @@ Host RAM
 Disk (``engine.offload_dir``)
     state, activations on tiers whose medium is "disk"
 
+Run directory (``run.dir``)
+    checkpoints  the checkpoints the run must find room for at once, up to ``run.keep + 1``
+                 (``slidekit.run_space``); on the offload directory's file system, after the offload files
+
 The layer-working term follows the tensors ``slidekit.models.decoder.layer_forward``
 keeps for backward (per token: 4 hidden-sized, 3 head-sized per query head and
 2 per key/value head, and the SwiGLU's gate, up and output, then their three
 gradients); ``tests/gpu/test_planner.py`` checks the GPU total against
 ``torch.cuda.max_memory_allocated`` within 10% on the H200.
 
-``Planner.recommend`` walks the placements from fastest to slowest (more
+A run directory that lacks that room is refused up front too, instead of at the first checkpoint,
+after training. ``Planner.recommend`` walks the placements from fastest to slowest (more
 units resident on the GPU; activations on the device, then in RAM; state in
 RAM, then a growing share on disk) and returns the first that fits. The
 trainer refuses a configuration that does not fit before it allocates
@@ -58,6 +63,7 @@ from slidekit.config import resident_fraction
 from slidekit.errors import ConfigError
 from slidekit.models.base import ArchSpec
 from slidekit.plan import place_state, plan_residency, ring_numel
+from slidekit.run_space import checkpoint_bytes, checkpoint_writes, run_dir_need
 from slidekit.telemetry import proc_sizes
 
 if TYPE_CHECKING:
@@ -146,10 +152,13 @@ class Machine:
     host_available: int
     host_total: int
     disk_free: int | None = None  # None: no offload directory given
+    run_dir_free: int | None = None  # free space where run.dir lives; None: no run directory
+    run_dir_checkpoints: int = 0  # step-* checkpoints already in the run directory
+    run_dir_shares_disk: bool = False  # the run directory is on the offload directory's file system
 
     @classmethod
-    def probe(cls, device: object, offload_dir: str | None) -> Machine:
-        """Measure this machine, for ``device`` (a torch.device) and ``offload_dir``."""
+    def probe(cls, device: object, offload_dir: str | None, run_dir: str | None = None) -> Machine:
+        """Measure this machine, for ``device`` (a torch.device), ``offload_dir`` and ``run_dir``."""
         import torch
 
         dev = torch.device(str(device))
@@ -161,12 +170,17 @@ class Machine:
         info = proc_sizes("/proc/meminfo")
         host_total = info.get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         host_available = info.get("MemAvailable", host_total)
-        disk = None
+        disk = run_free = None
+        existing, shared = 0, False
         if offload_dir:
-            path = Path(offload_dir).expanduser()
-            while not path.exists() and path != path.parent:
-                path = path.parent  # the directory may not exist yet: ask its file system
-            disk = shutil.disk_usage(path).free
+            disk = shutil.disk_usage(_existing(offload_dir)).free
+        if run_dir:
+            from slidekit.checkpoint import step_dirs
+
+            run_free = shutil.disk_usage(_existing(run_dir)).free
+            existing = len(step_dirs(Path(run_dir).expanduser() / "checkpoints"))
+            if offload_dir:
+                shared = os.stat(_existing(run_dir)).st_dev == os.stat(_existing(offload_dir)).st_dev
         return cls(
             device_type=kind,
             device_free=free,
@@ -174,6 +188,9 @@ class Machine:
             host_available=host_available,
             host_total=host_total,
             disk_free=disk,
+            run_dir_free=run_free,
+            run_dir_checkpoints=existing,
+            run_dir_shares_disk=shared,
         )
 
     def describe(self) -> str:
@@ -183,7 +200,17 @@ class Machine:
         parts.append(f"RAM {fmt_gib(self.host_available)} available of {fmt_gib(self.host_total)}")
         if self.disk_free is not None:
             parts.append(f"disk {fmt_gib(self.disk_free)} free")
+        if self.run_dir_free is not None:
+            parts.append(f"run directory {fmt_gib(self.run_dir_free)} free")
         return ", ".join(parts)
+
+
+def _existing(directory: str) -> Path:
+    """``directory``, or its nearest existing ancestor (it may not exist yet: ask its file system)."""
+    path = Path(directory).expanduser()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -195,6 +222,8 @@ class Estimate:
     device: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
     disk: dict[str, int] = field(default_factory=dict)
+    run_dir: dict[str, int] = field(default_factory=dict)  # checkpoints in run.dir
+    run_dir_fix: str = ""  # what to do when the run directory lacks room
 
     @property
     def device_bytes(self) -> int:
@@ -208,8 +237,32 @@ class Estimate:
     def disk_bytes(self) -> int:
         return sum(self.disk.values())
 
+    @property
+    def run_dir_bytes(self) -> int:
+        return sum(self.run_dir.values())
+
     def shortfalls(self, machine: Machine) -> list[str]:
-        """One line per medium that lacks room, with the numbers (empty when the placement fits)."""
+        """One line per medium that lacks room, with the numbers (empty when the run fits)."""
+        return self._placement_shortfalls(machine) + self._run_dir_shortfalls(machine)
+
+    def placement_fits(self, machine: Machine) -> bool:
+        """Whether GPU, RAM and offload disk hold the placement (the run directory aside)."""
+        return not self._placement_shortfalls(machine)
+
+    def _run_dir_shortfalls(self, machine: Machine) -> list[str]:
+        need = self.run_dir_bytes
+        if not need or machine.run_dir_free is None:
+            return []
+        free = machine.run_dir_free - (self.disk_bytes if machine.run_dir_shares_disk else 0)
+        if need <= free:
+            return []
+        shared = " after the offload files (the same file system)" if machine.run_dir_shares_disk else ""
+        return [
+            f"run directory: needs {fmt_gib(need)} ({_parts(self.run_dir)}), has {fmt_gib(max(free, 0))} "
+            f"free{shared}: {self.run_dir_fix}"
+        ]
+
+    def _placement_shortfalls(self, machine: Machine) -> list[str]:
         out = []
         host_need = self.host_bytes
         if machine.device_free is None:  # CPU: "device" buffers are host memory
@@ -247,7 +300,13 @@ class Estimate:
     def table(self, device: str = "GPU") -> str:
         """The components, one per line, grouped by medium (``device`` names the compute device)."""
         lines = []
-        for medium, parts in ((device, self.device), ("host RAM", self.host), ("disk", self.disk)):
+        media = (
+            (device, self.device),
+            ("host RAM", self.host),
+            ("disk", self.disk),
+            ("run directory", self.run_dir),
+        )
+        for medium, parts in media:
             if not parts:
                 continue
             lines.append(f"  {medium:<24} {fmt_gib(sum(parts.values())):>12}")
@@ -291,6 +350,8 @@ class Planner:
         device_updates: bool = True,
         keep_grads: bool = False,
         linear_state: bool = True,
+        checkpoint_keep: int | None = None,
+        checkpoint_writes: int = 0,
     ) -> None:
         self.spec = spec
         self.workload = workload
@@ -310,6 +371,8 @@ class Planner:
         self.linear_state = (
             linear_state  # gradients come down in layer-sized pieces (slidekit.plan.ring_numel)
         )
+        self.checkpoint_keep = checkpoint_keep  # run.keep (None: every checkpoint is kept)
+        self.checkpoint_writes = checkpoint_writes  # checkpoints the run writes at most (0: no run.dir)
 
     @classmethod
     def for_run(
@@ -337,6 +400,8 @@ class Planner:
             device_updates=bool(getattr(optimizer, "device_capable", False)),
             keep_grads=oc.max_grad_norm is not None or oc.on_nonfinite == "skip",
             linear_state=is_linear(optimizer),
+            checkpoint_keep=config.run.keep,
+            checkpoint_writes=checkpoint_writes(config),
         )
 
     # ------------------------------------------------------------------ pieces
@@ -384,6 +449,10 @@ class Planner:
             self.loss_workspace, 3 * 4 * n * sp.vocab_size
         )  # no kernel keeps 3 FP32 copies of all logits
         return 2 * n * sp.hidden_size * s + sp.vocab_size * sp.hidden_size * s + logits + 8 * n
+
+    def checkpoint_bytes(self) -> int:
+        """Disk space of one checkpoint: every unit's FP32 master and optimizer state, and its files."""
+        return checkpoint_bytes(self.numels, self.state)
 
     # ------------------------------------------------------------------ estimates
 
@@ -456,7 +525,18 @@ class Planner:
         if state["disk"]:
             disk["state"] = int(state["disk"])
         host = {k: int(v) for k, v in host.items()}
-        return Estimate(placement=placement, resident=res, device=device, host=host, disk=disk)
+        run_dir, fix = run_dir_need(
+            self.checkpoint_bytes(), self.checkpoint_keep, self.checkpoint_writes, machine.run_dir_checkpoints
+        )
+        return Estimate(
+            placement=placement,
+            resident=res,
+            device=device,
+            host=host,
+            disk=disk,
+            run_dir=run_dir,
+            run_dir_fix=fix,
+        )
 
     # ------------------------------------------------------------------ recommendations
 
@@ -500,7 +580,7 @@ class Planner:
         where the machine has an offload directory (``disk_free`` known)."""
         for placement in self.candidates(base, disk_tier if machine.disk_free is not None else None):
             est = self.estimate(placement, machine)
-            if est.fits(machine):
+            if est.placement_fits(machine):  # no placement gives the run directory more room
                 return est
         return None
 
@@ -549,7 +629,7 @@ def plan_run(
     setup = resolve(config, plugins)
     optimizer = build_optimizer(config, setup)
     planner = Planner.for_run(config, setup, optimizer=optimizer, plugins=plugins)
-    machine = machine or Machine.probe(setup.device, config.engine.offload_dir)
+    machine = machine or Machine.probe(setup.device, config.engine.offload_dir, config.run.dir)
     placement = Placement.of(config.engine)
     requested = planner.estimate(placement, machine)
     recommended = planner.recommend(placement, machine)

@@ -3,7 +3,8 @@
     RUN_DIR/
       config.json      the effective TrainConfig (written atomically when the run starts)
       metrics.jsonl    one JSON object per step: step, loss, tokens/s, grad norm, lane timings, ...
-      checkpoints/     step-NNNNNNNN/ directories (slidekit.checkpoint), the newest ``keep`` of them
+      checkpoints/     step-NNNNNNNN/ directories (slidekit.checkpoint), the newest ``keep`` of them;
+                       damaged-step-* / superseded-step-*: ones a resume moved aside (slidekit.resume)
       run.lock         the pid and host of the process running in it (flock-ed while it runs)
 
 A checkpoint holds the engine's masters and optimizer state (see
@@ -41,6 +42,7 @@ from slidekit.atomic import write_text_atomically
 from slidekit.engine import snapshot
 from slidekit.errors import ConfigError
 from slidekit.paths import describe, directory_path
+from slidekit.resume import restore
 
 if TYPE_CHECKING:
     from slidekit.config import TrainConfig
@@ -73,6 +75,7 @@ class RunDirectory:
         self.checkpoints = self.path / "checkpoints"
         self.last_saved: int | None = None
         self.last_path: Path | None = None  # the newest checkpoint known to be complete
+        self.resumed_from: Path | None = None  # the checkpoint ``resume`` restored
         self._handles: list[ck.SaveHandle] = []
         self._metrics: Any = None
         self.writer: ck.CheckpointWriter | None = None
@@ -144,27 +147,21 @@ class RunDirectory:
         for h in handles:
             self.last_path = h.result()
 
-    def resume(self, engine: Engine) -> dict[str, Any]:
-        """Load the newest complete checkpoint into the engine; return its metadata."""
-        path = ck.latest(self.checkpoints)
-        if path is None:
-            raise ConfigError(
-                f"nothing to resume: {self.checkpoints} holds no complete checkpoint; "
-                "start without resume, or point run.dir at the run you want to continue"
-            )
-        meta = ck.load_meta(path)
-        mine = self.model_identity(engine)
-        theirs = meta.get("model", {})
-        if theirs != mine:
-            raise ck.CheckpointMismatch(
-                f"checkpoint {path} was written for model {theirs}, this run has {mine}; resume with the "
-                "model and configuration that wrote it, or use a fresh run directory"
-            )
-        snapshot.restore(engine, path)
+    def resume(
+        self, engine: Engine, target: int | str = "latest", identity: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Load checkpoint ``target`` into the engine and return its metadata (``slidekit.resume``):
+        "latest" is the newest that restores cleanly (damaged ones are moved aside), a step or a path
+        that checkpoint. ``identity`` (``slidekit.identity``) is what the checkpoint must match; by
+        default the engine's architecture."""
+        if identity is None:
+            identity = {f"model.{k}": v for k, v in self.model_identity(engine).items()}
+        path, meta = restore(engine, self.checkpoints, target, identity)
         engine.steps_done = int(meta["step"])
         engine.updates_applied = int(meta["updates_applied"])
         self.last_saved, self.last_path = engine.steps_done, path
         self._drop_metrics_after(engine.steps_done)
+        self.resumed_from = path
         return meta
 
     def _drop_metrics_after(self, step: int) -> None:

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from slidekit.config import DEFAULT_LR, DEMO_LR, TrainConfig
+from slidekit import leftovers, owned
+from slidekit.config import TrainConfig
 from slidekit.data import Batch, DataSpec, PackedDataset, build_datasets, load_tokenizer
 from slidekit.devices import device_family
 from slidekit.engine import (
@@ -43,6 +44,7 @@ from slidekit.engine import (
 )
 from slidekit.errors import ConfigError, ModelLoadError
 from slidekit.export import ExportError, check_dtype, check_target, export_guards, export_model
+from slidekit.identity import changed_settings, effective_lr, run_identity
 from slidekit.interfaces import ParamGroupRange, StorageTier, TierContext
 from slidekit.models.base import UnitLayout
 from slidekit.models.loading import (
@@ -52,6 +54,7 @@ from slidekit.models.loading import (
     load_unit_weights,
     weight_files,
 )
+from slidekit.owned import Leftover
 from slidekit.plan import place_state, plan_memory
 from slidekit.planner import Estimate, Machine, Placement, Planner
 from slidekit.plugins import Plugins, Selection
@@ -149,8 +152,7 @@ class Trainer:
         self.hf_config, self.model_dir = setup.hf_config, setup.model_dir
         self.selections: dict[str, Selection] = setup.selections
         self.notes = [s.reason for s in self.selections.values() if s.automatic]
-        default_lr = DEMO_LR if config.model.source == DEMO_MODEL else DEFAULT_LR
-        self.lr: float = config.optim.lr if config.optim.lr is not None else default_lr
+        self.lr: float = effective_lr(config.model.source, config.optim.lr)
         if config.optim.lr is None:
             self.notes.append(f"learning rate {self.lr:g} (the default for this model; set optim.lr / --lr)")
 
@@ -159,6 +161,8 @@ class Trainer:
         self.run: RunDirectory | None = None
         self._datasets: tuple[PackedDataset, PackedDataset | None] | None = None
         self._consumed = 0  # batches taken from the configured data (restored on resume)
+        self._identity: dict[str, Any] | None = None
+        self._kept_leftovers: list[Leftover] = []  # other runs' offload files, named if space runs short
         try:
             if config.run.export_dir:  # a target the export would refuse is refused before any training
                 check_target(
@@ -170,12 +174,21 @@ class Trainer:
                 hook = self._fault_hook
                 on_stage = (lambda stage, _detail: hook(f"checkpoint:{stage}")) if hook else None
                 self.run = RunDirectory(config, progress=on_stage)
+            reclaimed = leftovers.reclaim(config)  # before planning: what killed runs left is free again
+            self._kept_leftovers = reclaimed.kept
+            self.notes += reclaimed.notes(config.engine.offload_dir)
             self._engine = self._build_engine()
-            if config.run.resume:
+            if self.run is not None:
+                self.identity()  # fingerprint the weights and data as they are now, before training
+            target = config.run.resume_target()
+            if target is not None:
                 assert self.run is not None
-                meta = self.run.resume(self._engine)
+                meta = self.run.resume(self._engine, target, self.identity())
                 self._consumed = int(meta["batches_consumed"])
-                self.notes.append(f"resumed from step {self._engine.steps_done} ({self.run.checkpoints})")
+                self.notes.append(f"resumed from step {self._engine.steps_done} ({self.run.resumed_from})")
+                changed = changed_settings(meta.get("config", {}), config.to_dict())
+                if changed:
+                    self.notes.append("resumed with changed settings: " + "; ".join(changed))
             else:
                 self._load_weights()
         except BaseException:
@@ -262,7 +275,7 @@ class Trainer:
     def machine(self) -> Machine:
         """What this machine has for the run (measured once, unless given to the constructor)."""
         if self._machine is None:
-            self._machine = Machine.probe(self.device, self.config.engine.offload_dir)
+            self._machine = Machine.probe(self.device, self.config.engine.offload_dir, self.config.run.dir)
         return self._machine
 
     def _plan_residency(self, planner: Planner, optimizer: Any) -> list[bool]:
@@ -293,8 +306,15 @@ class Trainer:
         problems = self.estimate.shortfalls(machine)
         if not problems:
             return
+        if self._kept_leftovers and any(p.startswith("disk") for p in problems):
+            problems.append(
+                "the offload directory also holds other slidekit processes' files, left alone (their "
+                f"owners live, or cannot be told): {owned.describe(self._kept_leftovers)}"
+            )
         better = planner.recommend(placement, machine)
-        if better is not None:
+        if self.estimate.placement_fits(machine):
+            fix = "the placement fits; only the run directory lacks room"
+        elif better is not None:
             fix = f"this placement fits: {better.placement.flags()}"
         else:
             fix = (
@@ -503,9 +523,16 @@ class Trainer:
             "batches_consumed": self._consumed,
             "model": RunDirectory.model_identity(engine),
             "config": self.config.to_dict(),
+            "identity": self.identity(),
         }
         deferred = self.config.optim.max_grad_norm is not None or self.config.optim.on_nonfinite == "skip"
         return self.run.save(engine, meta, deferred_updates=deferred)
+
+    def identity(self) -> dict[str, Any]:
+        """What a resume of this run may not change (``slidekit.identity``), computed once."""
+        if self._identity is None:
+            self._identity = run_identity(self.config, self.spec, self.model_dir)
+        return self._identity
 
     def _step(self, engine: Engine, step: int, micro: list[Batch], result: FitResult) -> dict[str, float]:
         """One optimizer step; records it in ``result`` and returns its metrics."""
@@ -585,6 +612,7 @@ class Trainer:
         """
         engine = self.engine
         check_dtype(dtype)
+        self.notes += leftovers.reclaim_export(out)
         saved: Path | None = None
         if self.run is not None:
             if self.run.last_saved != engine.steps_done:

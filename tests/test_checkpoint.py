@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -337,17 +338,30 @@ def test_crash_before_rename_keeps_the_previous_checkpoint(make_writer, tmp_path
     assert same_bits(ck.read(good, "master/0"), tensors(1)["master/0"])
 
 
-def test_disk_full_error_names_the_fix(make_writer, tmp_path):
+@pytest.mark.parametrize(
+    ("keep", "fix"),
+    [
+        (3, r"keep fewer checkpoints \(keep=3 now\)"),
+        (1, r"larger disk \(keep=1 still needs room for 2 checkpoints\)"),
+        (None, r"bound the checkpoints kept"),
+    ],
+)
+def test_disk_full_error_names_the_fix(make_writer, tmp_path, keep, fix):
     def progress(stage: str, detail: str) -> None:
         if stage == "array" and detail == "master/1":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    w = make_writer(progress=progress, keep=3)
+    w = make_writer(progress=progress, keep=keep)
     handle = w.save(1, tensors())
-    with pytest.raises(
-        ck.CheckpointError, match=r"No space left.*array 'master/1'.*free space where .*keep=3"
-    ):
-        handle.result(timeout=30)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors().values())
+    error = handle.exception(timeout=30)
+    text = str(error)
+    assert isinstance(error, ck.CheckpointError)
+    assert re.search(r"No space left.*array 'master/1'.*free space where ", text), text
+    assert f"a checkpoint takes {nbytes / 2**30:.2f} GiB" in text and "GiB are free" in text
+    assert re.search(fix, text), text
+    if keep == 1:
+        assert "keep fewer" not in text  # there is no fewer than one
     assert tmp_dirs(tmp_path / "ckpt") == [] and ck.latest(tmp_path / "ckpt") is None
 
 
@@ -410,6 +424,50 @@ def test_cleanup_spares_a_tmp_dir_whose_writer_is_alive(make_writer, tmp_path):
     finally:
         os.close(fd)
     assert ck.latest(directory).name == "step-00000001" and not live.exists() and young.is_dir()
+
+
+_KILLED_IN_RETENTION = """
+import os, shutil, sys, torch
+from slidekit import checkpoint as ck
+real = shutil.rmtree
+def rmtree(path, *args, **kwargs):
+    if ".tmp-delete-" in str(path):
+        os._exit(17)  # killed between retention's rename and its delete
+    return real(path, *args, **kwargs)
+shutil.rmtree = rmtree
+w = ck.CheckpointWriter(sys.argv[1], keep=1, chunk_bytes=64)
+w.save(1, {"w": torch.arange(100.0)}, {"step": 1}).result()
+w.save(2, {"w": torch.arange(100.0) * 2}, {"step": 2}).result()
+"""
+
+
+def test_a_kill_during_retention_leaves_nothing_after_the_next_cleanup(tmp_path):
+    directory = tmp_path / "ckpt"
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_IN_RETENTION, str(directory)], capture_output=True, timeout=120
+    )
+    assert proc.returncode == 17, proc.stderr.decode()
+    (left,) = tmp_dirs(directory)
+    assert left.name.startswith(".tmp-delete-step-00000001-")  # seconds old: no writer's work in progress
+    assert ck.remove_leftovers(directory) == [left] and tmp_dirs(directory) == []
+    path = ck.latest(directory)
+    assert path is not None and path.name == "step-00000002" and ck.load_meta(path) == {"step": 2}
+
+
+def test_quarantine_moves_a_damaged_checkpoint_aside_and_frees_its_step(make_writer, tmp_path):
+    directory = tmp_path / "ckpt"
+    w = make_writer(keep=None)
+    good = save_ok(w, 1, seed=1)
+    bad = save_ok(w, 2, seed=2)
+    (bad / "meta.json").write_text("{}")
+    with pytest.warns(RuntimeWarning, match=r"skipping damaged checkpoint .*meta\.json.*moved it aside to"):
+        assert ck.latest(directory, quarantine=True) == good
+    (aside,) = directory.glob("damaged-step-00000002-*")
+    assert not bad.exists() and "meta.json does not match" in (aside / "DAMAGED.txt").read_text()
+    assert [s for s, _ in ck.step_dirs(directory)] == [1]
+    assert save_ok(w, 2, seed=3) == bad  # the step can be written again, without overwrite=True
+    assert ck.latest(directory) == bad and same_bits(ck.read(bad, "master/0"), tensors(3)["master/0"])
+    assert aside.is_dir()  # nothing was deleted: a person decides
 
 
 # --------------------------------------------------------------------------- damage and mismatch

@@ -119,6 +119,21 @@ def test_toml_file_and_flags_land_on_the_same_config(tmp_path):
     assert from_dict(cfg.to_dict()) == cfg  # what a run saves reads back to the same configuration
 
 
+@pytest.mark.parametrize(
+    ("argv", "value", "target"),
+    [
+        ([], False, None),
+        (["--resume"], True, "latest"),
+        (["--resume", "40"], "40", 40),
+        (["--resume", "runs/a/step-00000040"], "runs/a/step-00000040", "runs/a/step-00000040"),
+        (["--resume", "--steps", "9"], True, "latest"),  # a flag after it is not its value
+    ],
+)
+def test_resume_takes_nothing_a_step_or_a_path(argv, value, target):
+    cfg = config_from_args(build_parser().parse_args(["finetune", "--run-dir", "runs/a", *argv]))
+    assert cfg.run.resume == value and cfg.run.resume_target() == target
+
+
 def test_bad_toml_names_the_file_and_the_setting(tmp_path, capsys):
     toml = tmp_path / "bad.toml"
     toml.write_text("[optim]\nlearning_rate = 1e-4\n")

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from slidekit import DataConfig, EngineConfig, ModelConfig, OptimConfig, TrainConfig
+from slidekit import DataConfig, EngineConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 from slidekit.errors import ConfigError
 
 
@@ -37,6 +37,23 @@ from slidekit.errors import ConfigError
 def test_invalid_values_are_named(build, match):
     with pytest.raises(ConfigError, match=match):
         build()
+
+
+def test_resume_accepts_a_flag_a_step_or_a_path():
+    assert RunConfig().resume_target() is None
+    assert RunConfig(dir="r", resume=True).resume_target() == "latest"
+    assert RunConfig(dir="r", resume="latest").resume_target() == "latest"
+    assert RunConfig(dir="r", resume=12).resume_target() == 12
+    assert RunConfig(dir="r", resume=" 12 ").resume_target() == 12
+    assert (
+        RunConfig(dir="r", resume="r/checkpoints/step-00000012").resume_target()
+        == "r/checkpoints/step-00000012"
+    )
+    for bad in (-1, "", "  ", 1.5):
+        with pytest.raises(ConfigError, match=rf"run.resume must be .*got {bad!r}"):
+            RunConfig(dir="r", resume=bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"run.resume needs run.dir"):
+        RunConfig(resume=3)
 
 
 def test_configs_are_frozen():

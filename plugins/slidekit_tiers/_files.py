@@ -1,14 +1,18 @@
 """What the file-backed tiers (``posix``, ``gds``) share: the offload directory, region files, futures.
 
 A file-backed tier keeps each region in a file of its own, inside a private
-subdirectory ``slidekit-<tier>-<pid>-XXXX`` of ``TierContext.directory``.
+subdirectory ``slidekit-<tier>-<pid>-XXXX`` of ``TierContext.directory``, which
+names its owner (``slidekit.owned``: an ``.owner`` file the tier holds an flock
+on while it lives).
 Files are rounded up to ``ALIGN`` bytes (the page size and the largest
 logical block size O_DIRECT and GPUDirect Storage ask for) and reserved up
 front with ``posix_fallocate``, so a full disk fails at ``allocate`` with the
 bytes needed and the bytes free instead of halfway through training. Files go
 when their region is freed, when the tier closes, when it is garbage
 collected, and at interpreter exit (a ``weakref.finalize``, which also runs at
-exit); a ``kill -9`` leaves the subdirectory behind, named after the pid.
+exit); a ``kill -9`` leaves the subdirectory behind, and the next run's start
+removes it (``slidekit.owned.reclaim``: the lock of a dead owner is free), while
+a live run's subdirectory, whose lock is held, is never touched.
 
 A region freed while I/O on it is still in flight is closed and unlinked
 when the last of that I/O completes, so a descriptor is never closed (and
@@ -23,7 +27,6 @@ import contextlib
 import errno
 import os
 import shutil
-import tempfile
 import threading
 import weakref
 from collections.abc import Callable
@@ -35,6 +38,7 @@ import torch
 
 from slidekit.errors import ConfigError
 from slidekit.interfaces import TierStats
+from slidekit.owned import OwnedDir
 
 __all__ = [
     "ALIGN",
@@ -80,7 +84,7 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
 
-def _make_root(directory: str | None, tier: str) -> str:
+def _make_root(directory: str | None, tier: str) -> OwnedDir:
     """Check the offload directory and create this tier's private subdirectory in it."""
     if directory is None:
         raise ConfigError(
@@ -93,7 +97,7 @@ def _make_root(directory: str | None, tier: str) -> str:
     if not os.path.isdir(directory):
         raise ConfigError(f"the {tier} tier's directory {directory!r} is not a directory: {_FIX_DIR}")
     try:
-        return tempfile.mkdtemp(prefix=f"slidekit-{tier}-{os.getpid()}-", dir=directory)
+        return OwnedDir.create(directory, f"slidekit-{tier}-")
     except OSError as e:
         raise ConfigError(
             f"the {tier} tier cannot create files in {directory!r} ({e.strerror}): "
@@ -153,7 +157,7 @@ def _discard(region: Region, close_file: Callable[[Any], None]) -> None:
 
 
 def _remove_all(
-    regions: dict[str, Region], lock: threading.Lock, root: str, close_file: Callable[[Any], None]
+    regions: dict[str, Region], lock: threading.Lock, owned: OwnedDir, close_file: Callable[[Any], None]
 ) -> None:
     with lock:
         doomed = list(regions.values())
@@ -161,7 +165,8 @@ def _remove_all(
     for region in doomed:
         with contextlib.suppress(Exception):  # cleanup at exit or GC must not raise; rmtree still runs
             _discard(region, close_file)
-    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(owned.path, ignore_errors=True)
+    owned.release()  # after the files are gone: a locked directory is never mistaken for a leftover
 
 
 class RegionFiles:
@@ -175,7 +180,8 @@ class RegionFiles:
         close_file: Callable[[Any], None],
     ) -> None:
         self.tier = tier
-        self.root = _make_root(directory, tier)
+        self._owned = _make_root(directory, tier)
+        self.root = self._owned.path
         self.reserved = True  # False once a file system could not reserve space up front
         self._close = close_file
         self._regions: dict[str, Region] = {}
@@ -183,7 +189,7 @@ class RegionFiles:
         self._seq = 0
         # Runs on close(), on garbage collection and at interpreter exit, whichever comes first.
         self._finalizer = weakref.finalize(
-            self, _remove_all, self._regions, self._lock, self.root, close_file
+            self, _remove_all, self._regions, self._lock, self._owned, close_file
         )
 
     def allocate(self, key: str, nbytes: int, open_file: Callable[[str], Any]) -> None:

@@ -39,7 +39,8 @@ def _make(directory: Path | str | None, **options: object) -> PosixTier:
 
 
 def _files(tier: PosixTier) -> list[str]:
-    return sorted(os.listdir(tier.root))
+    """The tier's region files (not the .owner file that marks the directory as a live run's)."""
+    return sorted(f for f in os.listdir(tier.root) if f != ".owner")
 
 
 # --------------------------------------------------------------------------- conformance

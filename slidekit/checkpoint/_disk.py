@@ -1,0 +1,189 @@
+"""Checkpoint directories on disk: fsync helpers, writer locks, temporary directories, retention.
+
+See ``slidekit.checkpoint`` for the commit protocol these implement.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+from slidekit.checkpoint._format import _LOCK, _STEP_DIR, CheckpointError, _step_name
+
+_STALE_UNLOCKED_S = 60.0  # a .tmp-* dir without a lock file is a writer's only before its first instant
+_DOOMED = (".tmp-delete-", ".tmp-replaced-")  # checkpoints renamed aside to be deleted (retention, overwrite)
+
+# --------------------------------------------------------------------------- small file-system helpers
+
+
+def _fsync_path(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dirs(root: Path) -> None:
+    """fsync every directory under ``root`` (files are synced by their writers: tensorstore's
+    ``file_io_sync`` for zarr files, ``_write_synced`` for ours), deepest first, so entries are durable."""
+    for dirpath, _dirs, _files in os.walk(root, topdown=False):
+        _fsync_path(Path(dirpath), directory=True)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _lock_held(tmp: Path) -> bool | None:
+    """Whether a live writer holds ``tmp``'s lock (None: there is no lock file)."""
+    try:
+        fd = os.open(tmp / _LOCK, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing our own descriptor drops only our flock, never the writer's
+    return False
+
+
+def _cleanup_tmp(directory: Path) -> list[Path]:
+    """Remove ``.tmp-*`` directories that no live writer owns (left by crashes, kills or failed saves).
+
+    ``.tmp-delete-*`` (retention) and ``.tmp-replaced-*`` (``overwrite``) directories are checkpoints
+    renamed aside to be deleted, never work in progress: they go at once, whatever their age. A
+    ``.tmp-step-*`` directory goes once its writer's lock is free, or, before the writer took the lock,
+    once it is older than a minute. Returns the directories removed.
+    """
+    removed = []
+    for entry in sorted(directory.glob(".tmp-*")):
+        if not entry.is_dir():
+            continue
+        if not entry.name.startswith(_DOOMED):
+            held = _lock_held(entry)
+            if held or (held is None and time.time() - entry.stat().st_mtime < _STALE_UNLOCKED_S):
+                continue
+        shutil.rmtree(entry, ignore_errors=True)
+        if not entry.exists():
+            removed.append(entry)
+    return removed
+
+
+def _remove_checkpoint(path: Path) -> None:
+    aside = path.with_name(f"{_DOOMED[0]}{path.name}-{secrets.token_hex(4)}")
+    os.rename(path, aside)  # a crash from here on leaves a .tmp-* dir, never a half-deleted step-*
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _step_dirs(directory: Path) -> list[tuple[int, Path]]:
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in directory.iterdir():
+        m = _STEP_DIR.match(entry.name)
+        if m and entry.is_dir():
+            found.append((int(m.group(1)), entry))
+    return sorted(found)
+
+
+def _make_tmp(directory: Path, step: int) -> tuple[Path, int]:
+    while True:
+        tmp = directory / f".tmp-{_step_name(step)}-{secrets.token_hex(4)}"
+        try:
+            tmp.mkdir()
+            break
+        except FileExistsError:
+            continue
+    fd = os.open(tmp / _LOCK, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # tells _cleanup_tmp (any process) that this directory is alive
+    return tmp, fd
+
+
+def step_dirs(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """Every ``step-*`` directory in ``directory`` as ``(step, path)``, oldest first (damaged ones too)."""
+    return _step_dirs(Path(directory))
+
+
+def step_dir(directory: str | os.PathLike[str], step: int) -> Path:
+    """Where checkpoint ``step`` lives (or would live) in ``directory``."""
+    return Path(directory) / _step_name(step)
+
+
+def remove_leftovers(directory: str | os.PathLike[str]) -> list[Path]:
+    """Remove what crashed or killed writers left in ``directory`` (``.tmp-*`` directories no live writer
+    owns: interrupted saves, and checkpoints a kill caught mid-deletion); return what was removed."""
+    directory = Path(directory)
+    return _cleanup_tmp(directory) if directory.is_dir() else []
+
+
+def set_aside(path: str | os.PathLike[str], kind: str, reason: str) -> Path:
+    """Rename checkpoint ``path`` to ``<kind>-step-N-<UTC time>`` beside it, with ``<KIND>.txt`` inside
+    saying why, so that no resume takes it and the run can write step N again. Returns the new path.
+
+    Nothing is deleted: the data stays for a person to inspect (and delete)."""
+    path = Path(path)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    aside = path.with_name(f"{kind}-{path.name}-{stamp}")
+    while aside.exists():
+        aside = path.with_name(f"{kind}-{path.name}-{stamp}-{secrets.token_hex(2)}")
+    os.rename(path, aside)
+    _fsync_path(path.parent, directory=True)
+    with contextlib.suppress(OSError):  # the note is a courtesy: a damaged directory may refuse it
+        note = f"set aside by slidekit at {stamp}: {reason}\nDelete this directory once inspected.\n"
+        _write_synced(aside / f"{kind.upper()}.txt", note.encode())
+    return aside
+
+
+def quarantine(path: str | os.PathLike[str], reason: str) -> Path:
+    """Move damaged checkpoint ``path`` aside to ``damaged-step-N-<UTC time>`` (``set_aside``)."""
+    return set_aside(path, "damaged", reason)
+
+
+def save_error(
+    step: int, where: str, nbytes: int, exc: BaseException, directory: Path, keep: int | None
+) -> CheckpointError:
+    """The error of a failed save of ``nbytes``, with the fix: a full disk says how much was needed."""
+    text = f"{type(exc).__name__}: {exc}"
+    code = getattr(exc, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or any(
+        s in text for s in ("No space left", "quota", "File too large")
+    ):
+        hint = _space_hint(nbytes, directory, keep)
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS) or any(
+        s in text for s in ("Permission denied", "Read-only file system")
+    ):
+        hint = f"make {directory} writable by this process"
+    else:
+        hint = "see the chained exception"
+    err = CheckpointError(
+        f"checkpoint step {step} was not saved: {text} (while {where}). Fix: {hint}. The partial "
+        "write was removed; earlier checkpoints are untouched"
+    )
+    err.__cause__ = exc
+    return err
+
+
+def _space_hint(nbytes: int, directory: Path, keep: int | None) -> str:
+    free = None
+    with contextlib.suppress(OSError):
+        free = shutil.disk_usage(directory if directory.is_dir() else directory.parent).free
+    have = "" if free is None else f", {free / 2**30:.2f} GiB are free there"
+    hint = f"free space where {directory} lives (a checkpoint takes {nbytes / 2**30:.2f} GiB{have})"
+    if keep is None:
+        return f"{hint}, or bound the checkpoints kept (keep=None keeps every one)"
+    if keep > 1:
+        return f"{hint}, or keep fewer checkpoints (keep={keep} now)"
+    # keep=1 cannot go lower: the newest is deleted only after the next one is committed
+    return f"{hint}, or put the run directory on a larger disk (keep=1 still needs room for 2 checkpoints)"

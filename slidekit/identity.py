@@ -1,0 +1,219 @@
+"""A run's identity: what a resume may not change, and what it may.
+
+Every checkpoint records the identity of the run that wrote it (``meta.json``, key ``"identity"``).
+A resume compares it with its own and refuses, naming each field and both values, any change to
+what decides which tokens a step sees, which update it applies, or what it starts from
+(``FIXED``):
+
+    model.weights           fingerprint of the initial weights (``slidekit.fingerprint``); the model
+                            directory may move, its weights may not change
+    model.tokenizer         fingerprint of the tokenizer files
+    model.<architecture>    model_type, layers, params, hidden_size, intermediate_size, heads, kv_heads,
+                            head_dim, vocab_size, rms_eps, tie_embeddings, sliding_window, flags, rope
+    data.file               sha256 of the training data file (its path may change, its bytes may not)
+    data.format, data.seq_len, data.batch_size, data.completion_only, data.packing,
+    data.eval_fraction, data.seed, grad_accum, seed
+    optim.name              the optimizer (its state would not fit another's anyway)
+    optim.lr                the peak learning rate, as used (the model's default when unset)
+    optim.schedule, optim.warmup_steps, optim.min_lr_ratio
+    optim.schedule_steps    the schedule's length: ``steps`` for linear and cosine; a constant schedule
+                            has no length, so a constant-rate run may be extended with more steps
+
+Everything else may change on resume. Tiers and placement (state tier, offload fraction, activation
+tier, GPU residency, window, buffers) leave every bit of the result unchanged by design; logging,
+tracing, checkpoint cadence and retention, the export, the run directory's other settings and the
+plugins have nothing to do with the arithmetic. The few allowed changes that do alter the
+arithmetic, an intervention a person makes on purpose (``NOTED``: the optimizer's betas, eps,
+weight decay and its exemptions, clipping, the policy for non-finite steps, the device, precision
+and kernels, and steps, data.path and model.source where they are allowed to differ), are listed in a
+note when the run resumes. A checkpoint from a slidekit that recorded no fingerprints is resumed with
+a warning naming the fields that could not be checked.
+
+Test: ``pytest tests/test_identity.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from slidekit.config import DEFAULT_LR, DEMO_LR
+
+if TYPE_CHECKING:
+    from slidekit.config import TrainConfig
+    from slidekit.models.base import ArchSpec
+
+__all__ = [
+    "FIXED",
+    "NOTED",
+    "architecture",
+    "changed_settings",
+    "differences",
+    "effective_lr",
+    "identity",
+    "run_identity",
+]
+
+#: Configuration fields a resume must keep (dotted paths into ``TrainConfig.to_dict()``).
+_CONFIG_FIXED = (
+    "data.format",
+    "data.seq_len",
+    "data.batch_size",
+    "data.completion_only",
+    "data.packing",
+    "data.eval_fraction",
+    "data.seed",
+    "grad_accum",
+    "seed",
+    "optim.name",
+    "optim.schedule",
+    "optim.warmup_steps",
+    "optim.min_lr_ratio",
+)
+_ARCH = (
+    "model_type",
+    "layers",
+    "params",
+    "hidden_size",
+    "intermediate_size",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "vocab_size",
+    "rms_eps",
+    "tie_embeddings",
+    "sliding_window",
+    "flags",
+    "rope",
+)
+#: Every identity field a resume must keep.
+FIXED = (
+    "model.weights",
+    "model.tokenizer",
+    *(f"model.{k}" for k in _ARCH),
+    "data.file",
+    *_CONFIG_FIXED,
+    "optim.lr",
+    "optim.schedule_steps",
+)
+#: Configuration fields a resume may change that alter the arithmetic: changes are listed in a note.
+NOTED = (
+    "model.source",
+    "data.path",
+    "steps",
+    "optim.betas",
+    "optim.eps",
+    "optim.weight_decay",
+    "optim.no_decay",
+    "optim.max_grad_norm",
+    "optim.on_nonfinite",
+    "engine.device",
+    "engine.compute_dtype",
+    "engine.kernels",
+)
+
+
+def _get(config: Mapping[str, Any], dotted: str) -> Any:
+    section, _, name = dotted.rpartition(".")
+    table = config.get(section, {}) if section else config
+    return table.get(name) if isinstance(table, Mapping) else None
+
+
+def effective_lr(source: str, lr: float | None) -> float:
+    """The peak learning rate a run uses: ``optim.lr``, or the default for its model when unset."""
+    if lr is not None:
+        return lr
+    return DEMO_LR if source == "demo" else DEFAULT_LR
+
+
+def architecture(spec: ArchSpec) -> dict[str, Any]:
+    """The identity fields of a model's architecture (``model.<name>``)."""
+    inv_freq, scaling = spec.rope_init()
+    rope = hashlib.sha256(
+        inv_freq.detach().cpu().double().numpy().tobytes() + repr(float(scaling)).encode()
+    ).hexdigest()
+    values = {
+        "model_type": spec.model_type,
+        "layers": spec.num_layers,
+        "params": spec.num_params,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "heads": spec.num_heads,
+        "kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size,
+        "rms_eps": spec.rms_eps,
+        "tie_embeddings": spec.tie_embeddings,
+        "sliding_window": spec.sliding_window,
+        "flags": asdict(spec.flags),
+        "rope": "sha256:" + rope,
+    }
+    return {f"model.{k}": values[k] for k in _ARCH}
+
+
+def identity(
+    config: Mapping[str, Any], *, model: Mapping[str, Any], fingerprints: Mapping[str, str | None]
+) -> dict[str, Any]:
+    """The identity of a run: ``config`` is ``TrainConfig.to_dict()``, ``model`` its ``architecture``
+    fields (or a part of them), ``fingerprints`` any of model.weights, model.tokenizer and data.file."""
+    out: dict[str, Any] = dict(model)
+    out.update(fingerprints)
+    for dotted in _CONFIG_FIXED:
+        out[dotted] = _get(config, dotted)
+    out["optim.lr"] = effective_lr(_get(config, "model.source") or "demo", _get(config, "optim.lr"))
+    schedule = _get(config, "optim.schedule")
+    out["optim.schedule_steps"] = None if schedule == "constant" else _get(config, "steps")
+    return out
+
+
+def run_identity(config: TrainConfig, spec: ArchSpec, model_dir: Path) -> dict[str, Any]:
+    """The identity of a run of ``config`` on model ``spec`` from ``model_dir``, fingerprints included."""
+    from slidekit.fingerprint import file_sha256, files_fingerprint, weights_fingerprint
+    from slidekit.models.loading import DEMO_MODEL, demo_dir, weight_files
+
+    mc, dc = config.model, config.data
+    demo = mc.source == DEMO_MODEL
+    files = {} if mc.random_init or demo else weight_files(model_dir)
+    data = Path(dc.path).expanduser() if dc.path else demo_dir() / "corpus.jsonl"
+    return identity(
+        config.to_dict(),
+        model=architecture(spec),
+        fingerprints={
+            "model.weights": weights_fingerprint(files, init_seed=mc.init_seed),
+            "model.tokenizer": files_fingerprint(demo_dir() / "tokenizer" if demo else model_dir),
+            "data.file": file_sha256(data) if data.is_file() else None,
+        },
+    )
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, str) and value.startswith("sha256:"):
+        return value[:19]  # "sha256:" and 12 hex digits
+    return repr(value)
+
+
+def differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """Compare a checkpoint's identity with the resuming run's: (changes, ``FIXED`` fields unchecked).
+
+    A change reads ``"data.seq_len: 128 -> 256"``; a field the checkpoint did not record (an older
+    slidekit) is unchecked, not a change."""
+    changes, unchecked = [], []
+    for key in FIXED:
+        if key not in saved:
+            unchecked.append(key)
+        elif key in current and saved[key] != current[key]:
+            changes.append(f"{key}: {_show(saved[key])} -> {_show(current[key])}")
+    return changes, unchecked
+
+
+def changed_settings(saved_config: Mapping[str, Any], config: Mapping[str, Any]) -> list[str]:
+    """The ``NOTED`` settings that differ between a checkpoint's configuration and the resuming one's."""
+    out = []
+    for dotted in NOTED:
+        before, now = _get(saved_config, dotted), _get(config, dotted)
+        if before != now:
+            out.append(f"{dotted} {before!r} -> {now!r}")
+    return out
