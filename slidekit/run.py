@@ -80,6 +80,7 @@ class RunDirectory:
         self._metrics: Any = None
         self.writer: ck.CheckpointWriter | None = None
         self._refuse_foreign()
+        self.created = not self.path.exists()  # made by this run: a run that never starts removes it again
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -268,8 +269,9 @@ def _remove_discarded(path: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def discard_run(path: str | os.PathLike[str], *, checkpoints: bool) -> bool:
-    """Remove the slidekit run in ``path``: its own entries, then the directory if nothing else is left.
+def discard_run(path: str | os.PathLike[str], *, checkpoints: bool, keep_dir: bool = False) -> bool:
+    """Remove the slidekit run in ``path``: its own entries, then the directory if nothing else is left
+    (``keep_dir``: leave the directory itself, e.g. an empty one the user made).
 
     Returns False, and removes nothing, when ``path`` holds something other than a slidekit run or (with
     ``checkpoints=False``) when the run holds a checkpoint. RunDirectoryBusy while another
@@ -286,8 +288,9 @@ def discard_run(path: str | os.PathLike[str], *, checkpoints: bool) -> bool:
             return False
         # config.json late: a crash before it leaves a directory that is still recognisably a run
         _remove_entries(path, ("checkpoints", "metrics.jsonl", "config.json", RUN_LOCK))
-        with contextlib.suppress(OSError):
-            path.rmdir()  # left in place when something else lives there
+        if not keep_dir:
+            with contextlib.suppress(OSError):
+                path.rmdir()  # left in place when something else lives there
     finally:
         os.close(lock)
     return True

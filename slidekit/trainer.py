@@ -59,7 +59,7 @@ from slidekit.plan import place_state, plan_memory
 from slidekit.planner import Estimate, Machine, Placement, Planner
 from slidekit.plugins import Plugins, Selection
 from slidekit.resolve import build_optimizer, resolve
-from slidekit.run import RunDirectory
+from slidekit.run import RunDirectory, discard_run
 from slidekit.schedules import lr_factor
 from slidekit.telemetry import Progress, memory_metrics, model_flops
 from slidekit.trace import TraceWriter
@@ -192,7 +192,10 @@ class Trainer:
             else:
                 self._load_weights()
         except BaseException:
+            run = self.run
             self.close()
+            if run is not None and not config.run.resume:  # a fresh run that never started leaves no trace
+                discard_run(run.path, checkpoints=False, keep_dir=not run.created)
             raise
 
     # ------------------------------------------------------------------ building
