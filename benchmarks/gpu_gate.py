@@ -346,20 +346,13 @@ def run_child(args: argparse.Namespace, resident: str, timeout: float) -> dict[s
 
 
 def write_record(record: dict[str, Any], paths: Sequence[Path]) -> None:
-    """Write ``record`` to each path atomically (a temporary file in the same directory, then a rename)."""
+    """Write ``record`` to each path atomically (``slidekit.atomic``: a temporary file, then a rename)."""
+    from slidekit.atomic import write_text_atomically
+
     text = json.dumps(record, indent=2) + "\n"
     for path in paths:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_text_atomically(path, text)
 
 
 def verdict(tests: dict[str, Any] | None, runs: Sequence[dict[str, Any]]) -> tuple[bool, str]:
