@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -89,6 +87,8 @@ def run_killed(cmd: list[str], run: Path, after: int, timeout: float) -> int:
     deadline = time.monotonic() + timeout
     while not target.exists():
         if proc.poll() is not None:
+            if target.exists():  # it wrote the checkpoint (and ran to its end) between the two checks
+                break
             raise RuntimeError(
                 f"the run ended before its checkpoint of step {after}: {proc.stderr.read()[-2000:]}"
             )  # type: ignore[union-attr]
@@ -96,7 +96,7 @@ def run_killed(cmd: list[str], run: Path, after: int, timeout: float) -> int:
             proc.kill()
             raise TimeoutError(f"no checkpoint of step {after} within {timeout} s")
         time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
+    proc.kill()  # SIGKILL; nothing if it has already ended and been reaped (no stray pid is signalled)
     proc.wait()
     return max(losses(run)) if (run / "metrics.jsonl").exists() else 0
 

@@ -35,9 +35,11 @@ The alternatives build the same model (``hf_config``: a preset's published
 shapes, random weights) with transformers and train on the same synthetic
 tokens (``synthetic_tokens``). Every row has:
 
-- ``tokens_per_s`` = batch * seq / median timed step, ``model_tflops`` = model FLOPs
+- ``step_seconds``: every timed step (to the microsecond); ``tokens_per_s`` = batch * seq / their
+  median, ``model_tflops`` = model FLOPs
   (``slidekit.telemetry.model_flops``: 6 * params * tokens + 12 * layers * heads * head_dim
-  * seq * tokens, recompute not counted, the same parameter count for every system) / median step;
+  * seq * tokens, recompute not counted, the same parameter count for every system) / median step
+  (``throughput``: computed from ``step_seconds`` as recorded, so a record can be checked exactly);
 - ``peak_gpu_gib`` (``torch.cuda.max_memory_allocated``), ``peak_host_rss_gib`` (``peak_rss_gib``:
   VmHWM): a slidekit run's own process; an alternative's batch (counters reset before each batch;
   ``peak_rss_scope`` "process" where the RSS peak cannot be reset); ``setup_s``: building the
@@ -177,13 +179,20 @@ def run_header(system: str, args: argparse.Namespace, device: torch.device) -> d
 
 
 def throughput(spec: ArchSpec, batch: int, seq: int, step_seconds: Sequence[float]) -> dict[str, Any]:
-    """median_step_s, tokens_per_s and model_tflops of timed steps of ``batch`` rows of ``seq`` tokens."""
+    """median_step_s, tokens_per_s and model_tflops of timed steps of ``batch`` rows of ``seq`` tokens.
+
+    ``step_seconds`` is kept in the record too, to the microsecond, and the figures are computed from
+    those recorded values: ``throughput`` of a record's own ``step_seconds`` gives back its figures
+    exactly, whatever the timings were.
+    """
     from slidekit.telemetry import model_flops
 
-    step_s = median(step_seconds)
+    seconds = [round(s, 6) for s in step_seconds]
+    step_s = median(seconds)
     tokens = batch * seq
     return {
         "params": spec.num_params,
+        "step_seconds": seconds,
         "median_step_s": round(step_s, 4),
         "tokens_per_s": round(tokens / step_s, 1),
         "model_tflops": float(f"{model_flops(spec, tokens, seq) / step_s / 1e12:.4g}"),

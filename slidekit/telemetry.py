@@ -30,7 +30,7 @@ import resource
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -155,7 +155,7 @@ class Progress:
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """One piece of work of one lane on one unit, in ``time.perf_counter`` seconds."""
+    """One piece of work of one lane on one unit, in seconds of the timeline's clock (``perf_counter``)."""
 
     lane: str  # "fwd", "head", "bwd", "h2d", "d2h", "update", "stall", ...
     unit: int
@@ -186,10 +186,14 @@ class Timeline:
     reading. The anchor is renewed every step (on the first device span after
     ``finish``), since ``elapsed_time`` is a 32-bit float of milliseconds and
     loses precision over long intervals.
+
+    ``clock`` is where host readings come from: ``time.perf_counter``, the clock
+    the trainer's step marks use; tests pass a fake one to get exact spans.
     """
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, cuda: bool, *, clock: Callable[[], float] = time.perf_counter) -> None:
         self.cuda = cuda
+        self._clock = clock
         self._lock = threading.Lock()
         self._host: list[tuple[str, int, float, float]] = []
         self._device: list[tuple[str, int, Any, Any]] = []
@@ -202,11 +206,11 @@ class Timeline:
 
     @contextlib.contextmanager
     def host(self, lane: str, unit: int) -> Iterator[None]:
-        t0 = time.perf_counter()
+        t0 = self._clock()
         try:
             yield
         finally:
-            t1 = time.perf_counter()
+            t1 = self._clock()
             with self._lock:
                 self._host.append((lane, unit, t0, t1))
                 if self._keep:
@@ -244,7 +248,7 @@ class Timeline:
             ref.record(stream)
             ref.synchronize()  # the reading below is taken as the event completes on the device
             with self._lock:
-                anchor = self._anchors.setdefault(stream.device, (ref, time.perf_counter()))
+                anchor = self._anchors.setdefault(stream.device, (ref, self._clock()))
         return anchor
 
     # ------------------------------------------------------------------ reading

@@ -1,4 +1,10 @@
-"""Shared fixtures: tiny model directories per family, and a GPU skip marker."""
+"""Shared fixtures: tiny model directories per family, a GPU skip marker, and hypothesis' settings.
+
+Property tests run under the ``slidekit`` hypothesis profile: no per-example deadline (hypothesis'
+default of 200 ms fails an example that a loaded machine merely ran slowly) and no ``too_slow``
+health check (it times data generation). What a test checks never depends on how fast it ran; see
+docs/testing.md.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 from slidekit.testing.models import save_tiny_model
+
+settings.register_profile("slidekit", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("slidekit")
 
 
 @pytest.fixture(scope="session")

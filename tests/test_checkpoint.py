@@ -21,7 +21,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -263,11 +262,12 @@ def test_tensor_futures_complete_in_order_and_before_the_commit(make_writer):
 
 
 def test_concurrent_saves_are_queued(make_writer):
-    gate = threading.Event()
+    gate, held = threading.Event(), threading.Event()
     committed: list[int] = []
 
     def progress(stage: str, detail: str) -> None:
         if stage == "commit" and "step-00000001" in detail:
+            held.set()
             assert gate.wait(30)
         if stage == "committed":
             committed.append(int(Path(detail).name.split("-")[1]))
@@ -275,7 +275,7 @@ def test_concurrent_saves_are_queued(make_writer):
     w = make_writer(progress=progress)
     first = w.save(1, tensors(1))
     second = w.save(2, tensors(2))  # returns at once: queued behind the first
-    time.sleep(0.2)
+    assert held.wait(30), "the first save never reached its commit"  # every array of the first is written
     assert not first.done() and not second.done() and w.pending == 2
     assert not any(second.future(n).done() for n in second.names)  # not even started
     with pytest.raises(ck.CheckpointError, match="already queued"):
@@ -409,7 +409,10 @@ def test_hard_crash_leaves_only_an_ignored_tmp_dir(tmp_path):
     assert ck.latest(directory) == path and tmp_dirs(directory) == []  # its writer is dead: cleaned up
 
 
-def test_cleanup_spares_a_tmp_dir_whose_writer_is_alive(make_writer, tmp_path):
+def test_cleanup_spares_a_tmp_dir_whose_writer_is_alive(make_writer, tmp_path, monkeypatch):
+    # A lock-less dir counts as a writer's first instant for _STALE_UNLOCKED_S of wall-clock time after
+    # its mtime; made endless here, so that a slow run (or a clock step) cannot age it mid-test.
+    monkeypatch.setattr(ck, "_STALE_UNLOCKED_S", float("inf"))
     directory = tmp_path / "ckpt"
     save_ok(make_writer(), 1)
     live = directory / ".tmp-step-00000002-feedbeef"

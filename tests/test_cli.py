@@ -9,17 +9,18 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from slidekit import Plugins
 from slidekit import checkpoint as ck
 from slidekit.cli import build_parser, config_from_args, finetune, main
 from slidekit.export import ExportError
 from slidekit.hookspecs import hookimpl
+from slidekit.models.loading import load_hf_config
+from slidekit.plugins import Plugins
+from slidekit.telemetry import model_flops
 
 PINNED_FINETUNE_OPTIONS = [
     "--config",
@@ -217,20 +218,31 @@ def test_finetune_a_few_steps(capsys, tmp_path):
     assert "done: 3 steps" in capsys.readouterr().out
 
 
+#: The demo's whole run in model FLOPs (``slidekit.telemetry.model_flops``), its current 3.88e12 (150
+#: steps of 8 x 128 tokens on 3.95 M parameters) plus 3%: the work that lets it learn in a couple of
+#: minutes on a 2-core CPU. Its seconds depend on the machine and its load (133 s with a load average
+#: of 5 on the 2-core machine, where the old "under 120 s" bound of this test failed), so the test
+#: pins the work, which does not; a demo that needs more must be measured again and the figure raised.
+DEMO_FLOPS_BUDGET = 4.0e12
+
+
 @pytest.mark.slow
-def test_the_demo_with_no_arguments_learns_in_under_two_minutes():
+def test_the_demo_with_no_arguments_learns_within_its_work_budget():
     """README's first command: `slidekit finetune`, on the embedded model and corpus."""
-    t0 = time.monotonic()
+    cfg = config_from_args(build_parser().parse_args(["finetune"]))
+    hf_config, _ = load_hf_config(cfg.model.source)
+    spec = Plugins().adapter_for(hf_config.model_type).descriptor.factory(hf_config)
+    tokens = cfg.data.batch_size * cfg.data.seq_len * cfg.grad_accum
+    assert cfg.steps * model_flops(spec, tokens, cfg.data.seq_len) <= DEMO_FLOPS_BUDGET
     proc = subprocess.run(
-        [sys.executable, "-m", "slidekit.cli", "finetune"], capture_output=True, text=True, timeout=300
-    )
-    elapsed = time.monotonic() - t0
+        [sys.executable, "-m", "slidekit.cli", "finetune"], capture_output=True, text=True, timeout=1800
+    )  # the timeout only turns a hang into a failure
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("done:"))
+    assert line.startswith(f"done: {cfg.steps} steps in "), line  # the run the budget is about
     first, last = (float(x) for x in line.split("loss ")[1].split(" (")[0].split(" -> "))
     assert last < first - 1.0, line  # clearly lower: more than one nat
     assert "loss=" in proc.stderr and "tok_s=" in proc.stderr  # the progress bar
-    assert elapsed < 120, f"the demo took {elapsed:.0f}s"
 
 
 # --------------------------------------------------------------------------- --export never destroys

@@ -32,6 +32,7 @@ def installed_example(tmp_path_factory):
             "pip",
             "install",
             "--quiet",
+            "--disable-pip-version-check",  # no look-up on the package index: nothing to wait for
             "--no-deps",
             "--no-build-isolation",
             "--no-compile",
@@ -40,6 +41,7 @@ def installed_example(tmp_path_factory):
             str(EXAMPLE),
         ],
         check=True,
+        timeout=600,  # only turns a hang into a failure: the build takes seconds
     )
     sys.path.insert(0, str(target))
     try:

@@ -1,9 +1,13 @@
-"""A driver that raises mid-step makes ``fit`` raise that error, quickly, and leaves no thread behind."""
+"""A driver that raises mid-step makes ``fit`` raise that error, quickly, and leaves no thread behind.
+
+"Quickly" is checked without a clock: every wait in the engine is bounded by ``engine.timeout_s``
+and raises ``PipelineStalled`` when it runs out, so ``fit`` raising the driver's own error proves
+that the error reached the waiting thread before any wait gave up, however loaded the machine is.
+"""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 
@@ -104,10 +108,8 @@ def test_fit_raises_the_drivers_error_quickly(tiny_model, engine, monkeypatch):
     engine = dict(engine)
     monkeypatch.setattr(FailingTier, "fail_op", engine.pop("_op", "read"))
     before = set(_slidekit_threads())
-    t0 = time.monotonic()
-    with pytest.raises(Boom):
+    with pytest.raises(Boom):  # the driver's error itself, not PipelineStalled: no wait ran out
         _run(tiny_model, **engine)
-    assert time.monotonic() - t0 < 10
     leftover = [t for t in _slidekit_threads() if t not in before and t.is_alive()]
     assert not leftover, f"threads still running after the failure: {leftover}"
 

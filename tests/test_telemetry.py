@@ -12,7 +12,6 @@ import itertools
 import json
 import math
 import resource
-import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -90,23 +89,35 @@ def test_timeline_totals_are_unchanged_by_span_recording():
     assert tl.take_spans() == [] and set(tl.finish()) == {"update"}
 
 
+class FakeClock:
+    """A clock that stands still until the test moves it: spans of exactly the seconds given."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_backward_window_counts_compute_between_the_first_and_last_backward_span():
-    tl = Timeline(cuda=False)
+    clock = FakeClock()
+    tl = Timeline(cuda=False, clock=clock)
     with tl.device("fwd", 0, None):  # before the backward: not in the window
-        time.sleep(0.02)
+        clock.now += 2.0
     with tl.device("bwd", 1, None):
-        time.sleep(0.02)
+        clock.now += 2.0
     with tl.host("update", 1):  # another lane (the optimizer's thread): not GPU work
-        time.sleep(0.03)
+        clock.now += 3.0
     with tl.device("update_gpu", 0, None):  # a resident unit's update between backward spans: busy
-        time.sleep(0.01)
+        clock.now += 1.0
+    clock.now += 0.5  # nothing runs
     with tl.device("bwd", 0, None):
-        time.sleep(0.02)
+        clock.now += 2.0
     totals = tl.finish()
-    busy = totals["bwd"] + totals["update_gpu"]
-    assert totals["bwd_busy"] == pytest.approx(busy)
-    assert totals["bwd_window"] >= busy + 0.03  # the idle 30 ms is in the window, not in the busy time
-    assert totals["bwd_window"] < totals["bwd_busy"] + totals["update"] + 0.02
+    assert (totals["fwd"], totals["bwd"], totals["update"], totals["update_gpu"]) == (2.0, 4.0, 3.0, 1.0)
+    assert totals["bwd_busy"] == totals["bwd"] + totals["update_gpu"]
+    # From the first backward span's start to the last one's end: the idle update and gap are in it.
+    assert totals["bwd_window"] == 2.0 + 3.0 + 1.0 + 0.5 + 2.0
 
 
 def test_run_trace_is_a_validated_config_field(tmp_path):

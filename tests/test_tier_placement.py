@@ -87,7 +87,11 @@ placements = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],  # see conftest.py
+)
 @given(
     family=st.sampled_from(["llama", "qwen2", "qwen3", "mistral"]),
     layers=st.integers(1, 3),

@@ -24,10 +24,10 @@ and ``slidekit bench`` runs it once per model with all its batch sizes. The flow
 
 Every line is one record with ``system``, ``status`` and ``batch``:
 
-- ``status: "ok"`` with the metrics of ``slidekit.bench.throughput`` (median timed step, tokens/s,
-  model TFLOPS with slidekit's parameter count of the same preset), ``peak_gpu_gib`` and
-  ``peak_host_rss_gib`` of this batch (``peak_rss_scope``), ``wall_s`` (this batch's seconds,
-  warm-up included), ``setup_s``; or
+- ``status: "ok"`` with the metrics of ``slidekit.bench.throughput`` (the timed steps' seconds,
+  their median, tokens/s, model TFLOPS with slidekit's parameter count of the same preset),
+  ``peak_gpu_gib`` and ``peak_host_rss_gib`` of this batch (``peak_rss_scope``), ``wall_s`` (this
+  batch's seconds, warm-up included), ``setup_s``; or
 - ``status: "unavailable"`` and a ``reason`` (a package missing, no CUDA, too little host RAM,
   out of GPU memory).
 

@@ -1,9 +1,13 @@
-"""The pipeline's threads: errors reach every waiter, waits are bounded, close joins everything."""
+"""The pipeline's threads: errors reach every waiter, waits are bounded, close joins everything.
+
+No test here sleeps to order events or times how fast something happened: the order comes from
+events (a gate that is only opened afterwards, a predicate that starts the failing thread), and a
+wait that must give up waits on something that can never happen.
+"""
 
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -18,25 +22,41 @@ class Boom(Exception):
 def test_a_task_error_reaches_a_waiter_on_another_future():
     p = Pipeline(timeout_s=30)
     gate = threading.Event()
-    slow = p.submit("h2d", gate.wait, 30)
+    slow = p.submit("h2d", gate.wait)  # runs until the gate opens, which only happens below
+    try:
 
-    def explode():
-        raise Boom("optimizer died")
+        def explode():
+            raise Boom("optimizer died")
 
-    p.submit("optim", explode)
-    t0 = time.monotonic()
-    with pytest.raises(Boom, match="optimizer died"):
-        p.result(slow, "the slow upload")  # not the failing future: still raises the root cause
-    assert time.monotonic() - t0 < 2
-    gate.set()
-    p.close()
+        p.submit("optim", explode)
+        with pytest.raises(Boom, match="optimizer died"):
+            p.result(slow, "the slow upload")  # not the failing future: still raises the root cause
+        # The waiter gave up on the error, not on the future (still running) nor on the timeout (that
+        # would have been PipelineStalled).
+        assert not slow.done()
+    finally:
+        gate.set()
+        p.close()
 
 
 def test_wait_until_is_interrupted_by_a_failure():
     p = Pipeline(timeout_s=30)
-    threading.Timer(0.2, p.fail, args=(Boom("late"),)).start()
-    with pytest.raises(Boom):
-        p.wait_until(lambda: False, "something that never happens")
+    waiting = threading.Event()
+
+    def fail_once_waiting() -> None:
+        assert waiting.wait(30), "wait_until never checked its predicate"
+        p.fail(Boom("late"))
+
+    failer = threading.Thread(target=fail_once_waiting)
+    failer.start()
+
+    def never() -> bool:
+        waiting.set()  # the first check has run: the failure comes while wait_until waits
+        return False
+
+    with pytest.raises(Boom, match="late"):
+        p.wait_until(never, "something that never happens")
+    failer.join(30)
     p.close()
 
 
@@ -45,11 +65,13 @@ def test_waits_are_bounded():
     with pytest.raises(PipelineStalled, match="never happens"):
         p.wait_until(lambda: False, "a thing that never happens")
     gate = threading.Event()
-    fut = p.submit("d2h", gate.wait, 5)
-    with pytest.raises(PipelineStalled):
-        p.result(fut, "a stuck copy")
-    gate.set()
-    p.close()
+    fut = p.submit("d2h", gate.wait)  # stuck until the gate opens, after the wait gave up
+    try:
+        with pytest.raises(PipelineStalled, match="a stuck copy"):
+            p.result(fut, "a stuck copy")
+    finally:
+        gate.set()
+        p.close()
 
 
 def test_tasks_after_a_failure_are_not_run():
@@ -62,11 +84,19 @@ def test_tasks_after_a_failure_are_not_run():
         p.submit("optim", lambda: None)
 
 
+def _new_pipeline_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    """Live threads started since ``before`` that belong to a pipeline (named after its pools)."""
+    prefixes = tuple(f"slidekit-{pool}_" for pool in POOLS)
+    return [t for t in threading.enumerate() if t not in before and t.name.startswith(prefixes)]
+
+
 def test_close_joins_every_thread():
     before = set(threading.enumerate())
     p = Pipeline(timeout_s=5)
     for pool in POOLS:
         p.result(p.submit(pool, lambda: None), pool)
-    assert len(set(threading.enumerate()) - before) == len(POOLS)
+    started = _new_pipeline_threads(before)
+    assert sorted(t.name.rsplit("_", 1)[0] for t in started) == sorted(f"slidekit-{pool}" for pool in POOLS)
     p.close()
-    assert not [t for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert not [t for t in started if t.is_alive()]
+    assert not _new_pipeline_threads(before)

@@ -234,8 +234,8 @@ def test_unwritable_directory(tmp_path):
 def test_allocating_more_than_the_disk_holds_fails_at_allocate(tmp_path):
     tier = _make(tmp_path)
     try:
-        free = shutil.disk_usage(tmp_path).free
-        need = free + (1 << 30)
+        # More than the whole disk: refused however much others write or delete on it meanwhile.
+        need = shutil.disk_usage(tmp_path).total + (1 << 30)
         with pytest.raises(
             OSError, match=rf"needs {need} bytes .* for region 'huge'.*has \d+ bytes \(\d+\.\d\d GiB\) free"
         ) as e:
