@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from slidekit import EngineConfig, Plugins, RunConfig, TrainConfig, Trainer, leftovers, owned
+from slidekit import EngineConfig, Plugins, RunConfig, TrainConfig, Trainer, export, leftovers, owned
 from slidekit.errors import ConfigError
-from slidekit import export
 from slidekit.export import export_model
 from slidekit.interfaces import TierContext
 from slidekit.planner import Machine
