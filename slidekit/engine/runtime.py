@@ -128,6 +128,7 @@ class _Lane:
                 with self._cond:
                     self.current = None
                 self._on_done()
+            del task  # hold no finished task's arguments while idle
 
     def stop(self) -> None:
         """Cancel what is queued; the thread ends once its current task returns."""
