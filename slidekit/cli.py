@@ -373,8 +373,31 @@ def _forget(rescue: Path, *, mention: bool) -> None:
     )
 
 
+def _attach_negative_numbers(argv: Sequence[str]) -> list[str]:
+    """``--lr -1e-3`` as ``--lr=-1e-3``: argparse takes a token like ``-1e-3`` for an option and says
+    "expected one argument". A value that is not allowed is then refused by the configuration."""
+    out: list[str] = []
+    for token in argv:
+        previous = out[-1] if out else ""
+        if previous.startswith("--") and previous != "--" and "=" not in previous and _negative_number(token):
+            out[-1] = f"{previous}={token}"
+        else:
+            out.append(token)
+    return out
+
+
+def _negative_number(token: str) -> bool:
+    if not token.startswith("-"):
+        return False
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args: Any = build_parser().parse_args(argv)
+    args: Any = build_parser().parse_args(_attach_negative_numbers(sys.argv[1:] if argv is None else argv))
     try:
         if args.command == "plugins":
             return _plugins(args)

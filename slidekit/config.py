@@ -2,11 +2,15 @@
 
 ``TrainConfig`` holds everything a run needs, grouped by concern. Each class
 validates itself on construction and names the bad value and what would be
-valid. Runtime objects (models, devices, streams) never go in here: they are
-built from a config, not stored in it. ``TrainConfig.to_dict`` gives the
-effective configuration as plain data, saved with every run; ``from_dict``
-and ``load_toml`` build one back from plain data or a TOML file, so CLI
-flags, TOML files and Python all land on the same dataclasses.
+valid: first every field against its type annotation, in one place
+(``slidekit.typecheck``: a bool is not an int, an int is a fine float, numbers
+must be finite, lists become tuples), then the values. Absurd but valid values
+(a learning rate above 1) warn. Runtime objects (models, devices, streams)
+never go in here: they are built from a config, not stored in it.
+``TrainConfig.to_dict`` gives the effective configuration as plain data,
+saved with every run; ``from_dict`` and ``load_toml`` build one back from
+plain data or a TOML file, so CLI flags, TOML files and Python all land on
+the same dataclasses (and their errors name the file).
 
 Test: ``pytest tests/test_config.py``.
 """
@@ -14,12 +18,16 @@ Test: ``pytest tests/test_config.py``.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from slidekit.errors import ConfigError
 from slidekit.schedules import SCHEDULES
+from slidekit.typecheck import check_types
 
 #: Learning rates used when ``OptimConfig.lr`` is None.
 DEMO_LR = 2e-3
@@ -45,6 +53,44 @@ __all__ = [
 ]
 
 _DTYPES = ("auto", "float32", "bfloat16")
+#: ``model.overrides`` keys that size the model: positive integers (None lets the config derive it).
+_SIZE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+)
+_DERIVABLE = ("head_dim", "num_key_value_heads")
+_POSITIVE_FLOAT_KEYS = ("rms_norm_eps", "rope_theta")
+_SEED_LIMIT = 2**32  # seeds are in [0, 2**32), the range every generator accepts
+
+
+def _seed(owner: str, name: str, value: int) -> None:
+    if not 0 <= value < _SEED_LIMIT:
+        raise ConfigError(f"{owner}.{name} must be an integer in [0, 2**32), got {value!r}")
+
+
+def _check_overrides(overrides: Mapping[str, Any]) -> None:
+    """Refuse overrides that cannot make a model: sizes that are not positive integers, and so on."""
+    for key, value in overrides.items():
+        if key in _SIZE_KEYS:
+            if value is None and key in _DERIVABLE:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(
+                    f"model.overrides.{key} must be a positive integer (it sets the model's size), got {value!r}"
+                )
+        elif key in _POSITIVE_FLOAT_KEYS and (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Real)
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise ConfigError(f"model.overrides.{key} must be a positive finite number, got {value!r}")
 
 
 def _positive(owner: str, name: str, value: float, *, allow_zero: bool = False) -> None:
@@ -64,8 +110,11 @@ class ModelConfig:
     overrides: Mapping[str, Any] = field(default_factory=dict)  # config.json fields to override
 
     def __post_init__(self) -> None:
+        check_types("model", self)
         if not self.source:
             raise ConfigError("model.source is empty; give a model directory or 'demo'")
+        _seed("model", "init_seed", self.init_seed)
+        _check_overrides(self.overrides)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,11 +132,13 @@ class DataConfig:
     seed: int = 0  # seeds the held-out split and, with the run's seed, the batch order
 
     def __post_init__(self) -> None:
+        check_types("data", self)
         _positive("data", "seq_len", self.seq_len)
         _positive("data", "batch_size", self.batch_size)
         _positive("data", "eval_every", self.eval_every, allow_zero=True)
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"data.eval_fraction must lie in [0, 1), got {self.eval_fraction!r}")
+        _seed("data", "seed", self.seed)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,6 +159,7 @@ class OptimConfig:
     threads: int | None = None  # CPU threads for updates; None keeps torch's setting
 
     def __post_init__(self) -> None:
+        check_types("optim", self)
         if self.lr is not None:
             _positive("optim", "lr", self.lr)
         _positive("optim", "eps", self.eps)
@@ -125,6 +177,20 @@ class OptimConfig:
             _positive("optim", "max_grad_norm", self.max_grad_norm)
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"optim.on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
+        if self.lr is not None and self.lr > 1.0:
+            warnings.warn(
+                f"optim.lr = {self.lr:g} is far above any usual fine-tuning rate (1e-6 to 1e-3): the run "
+                "will most likely diverge; check the value",
+                UserWarning,
+                stacklevel=3,
+            )
+        if self.weight_decay > 1.0:
+            warnings.warn(
+                f"optim.weight_decay = {self.weight_decay:g} is far above usual values (0 to 0.1): each step "
+                "shrinks every weight by lr * weight_decay; check the value",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -146,9 +212,10 @@ class EngineConfig:
     # "all", or a fraction such as "0.5"; the units left on the host are spread over the backward order
     grad_buffers: int = 2  # shared host gradient buffers
     loss_chunk: int | None = None  # tokens per chunk of the fused linear + cross-entropy; None = auto
-    timeout_s: float = 600.0  # no pipeline wait lasts longer; a stuck run fails instead of hanging
+    timeout_s: float = 600.0  # a run that makes no progress for this long fails (PipelineStalled), not hangs
 
     def __post_init__(self) -> None:
+        check_types("engine", self)
         if self.compute_dtype not in _DTYPES:
             raise ConfigError(f"engine.compute_dtype must be one of {_DTYPES}, got {self.compute_dtype!r}")
         if self.window < 2:
@@ -209,6 +276,7 @@ class RunConfig:
     overwrite: bool = False
 
     def __post_init__(self) -> None:
+        check_types("run", self)
         _positive("run", "checkpoint_every", self.checkpoint_every, allow_zero=True)
         _positive("run", "keep", self.keep)
         if self.export_dtype not in EXPORT_DTYPES:
@@ -248,6 +316,9 @@ class PluginConfig:
     entry_points: bool = True  # load plugins from entry-point group "slidekit"
     block: tuple[str, ...] = ()  # plugin names never to load (added to $SLIDEKIT_BLOCK_PLUGINS)
 
+    def __post_init__(self) -> None:
+        check_types("plugins", self)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
@@ -264,8 +335,10 @@ class TrainConfig:
     seed: int = 0  # seeds the data order (model.init_seed seeds random weights)
 
     def __post_init__(self) -> None:
+        check_types("train", self)
         _positive("train", "steps", self.steps)
         _positive("train", "grad_accum", self.grad_accum)
+        _seed("train", "seed", self.seed)
 
     def to_dict(self) -> dict[str, Any]:
         """The configuration as plain data (JSON/TOML-serialisable)."""
@@ -297,11 +370,7 @@ def _section(name: str, cls: type, values: Mapping[str, Any], where: str) -> Any
     unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ConfigError(f"{where}: unknown setting(s) {unknown} in [{name}]; valid: {', '.join(fields)}")
-    kwargs = {}
-    for key, value in values.items():
-        default = cls().__getattribute__(key)
-        kwargs[key] = tuple(value) if isinstance(default, tuple) and isinstance(value, list) else value
-    return cls(**kwargs)
+    return cls(**values)
 
 
 def from_dict(values: Mapping[str, Any], *, where: str = "configuration") -> TrainConfig:
@@ -310,10 +379,13 @@ def from_dict(values: Mapping[str, Any], *, where: str = "configuration") -> Tra
     unknown = sorted(set(values) - top)
     if unknown:
         raise ConfigError(f"{where}: unknown setting(s) {unknown}; valid: {', '.join(sorted(top))}")
-    kwargs: dict[str, Any] = {}
-    for key, value in values.items():
-        kwargs[key] = _section(key, _SECTIONS[key], value, where) if key in _SECTIONS else value
-    return TrainConfig(**kwargs)
+    try:
+        kwargs = {k: _section(k, _SECTIONS[k], v, where) if k in _SECTIONS else v for k, v in values.items()}
+        return TrainConfig(**kwargs)
+    except ConfigError as exc:
+        if str(exc).startswith(f"{where}:"):
+            raise
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def load_toml(path: str) -> dict[str, Any]:

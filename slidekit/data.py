@@ -31,7 +31,8 @@ starts): real next-token targets, never ``last -> first of the next document``. 
 unless ``completion_only``, where EOS carries the loss of the token before it (a completion learns
 to stop) and BOS none. ``packing=False`` puts one framed document per row, truncated to
 ``seq_len + 1`` or right-padded with the pad token (EOS if there is none), padding labelled -100.
-Rows without a single labelled token are dropped (a step must have something to learn from).
+Rows without a single labelled token are dropped (a step must have something to learn from). Packed
+training data must fill at least one row.
 
 Padding token. The tokenizer's pad token only fills rows; training treats the *model's*
 ``pad_token_id`` (config.json) as transformers does: its embedding row gets no gradient from the
@@ -596,6 +597,13 @@ def _split_dataset(
         raise ConfigError(
             f"the {len(index)} {name} documents of {spec.path} carry no labelled token{why}; "
             "add data, turn completion_only off or change eval_fraction"
+        )
+    width = spec.seq_len + 1
+    if spec.packing and name == "training" and ds.stats.tokens < width:
+        raise ConfigError(
+            f"the {len(index)} {name} documents of {spec.path} hold {ds.stats.tokens} tokens (with BOS/EOS), "
+            f"less than one row of seq_len + 1 = {width}: every batch would be mostly padding; add data "
+            f"or lower data.seq_len (to at most {ds.stats.tokens - 1})"
         )
     return ds
 

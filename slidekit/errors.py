@@ -53,7 +53,16 @@ class PipelineError(SlidekitError):
 
 
 class PipelineStalled(PipelineError, TimeoutError):
-    """A pipeline wait exceeded its timeout: something upstream never finished."""
+    """Nothing progressed for ``engine.timeout_s``: something upstream never finished.
+
+    ``lane`` ("h2d", "d2h", "optim", "main", "checkpoint") and ``unit`` (None when unknown) say where
+    the work that holds everything up is stuck.
+    """
+
+    def __init__(self, message: str, *, lane: str | None = None, unit: int | None = None) -> None:
+        super().__init__(message)
+        self.lane = lane
+        self.unit = unit
 
 
 class NonFiniteError(SlidekitError, FloatingPointError):

@@ -19,6 +19,7 @@ import torch
 
 from slidekit.config import TrainConfig
 from slidekit.devices import device_family, resolve_device
+from slidekit.errors import ConfigError, ModelLoadError
 from slidekit.interfaces import OptimizerHyper, UnitOptimizer
 from slidekit.models.base import ArchSpec
 from slidekit.models.loading import load_hf_config
@@ -56,7 +57,15 @@ def resolve(config: TrainConfig, plugins: Plugins) -> RunSetup:
     family = device_family(device)
     hf_config, model_dir = load_hf_config(config.model.source, config.model.overrides)
     adapter = plugins.adapter_for(hf_config.model_type)
-    spec: ArchSpec = adapter.descriptor.factory(hf_config)
+    try:
+        spec: ArchSpec = adapter.descriptor.factory(hf_config)
+    except ValueError as exc:  # the adapter refuses the shape: say whose shape it is
+        overrides = config.model.overrides
+        if overrides:
+            raise ConfigError(f"model.overrides {dict(overrides)} make no usable model: {exc}") from exc
+        raise ModelLoadError(
+            f"{model_dir}: the {hf_config.model_type} adapter refuses this model: {exc}"
+        ) from exc
     selections = {
         "kernels": plugins.select("kernels", ec.kernels, family),
         "optimizer": plugins.select("optimizer", config.optim.name, family),

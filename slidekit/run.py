@@ -33,6 +33,7 @@ import os
 import secrets
 import shutil
 import socket
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from slidekit import checkpoint as ck
 from slidekit.atomic import write_text_atomically
 from slidekit.engine import snapshot
-from slidekit.errors import ConfigError
+from slidekit.errors import ConfigError, PipelineStalled
 from slidekit.paths import describe, directory_path
 from slidekit.resume import restore
 
@@ -76,6 +77,8 @@ class RunDirectory:
         self.last_saved: int | None = None
         self.last_path: Path | None = None  # the newest checkpoint known to be complete
         self.resumed_from: Path | None = None  # the checkpoint ``resume`` restored
+        self.timeout_s = config.engine.timeout_s  # a save that writes nothing for this long is stuck
+        self._stalled = False  # a save made no progress for timeout_s: never wait for the writer again
         self._handles: list[ck.SaveHandle] = []
         self._metrics: Any = None
         self.writer: ck.CheckpointWriter | None = None
@@ -90,9 +93,15 @@ class RunDirectory:
             _remove_discarded(self.path)
             if not rc.resume:
                 self._start_fresh(rc.overwrite)
-            write_text_atomically(self.path / "config.json", json.dumps(config.to_dict(), indent=1) + "\n")
+            try:
+                write_text_atomically(self.path / "config.json", json.dumps(config.to_dict(), indent=1) + "\n")
+                self._metrics = (self.path / "metrics.jsonl").open("a", encoding="utf-8")
+            except OSError as exc:
+                raise ConfigError(
+                    f"the run directory {str(self.path)!r} is not writable ({exc.strerror or exc}); "
+                    "choose a writable run.dir (CLI: --run-dir) or fix its permissions"
+                ) from exc
             self.writer = ck.CheckpointWriter(self.checkpoints, keep=rc.keep, progress=progress)
-            self._metrics = (self.path / "metrics.jsonl").open("a", encoding="utf-8")
         except BaseException:
             self.close()
             raise
@@ -143,10 +152,36 @@ class RunDirectory:
         return handle
 
     def wait(self) -> None:
-        """Wait for every checkpoint requested so far; raise the first one's error if any failed."""
+        """Wait for every checkpoint requested so far; raise the first one's error if any failed.
+
+        A save takes as long as it needs while it progresses; one that writes nothing for
+        ``engine.timeout_s`` raises ``PipelineStalled``.
+        """
         handles, self._handles = self._handles, []
         for h in handles:
-            self.last_path = h.result()
+            self._await(h)
+            self.last_path = h.result(self.timeout_s)
+
+    def _await(self, h: ck.SaveHandle) -> None:
+        """Block until ``h`` commits or fails, tensor by tensor (they complete in order), each within the timeout."""
+        if self._stalled:
+            raise PipelineStalled(f"checkpoint step {h.step} is behind a stalled save", lane="checkpoint")
+        for name in (*h.names, None):
+            try:
+                failed = (
+                    h.exception(self.timeout_s) if name is None else h.future(name).exception(self.timeout_s)
+                )
+            except TimeoutError:
+                self._stalled = True
+                doing = "committing it" if name is None else f"writing {name!r}"
+                raise PipelineStalled(
+                    f"checkpoint step {h.step} made no progress for {self.timeout_s:g} s ({doing}): the checkpoint "
+                    f"writer is stuck, on hung or very slow storage under {self.checkpoints}? If the disk is merely "
+                    "slow, raise engine.timeout_s",
+                    lane="checkpoint",
+                ) from None
+            if failed is not None:
+                return
 
     def resume(
         self, engine: Engine, target: int | str = "latest", identity: Mapping[str, Any] | None = None
@@ -190,11 +225,24 @@ class RunDirectory:
         return {"model_type": spec.model_type, "layers": spec.num_layers, "params": spec.num_params}
 
     def close(self) -> None:
-        """Finish pending checkpoints, close the metrics file, release the lock. Idempotent."""
+        """Finish pending checkpoints (while they progress: see ``wait``), close the metrics file, release
+        the lock. Idempotent.
+
+        Never raises for a save: a failed one is reported by its handle, a stalled one is left to its
+        (daemon) writer thread with a warning.
+        """
         writer, self.writer = self.writer, None
         try:
-            if writer is not None:
-                writer.close()
+            handles, self._handles = self._handles, []
+            for h in handles:
+                try:
+                    self._await(h)
+                except PipelineStalled as exc:
+                    warnings.warn(f"{exc}; leaving it unfinished", RuntimeWarning, stacklevel=2)
+                    break
+            if writer is not None:  # times out only after a stall, already reported: its thread is left behind
+                with contextlib.suppress(TimeoutError):
+                    writer.close(0.0 if self._stalled else self.timeout_s)
         finally:
             metrics, self._metrics = self._metrics, None
             if metrics is not None:

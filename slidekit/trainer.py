@@ -14,6 +14,7 @@ builds the engine. ``fit`` runs the steps and returns the losses.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import os
 import signal
@@ -77,7 +78,7 @@ class FitResult:
     step_seconds: list[float] = field(default_factory=list)
     timings: list[dict[str, float]] = field(default_factory=list)  # seconds per pipeline lane, per step
     grad_norms: list[float] = field(default_factory=list)  # global gradient norm per step, before clipping
-    interrupted: str | None = None  # the signal ("SIGINT", "SIGTERM") that ended the run early, if any
+    interrupted: str | None = None  # the signal ("SIGINT", "SIGTERM", "SIGHUP") that ended the run early
 
     @property
     def tokens_per_s(self) -> float:
@@ -97,10 +98,15 @@ def param_groups(unit: UnitLayout, weight_decay: float, no_decay: Sequence[str])
 
 
 class _GracefulStop:
-    """SIGINT/SIGTERM during ``fit``: finish the current step, then return. A second signal aborts at once.
+    """SIGINT/SIGTERM/SIGHUP (the terminal closed) during ``fit``: finish the current step, then return
+    (writing the checkpoint, with a run directory). A second signal aborts at once.
 
     Handlers are only installed from the main thread (Python delivers signals there).
     """
+
+    SIGNALS = tuple(
+        getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
+    )  # no SIGHUP on Windows
 
     def __init__(self) -> None:
         self.signal: str | None = None
@@ -108,7 +114,7 @@ class _GracefulStop:
 
     def __enter__(self) -> _GracefulStop:
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in self.SIGNALS:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -309,6 +315,12 @@ class Trainer:
         problems = self.estimate.shortfalls(machine)
         if not problems:
             return
+        positions = self.spec.max_positions
+        if self.config.data.seq_len > positions:  # is a seq_len beyond the model's positions all that fails?
+            clamped = copy.copy(planner)
+            clamped.workload = dataclasses.replace(planner.workload, seq_len=positions)
+            if not clamped.estimate(placement, machine, resident).shortfalls(machine):
+                self._check_seq_len()
         if self._kept_leftovers and any(p.startswith("disk") for p in problems):
             problems.append(
                 "the offload directory also holds other slidekit processes' files, left alone (their "
@@ -393,11 +405,7 @@ class Trainer:
         """The training set and the held-out set (None without ``eval_fraction``) of ``config.data``."""
         if self._datasets is None:
             dc = self.config.data
-            if dc.seq_len > self.spec.max_positions:
-                raise ConfigError(
-                    f"data.seq_len {dc.seq_len} exceeds the model's max_position_embeddings "
-                    f"{self.spec.max_positions}; use a seq_len of at most {self.spec.max_positions}"
-                )
+            self._check_seq_len()
             tokenizer = self.tokenizer()
             if tokenizer is None:
                 raise ConfigError(f"{self.model_dir} has no tokenizer; add one, or pass batches to fit()")
@@ -419,6 +427,14 @@ class Trainer:
                 )
             self._datasets = (train, held_out)
         return self._datasets
+
+    def _check_seq_len(self) -> None:
+        seq_len, positions = self.config.data.seq_len, self.spec.max_positions
+        if seq_len > positions:
+            raise ConfigError(
+                f"data.seq_len {seq_len} exceeds the model's max_position_embeddings {positions}; "
+                f"use a seq_len of at most {positions}"
+            )
 
     def default_batches(self) -> Iterator[Batch]:
         """Endless shuffled training batches from ``config.data`` (the sample corpus when no path is set)."""
@@ -446,7 +462,7 @@ class Trainer:
 
         Each step takes ``config.grad_accum`` batches as micro-batches. The
         learning-rate schedule counts steps across calls, over ``config.steps``.
-        SIGINT or SIGTERM ends the run after the current step (``interrupted``
+        SIGINT, SIGTERM or SIGHUP ends the run after the current step (``interrupted``
         says which); a second one abandons the step. If anything raises, the
         trainer closes (threads, buffers and tier storage are released).
         """

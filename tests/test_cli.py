@@ -143,6 +143,37 @@ def test_bad_toml_names_the_file_and_the_setting(tmp_path, capsys):
     assert "bad.toml" in err and "learning_rate" in err and "valid: name, lr" in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lr", "-1e-3"], "command line: optim.lr must be > 0, got -0.001"),  # not "expected one argument"
+        (
+            ["--lr", "inf"],
+            "command line: optim.lr must be a finite number or None (left out), got inf (float)",
+        ),
+        (
+            ["--weight-decay", "nan"],
+            "command line: optim.weight_decay must be a finite number, got nan (float)",
+        ),
+        (["--seed", "-1"], "command line: train.seed must be an integer in [0, 2**32), got -1"),
+        (["--max-grad-norm=-2"], "command line: optim.max_grad_norm must be > 0, got -2.0"),
+    ],
+)
+def test_bad_numbers_on_the_command_line_are_one_clear_line(capsys, argv, message):
+    assert main(["finetune", *argv, "--quiet"]) == 2
+    assert capsys.readouterr().err == f"slidekit: error: {message}\n"
+
+
+def test_toml_values_of_the_wrong_type_are_one_clear_line(tmp_path, capsys):
+    toml = tmp_path / "run.toml"
+    toml.write_text('steps = "ten"\n')
+    assert main(["finetune", "--config", str(toml), "--quiet"]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"slidekit: error: {toml}: train.steps must be an integer, got 'ten' (str)\n"
+    )
+
+
 def test_plugins_lists_every_driver(capsys):
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out

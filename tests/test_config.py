@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from slidekit import DataConfig, EngineConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+from slidekit import DataConfig, EngineConfig, ModelConfig, OptimConfig, PluginConfig, RunConfig, TrainConfig
 from slidekit.errors import ConfigError
 
 
@@ -119,3 +119,95 @@ PINNED_FIELDS = {
 def test_config_fields_are_pinned(cls):
     """Ratchet: fields may be added (extend the table), never renamed or removed by accident."""
     assert [f.name for f in dataclasses.fields(cls)] == PINNED_FIELDS[cls.__name__]
+
+
+# --------------------------------------------------------------------------- types, where values enter
+
+_OWNERS = {
+    ModelConfig: "model",
+    DataConfig: "data",
+    OptimConfig: "optim",
+    EngineConfig: "engine",
+    PluginConfig: "plugins",
+    RunConfig: "run",
+    TrainConfig: "train",
+}
+
+
+@pytest.mark.parametrize(
+    ("toml", "match"),
+    [
+        ('steps = "ten"', r"train\.steps must be an integer, got 'ten' \(str\)"),
+        ("[data]\nseq_len = 64.5", r"data\.seq_len must be an integer, got 64\.5 \(float\)"),
+        ('[engine]\nwindow = "3"', r"engine\.window must be an integer, got '3' \(str\)"),
+        ('[optim]\nbetas = "ab"', r"optim\.betas must be a list of 2 finite numbers, got 'ab' \(str\)"),
+        ("[optim]\nbetas = [0.9]", r"optim\.betas must be a list of 2 finite numbers, got \[0\.9\]"),
+        ("[data]\nbatch_size = true", r"data\.batch_size must be an integer, got True \(bool\)"),
+        ("[run]\nkeep = 1.5", r"run\.keep must be an integer, got 1\.5 \(float\)"),
+        ('[plugins]\nblock = "ram"', r"plugins\.block must be a list of strings, got 'ram' \(str\)"),
+        ("[plugins]\nentry_points = 1", r"plugins\.entry_points must be true or false, got 1 \(int\)"),
+        ("[optim]\nlr = inf", r"optim\.lr must be a finite number or None \(left out\), got inf"),
+        ("[engine]\ntimeout_s = nan", r"engine\.timeout_s must be a finite number, got nan"),
+        ("[model]\noverrides = 3", r"model\.overrides must be a table \(mapping\) with string keys, got 3"),
+        ("seed = -1", r"train\.seed must be an integer in \[0, 2\*\*32\), got -1"),
+        ("[data]\nseed = -2", r"data\.seed must be an integer in \[0, 2\*\*32\)"),
+        ("[model]\ninit_seed = -3", r"model\.init_seed must be an integer in \[0, 2\*\*32\)"),
+    ],
+)
+def test_toml_values_of_the_wrong_type_name_the_key_the_value_and_the_type(toml, match):
+    import tomllib
+
+    from slidekit.config import from_dict
+
+    with pytest.raises(ConfigError, match=f"^run.toml: {match}"):
+        from_dict(tomllib.loads(toml), where="run.toml")
+
+
+@pytest.mark.parametrize("cls", list(_OWNERS))
+def test_every_field_is_type_checked(cls):
+    """Generic, so no field is forgotten: a value of no valid type is refused for each one, by name."""
+    for f in dataclasses.fields(cls):
+        with pytest.raises(ConfigError, match=rf"^{_OWNERS[cls]}\.{f.name} must be .*, got <object"):
+            cls(**{f.name: object()})
+
+
+def test_ints_are_numbers_and_lists_are_tuples():
+    cfg = OptimConfig(lr=1, betas=[0.9, 0.99], eps=1, no_decay=["bias"])
+    assert (cfg.lr, cfg.eps) == (1.0, 1.0) and isinstance(cfg.lr, float) and isinstance(cfg.eps, float)
+    assert cfg.betas == (0.9, 0.99) and cfg.no_decay == ("bias",)
+    assert PluginConfig(block=["ram"]).block == ("ram",)
+    assert EngineConfig(timeout_s=5).timeout_s == 5.0
+    with pytest.raises(ConfigError, match=r"engine\.timeout_s must be a finite number, got True"):
+        EngineConfig(timeout_s=True)  # a bool is not a number
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: OptimConfig(lr=5.0), r"optim\.lr = 5 is far above"),
+        (lambda: OptimConfig(weight_decay=3.0), r"optim\.weight_decay = 3 is far above"),
+    ],
+)
+def test_absurd_but_finite_values_warn(build, match):
+    with pytest.warns(UserWarning, match=match):
+        build()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"hidden_size": -4}, r"model\.overrides\.hidden_size must be a positive integer .*got -4"),
+        ({"num_hidden_layers": 0}, r"model\.overrides\.num_hidden_layers must be a positive integer"),
+        ({"vocab_size": 2.5}, r"model\.overrides\.vocab_size must be a positive integer"),
+        ({"max_position_embeddings": True}, r"model\.overrides\.max_position_embeddings must be a positive"),
+        ({"rms_norm_eps": -1e-5}, r"model\.overrides\.rms_norm_eps must be a positive finite number"),
+        ({1: 2}, r"model\.overrides must be a table \(mapping\) with string keys"),
+    ],
+)
+def test_overrides_that_make_no_model_are_refused(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(overrides=overrides)
+
+
+def test_overrides_may_leave_derived_sizes_to_the_config():
+    assert ModelConfig(overrides={"head_dim": None, "hidden_size": 64}).overrides["hidden_size"] == 64

@@ -447,3 +447,16 @@ def test_demo_files_load(tok):
     learned = b.labels[b.labels != IGNORE]
     im_start = tok.convert_tokens_to_ids("<|im_start|>")
     assert learned.numel() > 0 and not (learned == im_start).any()  # no header is ever a target
+
+
+def test_packed_data_too_small_to_fill_one_row_is_refused(tmp_path, tok):
+    path = write(tmp_path, [{"text": "hi"}, {"text": "there"}])
+    tokens = 2 + len(ids(tok, "hi")) + 2 + len(ids(tok, "there"))  # each framed as BOS ... EOS
+    with pytest.raises(
+        ConfigError, match=rf"hold {tokens} tokens .* less than one row of seq_len \+ 1 = 129"
+    ):
+        build_datasets(DataSpec(path=path, seq_len=128), tok)
+    train, _ = build_datasets(DataSpec(path=path, seq_len=tokens - 1), tok)  # exactly one row: fine
+    assert len(train) == 1
+    train, _ = build_datasets(DataSpec(path=path, seq_len=128, packing=False), tok)  # padded by design
+    assert len(train) == 2

@@ -84,15 +84,18 @@ def _slidekit_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("slidekit-")]
 
 
-def _run(tiny_model, **engine) -> None:
+def _trainer(tiny_model, **engine) -> Trainer:
     optim = engine.pop("optimizer", "layer_adam")
     cfg = TrainConfig(
         model=ModelConfig(source=str(tiny_model("llama"))),
         optim=OptimConfig(name=optim, lr=1e-3),
         engine=EngineConfig(device="cpu", timeout_s=30, **engine),
     )
-    trainer = Trainer(cfg, plugins=Plugins(extra=[("faults", FaultPlugin())]))
-    trainer.fit(random_batches(128, steps=4))
+    return Trainer(cfg, plugins=Plugins(extra=[("faults", FaultPlugin())]))
+
+
+def _run(tiny_model, **engine) -> None:
+    _trainer(tiny_model, **engine).fit(random_batches(128, steps=4))
 
 
 @pytest.mark.parametrize(

@@ -103,7 +103,10 @@ class Interrupter:
             os.kill(os.getpid(), self.sig)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+_STOP_SIGNALS = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+
+
+@pytest.mark.parametrize("sig", _STOP_SIGNALS)
 def test_a_signal_finishes_the_step_and_returns(tiny_model, sig):
     cfg = TrainConfig(model=ModelConfig(source=str(tiny_model("llama"))), engine=EngineConfig(device=DEVICE))
     before = signal.getsignal(sig)
@@ -113,6 +116,30 @@ def test_a_signal_finishes_the_step_and_returns(tiny_model, sig):
         assert len(result.losses) == 2
         t.state_dict()  # the trainer is still usable: every update of step 2 was applied
     assert signal.getsignal(sig) is before  # handlers restored
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP on this platform")
+def test_a_closed_terminal_finishes_the_step_and_writes_the_checkpoint(tiny_model, tmp_path):
+    from slidekit import RunConfig
+    from slidekit.checkpoint import latest, load_meta
+
+    cfg = TrainConfig(
+        model=ModelConfig(source=str(tiny_model("llama"))),
+        engine=EngineConfig(device=DEVICE),
+        run=RunConfig(dir=str(tmp_path)),
+    )
+    seen: list[int] = []
+    # Were fit not to handle SIGHUP, this records it (and the test fails) instead of ending pytest.
+    previous = signal.signal(signal.SIGHUP, lambda signum, frame: seen.append(signum))
+    try:
+        with Trainer(cfg, plugins=Plugins(extra=[("hup", Interrupter(2, signal.SIGHUP))])) as t:
+            result = t.fit(random_batches(128, steps=6))
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    assert not seen, "SIGHUP reached the handler outside fit"
+    assert result.interrupted == "SIGHUP" and len(result.losses) == 2
+    path = latest(tmp_path / "checkpoints")
+    assert path is not None and load_meta(path)["step"] == 2
 
 
 # --------------------------------------------------------------------------- soak
@@ -235,6 +262,64 @@ def test_nothing_is_left_behind(tiny_model, tmp_path, fail):
     assert fds <= fds0, f"{fds - fds0} file descriptors left open"
     assert pinned == pinned0, "page-locked host memory not released"
     assert list(tmp_path.iterdir()) == [], "offload files left behind"
+
+
+def test_a_seq_len_beyond_the_model_is_reported_as_such_not_as_a_memory_shortfall(tiny_model):
+    from slidekit import DataConfig
+    from slidekit.errors import ConfigError
+    from slidekit.planner import Machine
+
+    small = Machine(device_type="cpu", host_available=8 * 2**30, host_total=8 * 2**30)
+    cfg = TrainConfig(
+        model=ModelConfig(source=str(tiny_model("llama"))),
+        data=DataConfig(seq_len=1_000_000),
+        engine=EngineConfig(device="cpu"),
+    )
+    with pytest.raises(
+        ConfigError, match=r"^data.seq_len 1000000 exceeds the model's max_position_embeddings 64"
+    ):
+        Trainer(cfg, machine=small)
+
+
+def test_a_run_directory_that_cannot_be_written_is_named(tiny_model, tmp_path, monkeypatch):
+    import errno
+
+    import slidekit.run
+    from slidekit import RunConfig
+    from slidekit.errors import ConfigError
+
+    def read_only(path, text):
+        raise PermissionError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(slidekit.run, "write_text_atomically", read_only)  # root may write anywhere
+    cfg = TrainConfig(
+        model=ModelConfig(source=str(tiny_model("llama"))),
+        engine=EngineConfig(device="cpu"),
+        run=RunConfig(dir=str(tmp_path)),
+    )
+    with pytest.raises(
+        ConfigError, match=rf"run directory '{tmp_path}' is not writable \(Read-only file system\)"
+    ):
+        Trainer(cfg)
+    assert not [t for t in threading.enumerate() if t.name.startswith("slidekit-") and t.is_alive()]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_a_read_only_run_directory_is_named(tiny_model, tmp_path):
+    from slidekit import RunConfig
+    from slidekit.errors import ConfigError
+
+    tmp_path.chmod(0o555)
+    cfg = TrainConfig(
+        model=ModelConfig(source=str(tiny_model("llama"))),
+        engine=EngineConfig(device="cpu"),
+        run=RunConfig(dir=str(tmp_path)),
+    )
+    try:
+        with pytest.raises(ConfigError, match="is not writable"):
+            Trainer(cfg)
+    finally:
+        tmp_path.chmod(0o755)
 
 
 def test_sequences_longer_than_the_model_are_refused(tiny_model):

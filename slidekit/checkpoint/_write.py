@@ -225,7 +225,9 @@ class CheckpointWriter:
             job = _Job(step, items, data, overwrite, SaveHandle(step, [i[0] for i in items], final))
             self._jobs.append(job)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._worker, name="slidekit-checkpoint", daemon=False)
+                # A daemon: a save stuck on hung storage must not keep the interpreter from exiting
+                # (the run waits for its saves, bounded, before it returns or closes).
+                self._thread = threading.Thread(target=self._worker, name="slidekit-checkpoint", daemon=True)
                 self._thread.start()
         newer = [s for s, _ in _step_dirs(self.directory) if s > step]
         if newer:

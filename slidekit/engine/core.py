@@ -155,7 +155,13 @@ class Engine:
                 if slot is None:
                     return False
             fut = self.pipeline.submit(
-                "h2d", self._upload, slot, visit.unit, self.updated[visit.unit], slot.free_event
+                "h2d",
+                self._upload,
+                slot,
+                visit.unit,
+                self.updated[visit.unit],
+                slot.free_event,
+                unit=visit.unit,
             )
         if tied:  # the tied embedding stays for the whole pass: the head needs it too
             self.window.pin(slot)
@@ -235,12 +241,17 @@ class Engine:
         # parameters can be mistaken for current, and every upload waits for the update.
         self.version[unit] += 1
         if c["defer"]:  # into the unit's own buffer, updated once the step's norm is known
-            c["deferred"][unit] = self.pipeline.submit("d2h", self._download, unit, slot, done, unit_sq, None)
+            c["deferred"][unit] = self.pipeline.submit(
+                "d2h", self._download, unit, slot, done, unit_sq, None, unit=unit
+            )
             return
-        handoff: list[Future[tuple[int, float]]] = [Future() for _ in self.host.pieces(unit)]
-        download = self.pipeline.submit("d2h", self._download, unit, slot, done, unit_sq, handoff)
+        # Futures the download completes piece by piece: stall reports follow them to the d2h lane.
+        handoff: list[Future[tuple[int, float]]] = [
+            self.pipeline.promise("d2h", unit) for _ in self.host.pieces(unit)
+        ]
+        download = self.pipeline.submit("d2h", self._download, unit, slot, done, unit_sq, handoff, unit=unit)
         self.updated[unit] = self.pipeline.submit(
-            "optim", self._update, unit, download, handoff, c["lr"], self.updates_applied + 1, 1.0
+            "optim", self._update, unit, download, handoff, c["lr"], self.updates_applied + 1, 1.0, unit=unit
         )
 
     def _download(
@@ -355,6 +366,7 @@ class Engine:
                 c["lr"],
                 self.updates_applied + 1,
                 scale,
+                unit=unit,
             )
 
     def _update_resident(self, c: dict[str, Any], grad_norm: float) -> None:

@@ -15,6 +15,7 @@ per unit, so it does not depend on order or threads.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from slidekit.errors import ModelLoadError
+from slidekit.errors import ConfigError, ModelLoadError
 from slidekit.models.base import ArchSpec, UnitLayout
 
 __all__ = [
@@ -68,31 +69,92 @@ def _override(config: Any, overrides: dict[str, Any]) -> Any:
     unknown = [k for k in overrides if k not in values]
     if unknown:
         raise ModelLoadError(f"cannot override {unknown}: {config.model_type} configs have no such fields")
+    for key, value in overrides.items():
+        _check_override(key, values[key], value)
     values.update(overrides)
     if "num_hidden_layers" in overrides:
         values.pop("layer_types", None)  # derived from the layer count; let the config rebuild it
-    return type(config)(**values)
+    try:
+        return type(config)(**values)
+    except Exception as exc:  # transformers validates the whole config: report it as ours
+        raise ConfigError(
+            f"model.overrides {overrides} make no valid {config.model_type} config: {exc}"
+        ) from exc
+
+
+def _check_override(key: str, current: Any, value: Any) -> None:
+    """An override has the type of the value it replaces (an int may replace a float; None is not checked)."""
+    if current is None or value is None:
+        return
+    if isinstance(current, bool):
+        ok, kind = isinstance(value, bool), "true or false"
+    elif isinstance(current, int):
+        ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    elif isinstance(current, float):
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        kind = "a finite number"
+    elif isinstance(current, str):
+        ok, kind = isinstance(value, str), "a string"
+    else:
+        return
+    if not ok:
+        raise ConfigError(
+            f"model.overrides.{key} must be {kind}, like the model's own value {current!r}; "
+            f"got {value!r} ({type(value).__name__})"
+        )
 
 
 def weight_files(directory: Path) -> dict[str, Path]:
-    """Parameter name -> safetensors file holding it; empty when the directory has no weights."""
+    """Parameter name -> safetensors file holding it; empty when the directory has no weights.
+
+    A damaged index, a shard it names that is missing, or a damaged single file is a
+    ``ModelLoadError`` naming the file.
+    """
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: directory / file for name, file in weight_map.items()}
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = {str(name): directory / str(file) for name, file in weight_map.items()}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(
+                f"the shard index {str(index)!r} is damaged ({type(exc).__name__}: {exc}): it must be JSON "
+                'with a "weight_map" of parameter name -> shard file; re-download the model'
+            ) from exc
+        missing = sorted({p.name for p in files.values() if not p.is_file()})
+        if missing:
+            raise ModelLoadError(
+                f"{index.name} in {str(directory)!r} names shard(s) that are missing: {missing}; "
+                "re-download the model (every file the index names)"
+            )
+        return files
     single = directory / "model.safetensors"
     if single.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(single), framework="pt") as f:
+        with _open_weights(single) as f:
             return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is not a Mapping)
     return {}
 
 
-def load_unit_weights(unit: UnitLayout, files: Mapping[str, Path], master: torch.Tensor) -> None:
-    """Copy one unit's tensors from safetensors into its flat FP32 ``master`` (upcasting)."""
+def _open_weights(path: Path) -> Any:
+    """``safe_open`` of one safetensors file; a missing or damaged one is a ModelLoadError naming it."""
     from safetensors import safe_open
 
+    if not path.is_file():
+        raise ModelLoadError(f"the weights file {str(path)!r} is missing; re-download the model")
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as exc:
+        raise _damaged(path, exc) from exc
+
+
+def _damaged(path: Path, exc: BaseException) -> ModelLoadError:
+    return ModelLoadError(
+        f"the weights file {str(path)!r} is damaged: {exc} (truncated, empty or not a safetensors file); "
+        "re-download it"
+    )
+
+
+def load_unit_weights(unit: UnitLayout, files: Mapping[str, Path], master: torch.Tensor) -> None:
+    """Copy one unit's tensors from safetensors into its flat FP32 ``master`` (upcasting)."""
     missing = [e.name for e in unit.entries if e.name not in files]
     if missing:
         raise ModelLoadError(
@@ -104,9 +166,12 @@ def load_unit_weights(unit: UnitLayout, files: Mapping[str, Path], master: torch
     for e in unit.entries:
         by_file.setdefault(files[e.name], []).append(e)
     for path, entries in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
+        with _open_weights(path) as f:
             for e in entries:
-                t = f.get_tensor(e.name)
+                try:
+                    t = f.get_tensor(e.name)
+                except Exception as exc:
+                    raise _damaged(path, exc) from exc
                 if tuple(t.shape) != e.shape:
                     raise ModelLoadError(
                         f"{e.name} has shape {tuple(t.shape)} in {path.name}, the config implies {e.shape}"

@@ -8,6 +8,7 @@ wait that must give up waits on something that can never happen.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -86,8 +87,8 @@ def test_tasks_after_a_failure_are_not_run():
 
 def _new_pipeline_threads(before: set[threading.Thread]) -> list[threading.Thread]:
     """Live threads started since ``before`` that belong to a pipeline (named after its pools)."""
-    prefixes = tuple(f"slidekit-{pool}_" for pool in POOLS)
-    return [t for t in threading.enumerate() if t not in before and t.name.startswith(prefixes)]
+    names = {f"slidekit-{pool}" for pool in POOLS}
+    return [t for t in threading.enumerate() if t not in before and t.name.rsplit("_", 1)[0] in names]
 
 
 def test_close_joins_every_thread():
@@ -100,3 +101,73 @@ def test_close_joins_every_thread():
     p.close()
     assert not [t for t in started if t.is_alive()]
     assert not _new_pipeline_threads(before)
+
+
+def test_a_stall_names_the_lane_and_unit_that_hold_everything_up():
+    p = Pipeline(timeout_s=0.5)
+    gate = threading.Event()
+    update = p.submit("optim", gate.wait, 60, unit=3)  # an optimizer update that does not return
+    upload = p.submit("h2d", lambda: p.result(update, "the optimizer update of unit 3"), unit=3)
+    with pytest.raises(PipelineStalled) as info:
+        p.result(upload, "the upload of unit 3")
+    assert (info.value.lane, info.value.unit) == ("optim", 3)
+    assert "the optim lane has been running unit 3" in str(info.value)
+    t0 = time.monotonic()
+    p.close()  # the stuck task was reported: close does not wait for it
+    assert time.monotonic() - t0 < 0.5 + 5
+    gate.set()
+
+
+def test_a_stall_on_a_condition_blames_the_task_that_never_returns():
+    p = Pipeline(timeout_s=0.5)
+    gate = threading.Event()
+    p.submit("optim", gate.wait, 60, unit=7)
+    with pytest.raises(PipelineStalled) as info:
+        p.wait_until(lambda: False, "a free host gradient buffer")
+    assert (info.value.lane, info.value.unit) == ("optim", 7)
+    assert "a free host gradient buffer" in str(info.value)
+    p.close()
+    gate.set()
+
+
+def test_a_promise_leads_the_report_to_the_lane_that_keeps_it():
+    p = Pipeline(timeout_s=0.5)
+    gate = threading.Event()
+    piece = p.promise("d2h", 2)
+    p.submit("d2h", gate.wait, 60, unit=2)  # the download that would complete ``piece``
+    update = p.submit("optim", lambda: p.result(piece, "the gradient download of unit 2"), unit=2)
+    with pytest.raises(PipelineStalled) as info:
+        p.result(update, "the optimizer update of unit 2")
+    assert (info.value.lane, info.value.unit) == ("d2h", 2)
+    p.close()
+    gate.set()
+
+
+def test_waits_do_not_stall_while_work_progresses():
+    p = Pipeline(timeout_s=2.0)
+    futs = [p.submit("optim", time.sleep, 0.02, unit=i) for i in range(200)]  # ~4 s in all, 2x the timeout
+    p.result(futs[-1], "the last of many short updates")
+    p.close()
+
+
+def test_close_gives_a_running_task_at_most_the_timeout():
+    p = Pipeline(timeout_s=1.0)
+    gate = threading.Event()
+    started = threading.Event()
+    p.submit("optim", lambda: (started.set(), gate.wait(60)), unit=5)
+    assert started.wait(30)
+    t0 = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="optim lane has been running unit 5"):
+        p.close()
+    assert time.monotonic() - t0 < 1.0 + 5
+    gate.set()
+
+
+def test_lane_threads_never_hold_up_interpreter_exit():
+    before = set(threading.enumerate())
+    p = Pipeline(timeout_s=5)
+    for pool in POOLS:
+        p.result(p.submit(pool, lambda: None), pool)
+    lanes = set(threading.enumerate()) - before
+    assert lanes and all(t.daemon for t in lanes)
+    p.close()

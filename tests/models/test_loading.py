@@ -99,3 +99,71 @@ def test_unsupported_architecture_lists_the_supported(tmp_path):
 def test_unknown_override_is_refused(tiny_model):
     with pytest.raises(ModelLoadError, match="no such fields"):
         _trainer(tiny_model("llama"), overrides={"num_layerz": 2})
+
+
+def _copy_model(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: b"",  # empty
+        lambda data: data[: len(data) // 2],  # truncated
+        lambda data: b"\xff" * 8 + data[8:],  # a header length far past the end
+        lambda data: (5).to_bytes(8, "little") + b"{oops" + data[13:],  # a header that is not JSON
+    ],
+    ids=["empty", "truncated", "bad-header-length", "bad-header-json"],
+)
+def test_a_damaged_weights_file_is_named(tmp_path, tiny_model, damage):
+    model_dir = _copy_model(tiny_model("llama"), tmp_path / "m")
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(damage(weights.read_bytes()))
+    with pytest.raises(ModelLoadError, match=rf"weights file '{weights}' is damaged.*re-download it"):
+        _trainer(model_dir)
+
+
+def _sharded(tmp_path, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tiny_model("llama")).save_pretrained(tmp_path, max_shard_size="20KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    return sorted(set(index["weight_map"].values()))
+
+
+def test_a_missing_shard_is_named(tmp_path, tiny_model):
+    shards = _sharded(tmp_path, tiny_model)
+    assert len(shards) > 1
+    (tmp_path / shards[-1]).unlink()
+    with pytest.raises(ModelLoadError, match=rf"names shard\(s\) that are missing: \['{shards[-1]}'\]"):
+        _trainer(tmp_path)
+
+
+def test_a_damaged_shard_and_a_damaged_index_are_named(tmp_path, tiny_model):
+    shards = _sharded(tmp_path, tiny_model)
+    shard = tmp_path / shards[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(ModelLoadError, match=rf"weights file '{shard}' is damaged"):
+        _trainer(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": ')
+    with pytest.raises(ModelLoadError, match=r"shard index '.*model\.safetensors\.index\.json' is damaged"):
+        _trainer(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"attention_bias": 1}, r"model\.overrides\.attention_bias must be true or false, like the model's"),
+        ({"hidden_act": 3}, r"model\.overrides\.hidden_act must be a string"),
+        ({"initializer_range": "big"}, r"model\.overrides\.initializer_range must be a finite number"),
+        ({"num_key_value_heads": 3}, r"model\.overrides \{'num_key_value_heads': 3\} make no usable model"),
+    ],
+)
+def test_overrides_that_make_no_model_name_the_override(tiny_model, overrides, match):
+    from slidekit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        _trainer(tiny_model("llama"), random_init=True, overrides=overrides)
