@@ -412,7 +412,7 @@ def test_hard_crash_leaves_only_an_ignored_tmp_dir(tmp_path):
 def test_cleanup_spares_a_tmp_dir_whose_writer_is_alive(make_writer, tmp_path, monkeypatch):
     # A lock-less dir counts as a writer's first instant for _STALE_UNLOCKED_S of wall-clock time after
     # its mtime; made endless here, so that a slow run (or a clock step) cannot age it mid-test.
-    monkeypatch.setattr(ck, "_STALE_UNLOCKED_S", float("inf"))
+    monkeypatch.setattr(ck._disk, "_STALE_UNLOCKED_S", float("inf"))
     directory = tmp_path / "ckpt"
     save_ok(make_writer(), 1)
     live = directory / ".tmp-step-00000002-feedbeef"
