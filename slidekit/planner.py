@@ -593,17 +593,18 @@ class PlanReport:
     machine: Machine
     requested: Estimate
     recommended: Estimate | None
+    refusals: tuple[str, ...] = ()  # what makes the run impossible whatever the memory (e.g. too long rows)
 
     @property
     def fits(self) -> bool:
-        return self.requested.fits(self.machine)
+        return not self.refusals and self.requested.fits(self.machine)
 
     def render(self) -> str:
         lines = [self.summary, f"machine: {self.machine.describe()}", ""]
         device = "GPU" if self.machine.device_free is not None else "compute device (host RAM)"
         lines.append(f"requested placement: {self.requested.placement.flags()}")
         lines.append(self.requested.table(device))
-        problems = self.requested.shortfalls(self.machine)
+        problems = [*self.refusals, *self.requested.shortfalls(self.machine)]
         lines.append("verdict: fits" if not problems else "verdict: does NOT fit")
         lines += [f"  {p}" for p in problems]
         rec = self.recommended
@@ -641,7 +642,19 @@ def plan_run(
         f"drivers: optimizer {optimizer.name} ({planner.state_per_param:.2f} B/param of state), kernels "
         f"{setup.selections['kernels'].name}"
     )
-    return PlanReport(summary=summary, machine=machine, requested=requested, recommended=recommended)
+    refusals = []
+    if dc.seq_len > spec.max_positions:  # a model limit, not a memory one: no placement changes it
+        refusals.append(
+            f"data.seq_len {dc.seq_len} exceeds the model's max_position_embeddings {spec.max_positions}; "
+            f"use a --seq-len of at most {spec.max_positions}"
+        )
+    return PlanReport(
+        summary=summary,
+        machine=machine,
+        requested=requested,
+        recommended=recommended,
+        refusals=tuple(refusals),
+    )
 
 
 def _count(n: int) -> str:

@@ -252,6 +252,16 @@ def test_plan_run_and_cli(tmp_path, capsys):
     assert report.recommended is not None and report.recommended.placement.state_offload_fraction > 0
 
 
+def test_plan_reports_rows_beyond_the_models_positions_as_such(capsys):
+    """A seq_len past max_position_embeddings is a model limit, never reported as a memory shortfall."""
+    assert main(["plan", "--device", "cpu", "--seq-len", "1024", "--batch-size", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "data.seq_len 1024 exceeds the model's max_position_embeddings" in out
+    config = TrainConfig(engine=EngineConfig(device="cpu"), data=DataConfig(seq_len=1024, batch_size=1))
+    report = plan_run(config)
+    assert not report.fits and report.refusals and report.requested.fits(report.machine)  # memory is fine
+
+
 def test_placement_flags_round_trip_through_the_cli_parser():
     from slidekit.cli import build_parser, config_from_args
 

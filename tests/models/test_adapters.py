@@ -54,8 +54,19 @@ def _two_steps_match_dir(model_dir, seq_len=16, batches=None):
         final = t.state_dict()
     ref = reference_run(t.hf_config, init, batches, lr=1e-4)
     assert_losses_close(res.losses, ref.losses, rtol=1e-5)
-    assert_states_close(final, ref.state, rtol=1e-5)
+    # A k-projection bias adds one vector to every key of a head: softmax ignores it but for RoPE's
+    # rotation, so its gradient nearly cancels (with a large rope_theta most of all), and Adam, which divides
+    # each gradient by its own RMS, turns last-bit differences of the two implementations' sums (another
+    # CPU's BLAS order) into relative differences of the update (tests/test_equivalence.py's docstring).
+    # Seen on the H200 machine's CPU: 1.28e-5 with yarn at theta 1e6. Those get 1e-4; every other 1e-5.
+    near_cancelling = {n for n in ref.state if n.endswith("k_proj.bias")}
+    assert_states_close(_without(final, near_cancelling), _without(ref.state, near_cancelling), rtol=1e-5)
+    assert_states_close(final, {n: ref.state[n] for n in near_cancelling}, rtol=1e-4)
     return t.spec
+
+
+def _without(state, names):
+    return {n: v for n, v in state.items() if n not in names}
 
 
 LLAMA3 = {
