@@ -18,21 +18,13 @@ Run: ``pytest tests/plugins/test_adam_triton.py`` (about 20 s interpreted on 2 c
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from interpreted import HAVE_TRITON, INTERPRETED, ON_GPU, rerun_interpreted
 
 from slidekit.interfaces import OptimizerHyper, ParamGroupRange
 from slidekit_optim.layer_adam import LayerAdam, kernel_status
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-ON_GPU = torch.cuda.is_available() and not INTERPRETED
 HYPER = OptimizerHyper(betas=(0.9, 0.95), eps=1e-8)
 
 needs_kernel = pytest.mark.skipif(
@@ -156,15 +148,6 @@ def test_torch_impl_keeps_the_torch_path_on_the_gpu_with_the_same_bits():
 
 @pytest.mark.skipif(INTERPRETED or ON_GPU or not HAVE_TRITON, reason="the outer CPU run starts it")
 def test_interpreted_run():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
-        env=env,
-        capture_output=True,
-        text=True,
-        # Only turns a hang into a failure: the child builds the fused CPU kernel (impl="cpp") when the
-        # cache is cold, and that build alone took over 8 minutes on the loaded 2-core machine.
-        timeout=3600,
-    )
+    proc = rerun_interpreted(__file__)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "passed" in proc.stdout and "failed" not in proc.stdout

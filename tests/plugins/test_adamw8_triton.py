@@ -28,15 +28,11 @@ Run: ``pytest tests/plugins/test_adamw8_triton.py`` (about a minute interpreted 
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
+from interpreted import HAVE_TRITON, INTERPRETED, ON_GPU, rerun_interpreted
 from test_adamw8_kernel import (
     HYPER,
     LR,
@@ -58,9 +54,6 @@ from slidekit_optim.adamw_8bit import KERNEL_SOURCE, AdamW8bit
 from slidekit_optim.layer_adam import KernelUnavailable, load_kernel
 from slidekit_optim.quant8 import BLOCK_SIZE
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-ON_GPU = torch.cuda.is_available() and not INTERPRETED
 DEVICE = "cuda" if ON_GPU else "cpu"
 
 needs_kernel = pytest.mark.skipif(
@@ -402,13 +395,6 @@ def _cuda_machine():
 
 @pytest.mark.skipif(INTERPRETED or ON_GPU or not HAVE_TRITON, reason="the outer CPU run starts it")
 def test_interpreted_run():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__))],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = rerun_interpreted(__file__)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "passed" in proc.stdout and "failed" not in proc.stdout

@@ -22,8 +22,6 @@ its time going to Triton compiling each block-size variant once.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -32,6 +30,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from interpreted import HAVE_TRITON, INTERPRETED, ON_GPU, rerun_interpreted
 
 from slidekit import Batch, EngineConfig, ModelConfig, OptimConfig, Plugins, TrainConfig, Trainer
 from slidekit.errors import DriverUnavailableError
@@ -56,9 +55,6 @@ from slidekit_kernels.triton_common.vendors import (
     tune_configs,
 )
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-HAVE_TRITON = importlib.util.find_spec("triton") is not None
-ON_GPU = torch.cuda.is_available() and not INTERPRETED
 DEVICE = "cpu" if INTERPRETED else ("cuda" if ON_GPU else None)
 DTYPES = (torch.float32, torch.bfloat16) if ON_GPU else (torch.float32,)
 SETS = {"triton_cuda": NVIDIA, "triton_rocm": AMD}
@@ -174,11 +170,7 @@ def test_interpreted_run():
     """This file again, in a subprocess with TRITON_INTERPRET=1: every kernel test on CPU tensors."""
     # One intra-op thread: the tensors are tiny, and on a busy machine OpenMP threads waiting for
     # each other in every op cost several times the work itself.
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"]
-    # Only turns a hang into a failure: the interpreted run took 178 s at a load average of 8 on the
-    # shared 2-core machine, where the former 600 s left too little margin.
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    proc = rerun_interpreted(__file__, OMP_NUM_THREADS="1")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     passed = re.search(r"(\d+) passed", out)
