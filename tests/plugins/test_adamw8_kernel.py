@@ -48,16 +48,6 @@ def kernel():
     return load_kernel(KERNEL_SOURCE)
 
 
-@pytest.fixture
-def one_torch_thread():
-    """One intra-op thread: the torch path runs ~30 parallel ops per chunk, which crawl on a shared
-    2-core machine. Results do not depend on it (test_thread_count_changes_nothing)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _groups(n: int, kind: str) -> list[ParamGroupRange]:
     """Kind "mixed": three ranges with decays 0.1, 0.01 (listed out of order) and 0, and for n >= 10 a
     tail in no group. Kind "none": no groups at all, so nothing decays."""

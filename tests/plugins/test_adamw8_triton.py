@@ -51,7 +51,7 @@ from slidekit.planner import Placement, Planner, Workload
 from slidekit.plugins import Plugins
 from slidekit.testing.models import random_batches, tiny_config
 from slidekit_optim.adamw_8bit import KERNEL_SOURCE, AdamW8bit
-from slidekit_optim.layer_adam import KernelUnavailable, load_kernel
+from slidekit_optim.kernel_build import KernelUnavailable, load_kernel
 from slidekit_optim.quant8 import BLOCK_SIZE
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -86,15 +86,6 @@ def cpu_impls() -> tuple[str, ...]:
     except KernelUnavailable:
         return ("torch",)
     return ("cpp", "torch")
-
-
-@pytest.fixture
-def one_torch_thread() -> Iterator[None]:
-    """The CPU torch path runs ~30 parallel ops per chunk, which crawl on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _device_run(

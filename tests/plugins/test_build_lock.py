@@ -38,7 +38,8 @@ from slidekit_optim.build_lock import (
     exclusive_build,
     lock_path,
 )
-from slidekit_optim.layer_adam import KERNEL_SOURCE, KernelUnavailable, LayerAdam, kernel_status
+from slidekit_optim.kernel_build import KernelUnavailable, kernel_status
+from slidekit_optim.layer_adam import KERNEL_SOURCE, LayerAdam
 
 HYPER = OptimizerHyper(betas=(0.9, 0.95), eps=1e-8)
 

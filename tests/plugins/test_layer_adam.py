@@ -43,16 +43,6 @@ def kernel():
     return load_kernel()
 
 
-@pytest.fixture
-def one_torch_thread():
-    """One intra-op thread: the reference paths run ~15 parallel ops per step, which crawl on a shared
-    2-core machine. Results do not depend on it (test_thread_count_and_missing_output_change_nothing)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _groups(n: int) -> list[ParamGroupRange]:
     """Three ranges with different decays, and for n >= 10 a tail that belongs to no group."""
     if n < 4:
