@@ -200,20 +200,23 @@ def run_suite(
         t0 = time.perf_counter()
         timed_out = False
         with log.open("w") as out:
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env)
+            # Its own process group: an overrun stops the xdist workers too, before the runs need the GPU.
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
             try:
                 code: int | None = proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 timed_out = True
-                proc.send_signal(signal.SIGINT)  # pytest reports what ran and writes the JUnit file
+                os.killpg(proc.pid, signal.SIGINT)  # pytest reports what ran and writes the JUnit file
                 try:
                     code = proc.wait(timeout=60)
                 except subprocess.TimeoutExpired:
-                    proc.kill()
+                    os.killpg(proc.pid, signal.SIGKILL)
                     code = proc.wait()
         seconds = round(time.perf_counter() - t0, 1)
         result: dict[str, Any] = {
-            "command": " ".join(cmd[1:]),
+            "command": " ".join(c for c in cmd[1:] if not c.startswith("--junitxml=")),  # not its tmp path
             "workers": workers,
             "seconds": seconds,
             "exit_code": code,
@@ -325,21 +328,19 @@ def run_one(model: str, batch: int, seq: int, resident: str, warmup: int, steps:
     }
 
 
-def run_child(args: argparse.Namespace, resident: str, timeout: float) -> dict[str, Any]:
-    """``run_one`` in its own process (peaks belong to a process); a failure is a record too."""
+def run_mode(args: argparse.Namespace, resident: str, timeout: float) -> dict[str, Any]:
+    """``run_one`` in its own process group (peaks belong to a process; a timeout kills what it started,
+    a kernel build's compiler too: ``slidekit.children.run_child``); a failure is a record too."""
+    from slidekit.children import run_child
+
     cmd = [sys.executable, str(Path(__file__).resolve()), "--run-one", resident]
     cmd += ["--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq)]
     cmd += ["--warmup", str(args.warmup), "--steps", str(args.steps)]
-    base = {"model": args.model, "batch": args.batch, "seq": args.seq, "gpu_resident": resident}
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {**base, "status": "failed", "why": f"timed out after {timeout:.0f} s"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:400]
-        return {**base, "status": "failed", "why": f"exit code {proc.returncode}: {tail}"}
-    return dict(json.loads(lines[-1]))
+    record = run_child(cmd, timeout=timeout)
+    if record["status"] == "unavailable":  # no record printed: timed out, crashed or exited non-zero
+        base = {"model": args.model, "batch": args.batch, "seq": args.seq, "gpu_resident": resident}
+        return {**base, "status": "failed", "why": record["reason"], "wall_s": record["wall_s"]}
+    return record
 
 
 # ---------------------------------------------------------------------------- the record
@@ -406,7 +407,7 @@ def gate(args: argparse.Namespace) -> int:
             print(f"gpu_gate:   FAILED {name}", flush=True)
     runs = []
     for mode in args.modes.split(","):
-        run = run_child(args, mode, args.run_timeout)
+        run = run_mode(args, mode, args.run_timeout)
         print(f"gpu_gate: run {json.dumps(run)}", flush=True)
         runs.append(run)
     ok, why = verdict(tests, runs)
