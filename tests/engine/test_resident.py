@@ -28,6 +28,7 @@ from slidekit.interfaces import TierContext
 from slidekit.models.base import UnitKind
 from slidekit.plan import GRANULE
 from slidekit.plugins import Plugins
+from slidekit.testing.asserts import assert_states_equal
 from slidekit.testing.models import random_batches
 
 LR, WD = 1e-4, 0.1
@@ -114,8 +115,7 @@ def test_resident_units_give_the_bits_of_the_all_host_run_with_clipping_and_accu
     losses, state, kept, units = run(resident)
     assert kept == {"none": 0, "0.5": round(0.5 * units), "all": units}[resident]
     assert losses == base_losses
-    for name, value in base_state.items():
-        assert state[name].equal(value), name
+    assert_states_equal(state, base_state)
 
 
 def test_resident_units_are_updated_on_the_compute_device_and_clipping_bites(tiny_model):

@@ -103,10 +103,22 @@ def test_close_joins_every_thread():
     assert not _new_pipeline_threads(before)
 
 
+def _stuck(gate: threading.Event, started: threading.Event):
+    """A task that does not return until ``gate`` is set; ``started`` says it runs (so a stall timer
+    that starts after it blames it, however late a loaded machine schedules its lane)."""
+
+    def run() -> None:
+        started.set()
+        gate.wait(60)
+
+    return run
+
+
 def test_a_stall_names_the_lane_and_unit_that_hold_everything_up():
     p = Pipeline(timeout_s=0.5)
-    gate = threading.Event()
-    update = p.submit("optim", gate.wait, 60, unit=3)  # an optimizer update that does not return
+    gate, started = threading.Event(), threading.Event()
+    update = p.submit("optim", _stuck(gate, started), unit=3)  # an optimizer update that does not return
+    assert started.wait(30)
     upload = p.submit("h2d", lambda: p.result(update, "the optimizer update of unit 3"), unit=3)
     with pytest.raises(PipelineStalled) as info:
         p.result(upload, "the upload of unit 3")
@@ -120,8 +132,9 @@ def test_a_stall_names_the_lane_and_unit_that_hold_everything_up():
 
 def test_a_stall_on_a_condition_blames_the_task_that_never_returns():
     p = Pipeline(timeout_s=0.5)
-    gate = threading.Event()
-    p.submit("optim", gate.wait, 60, unit=7)
+    gate, started = threading.Event(), threading.Event()
+    p.submit("optim", _stuck(gate, started), unit=7)
+    assert started.wait(30)
     with pytest.raises(PipelineStalled) as info:
         p.wait_until(lambda: False, "a free host gradient buffer")
     assert (info.value.lane, info.value.unit) == ("optim", 7)
@@ -132,9 +145,10 @@ def test_a_stall_on_a_condition_blames_the_task_that_never_returns():
 
 def test_a_promise_leads_the_report_to_the_lane_that_keeps_it():
     p = Pipeline(timeout_s=0.5)
-    gate = threading.Event()
+    gate, started = threading.Event(), threading.Event()
     piece = p.promise("d2h", 2)
-    p.submit("d2h", gate.wait, 60, unit=2)  # the download that would complete ``piece``
+    p.submit("d2h", _stuck(gate, started), unit=2)  # the download that would complete ``piece``
+    assert started.wait(30)
     update = p.submit("optim", lambda: p.result(piece, "the gradient download of unit 2"), unit=2)
     with pytest.raises(PipelineStalled) as info:
         p.result(update, "the optimizer update of unit 2")
@@ -144,8 +158,8 @@ def test_a_promise_leads_the_report_to_the_lane_that_keeps_it():
 
 
 def test_waits_do_not_stall_while_work_progresses():
-    p = Pipeline(timeout_s=2.0)
-    futs = [p.submit("optim", time.sleep, 0.02, unit=i) for i in range(200)]  # ~4 s in all, 2x the timeout
+    p = Pipeline(timeout_s=3.0)
+    futs = [p.submit("optim", time.sleep, 0.02, unit=i) for i in range(300)]  # ~6 s in all, 2x the timeout
     p.result(futs[-1], "the last of many short updates")
     p.close()
 
@@ -168,6 +182,6 @@ def test_lane_threads_never_hold_up_interpreter_exit():
     p = Pipeline(timeout_s=5)
     for pool in POOLS:
         p.result(p.submit(pool, lambda: None), pool)
-    lanes = set(threading.enumerate()) - before
+    lanes = _new_pipeline_threads(before)
     assert lanes and all(t.daemon for t in lanes)
     p.close()
