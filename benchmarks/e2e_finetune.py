@@ -36,8 +36,8 @@ import torch
 
 from slidekit import EngineConfig, ModelConfig, TrainConfig, Trainer
 from slidekit.models.loading import demo_dir
-from slidekit.presets import write_config
-from slidekit.report import load_metrics
+from slidekit.tools.presets import write_config
+from slidekit.tools.report import load_metrics
 
 
 def make_model(preset: str, directory: Path, seq: int, device: str) -> float:

@@ -270,8 +270,8 @@ def run_one(model: str, batch: int, seq: int, resident: str, warmup: int, steps:
     import torch
 
     from slidekit import Batch, DataConfig, EngineConfig, ModelConfig, OptimConfig, TrainConfig, Trainer
-    from slidekit.bench import synthetic_tokens
-    from slidekit.presets import write_config
+    from slidekit.tools.bench import synthetic_tokens
+    from slidekit.tools.presets import write_config
     from slidekit.telemetry import model_flops, peak_rss_bytes, reset_peak_rss
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -330,8 +330,8 @@ def run_one(model: str, batch: int, seq: int, resident: str, warmup: int, steps:
 
 def run_mode(args: argparse.Namespace, resident: str, timeout: float) -> dict[str, Any]:
     """``run_one`` in its own process group (peaks belong to a process; a timeout kills what it started,
-    a kernel build's compiler too: ``slidekit.children.run_child``); a failure is a record too."""
-    from slidekit.children import run_child
+    a kernel build's compiler too: ``slidekit.tools.children.run_child``); a failure is a record too."""
+    from slidekit.tools.children import run_child
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--run-one", resident]
     cmd += ["--model", args.model, "--batch", str(args.batch), "--seq", str(args.seq)]

@@ -63,7 +63,7 @@ case "${1:-tests}" in
         --offload-dir /tmp/slidekit-off --steps 1 --warmup 1 --out "$B" 2>&1 | tail -1
     done
     df -h /tmp | tail -1; free -g | head -2
-    python3 -c "from pathlib import Path; from slidekit.bench import write_config; write_config('mistral-small-24b', Path('/tmp/m24'), 1024)"
+    python3 -c "from pathlib import Path; from slidekit.tools.bench import write_config; write_config('mistral-small-24b', Path('/tmp/m24'), 1024)"
     python3 -m slidekit.cli plan --model /tmp/m24 --random-init --optimizer adamw_8bit --state-tier posix \
       --offload-dir /tmp/slidekit-off --batch-size 8 --seq-len 1024 2>&1 | tee "$OUT/plan_24b.txt" | tail -4
     timeout 330 python3 benchmarks/train_throughput.py --model mistral-small-24b --batch 8 --optimizer adamw_8bit \

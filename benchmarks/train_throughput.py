@@ -3,10 +3,10 @@
     python benchmarks/train_throughput.py --model qwen2.5-1.5b --batch 8 --seq 1024 --steps 6
     python benchmarks/train_throughput.py --model tiny --device cpu      # a smoke run anywhere
 
-A thin wrapper: the presets (``slidekit.presets.PRESETS``), the run and its
-record live in ``slidekit.bench`` (this is ``python -m slidekit.bench``), which
+A thin wrapper: the presets (``slidekit.tools.presets.PRESETS``), the run and its
+record live in ``slidekit.tools.bench`` (this is ``python -m slidekit.tools.bench``), which
 ``slidekit bench`` also uses to compare slidekit with the alternatives in
-benchmarks/baselines. The record: tokens/s and model TFLOPS of the median timed
+slidekit/tools/baselines. The record: tokens/s and model TFLOPS of the median timed
 step (``slidekit.telemetry.model_flops``, PaLM convention, recompute not
 counted: 6 * params * tokens + 12 * layers * (heads * head_dim) * seq_len *
 tokens), peak GPU memory, peak host RSS, the median seconds each pipeline lane
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 
-from slidekit.bench import PRESETS, main
+from slidekit.tools.bench import PRESETS, main
 
 __all__ = ["PRESETS", "main"]
 

@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=None, metavar="FILE.png", help="where to write (default RUN_DIR/report.png)"
     )
 
-    from slidekit.bench import add_arguments as add_bench_arguments
+    from slidekit.tools.bench import add_arguments as add_bench_arguments
 
     b = sub.add_parser("bench", help="throughput of slidekit vs no offload, torchao and DeepSpeed")
     add_bench_arguments(b)
@@ -230,7 +230,7 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from slidekit.report import draw_report
+    from slidekit.tools.report import draw_report
 
     print(f"wrote {draw_report(args.run_dir, args.out)}")
     return 0
@@ -408,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plan":
             return _plan(args)
         if args.command == "bench":
-            from slidekit.bench import run_command
+            from slidekit.tools.bench import run_command
 
             return run_command(args)
         return _finetune(args)

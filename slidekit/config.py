@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from slidekit.errors import ConfigError
-from slidekit.schedules import SCHEDULES
+from slidekit.lr_schedule import SCHEDULES
 from slidekit.typecheck import check_types
 
 #: Learning rates used when ``OptimConfig.lr`` is None.

@@ -252,9 +252,23 @@ class UnitOptimizer(Protocol):
     place from ``grad`` (FP32 or BF16) and, when ``lowp_out`` is given, writes the
     updated parameters cast to its dtype there. ``count`` is the 1-based number
     of updates this unit has received, for bias correction.
+
+    Two capabilities, declared (the engine and the planner read them, never probe):
+
+    ``device_update``
+        ``step`` also runs on tensors on the compute device (CUDA, ROCm), so units
+        can be resident there: master, state and update on the device.
+    ``linear_state``
+        the state of parameters [a, a + m) sits at the offsets ``state_layout(a)``
+        gives and has the size of ``state_layout(m)`` whenever ``a`` is a multiple
+        of ``slidekit.planning.GRANULE`` (per-element moments; block-wise quantized
+        state with blocks dividing it). Only then can a unit be updated, and its
+        state streamed, piece by piece.
     """
 
     name: str
+    device_update: bool
+    linear_state: bool
 
     def state_layout(self, numel: int) -> Mapping[str, tuple[torch.dtype, int]]: ...
 

@@ -61,7 +61,7 @@ from slidekit.planner import Estimate, Machine, Placement, Planner
 from slidekit.plugins import Plugins, Selection
 from slidekit.resolve import build_optimizer, resolve
 from slidekit.run import RunDirectory, discard_run
-from slidekit.schedules import lr_factor
+from slidekit.lr_schedule import lr_factor
 from slidekit.telemetry import Progress, memory_metrics, model_flops
 from slidekit.trace import TraceWriter
 

@@ -29,9 +29,9 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from slidekit import bench as bench_module
+from slidekit.tools import bench as bench_module
 from slidekit import telemetry
-from slidekit.bench import (
+from slidekit.tools.bench import (
     PRESETS,
     add_ratios,
     arch_spec,
@@ -47,7 +47,6 @@ from slidekit.bench import (
 from slidekit.cli import build_parser, main
 from slidekit.models.base import ArchSpec
 
-BASELINES_DIR = Path(__file__).resolve().parents[1] / "benchmarks" / "baselines"
 
 #: Published parameter counts (model cards), billions.
 PUBLISHED_B = {
@@ -278,23 +277,18 @@ def test_bench_options_are_pinned():
 
 @pytest.fixture
 def baseline_script(monkeypatch):
-    """``run(script, *argv)``: run benchmarks/baselines/<script> in this process; its exit code.
-
-    The scripts import their ``common`` module from their own directory, as ``python script.py`` does.
-    """
-    monkeypatch.syspath_prepend(str(BASELINES_DIR))
-    monkeypatch.delitem(sys.modules, "common", raising=False)
+    """``run(script, *argv)``: run the bundled baseline slidekit.tools.baselines.<script> in this process,
+    as ``python -m`` does; its exit code."""
 
     def run(script: str, *argv: str) -> int:
         monkeypatch.setattr(sys, "argv", [script, *argv])
         try:
-            runpy.run_path(str(BASELINES_DIR / script), run_name="__main__")
+            runpy.run_module(f"slidekit.tools.baselines.{script.removesuffix('.py')}", run_name="__main__")
         except SystemExit as exc:
             return int(exc.code or 0)
         return 0
 
     yield run
-    sys.modules.pop("common", None)
 
 
 def _lines(text: str) -> list[dict]:
@@ -322,7 +316,7 @@ def test_a_baseline_builds_once_and_prints_a_record_per_batch(baseline_script, c
 
 @pytest.mark.parametrize("stop", [None, "not run: the engine is mid-step"])
 def test_out_of_memory_at_one_batch_is_that_batch_s_result(baseline_script, capsys, stop):
-    import common
+    from slidekit.tools.baselines import common
 
     cleaned = []
 
@@ -363,7 +357,7 @@ def test_out_of_memory_at_one_batch_is_that_batch_s_result(baseline_script, caps
 def test_the_host_ram_guard_refuses_a_model_too_big_for_free_ram(
     baseline_script, monkeypatch, capsys, script, need
 ):
-    import common  # the scripts' module, importable through the fixture
+    from slidekit.tools.baselines import common
 
     monkeypatch.setattr(common, "mem_available_bytes", lambda: 100 * 2**30)
     monkeypatch.setattr(common, "build_model", lambda *a, **k: pytest.fail("built a model"))
@@ -381,7 +375,7 @@ def test_the_host_ram_guard_refuses_a_model_too_big_for_free_ram(
 
 
 def test_host_ram_estimate_and_its_limits(baseline_script):
-    import common
+    from slidekit.tools.baselines import common
 
     params = arch_spec("qwen2.5-3b").num_params
     need = 20.2 * params / 2**30 + 2.0  # 60.1 GiB

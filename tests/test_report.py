@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from slidekit import DataConfig, EngineConfig, OptimConfig, RunConfig, TrainConfig, Trainer
-from slidekit import report as report_module
+from slidekit.tools import report as report_module
 from slidekit.cli import main
 from slidekit.errors import ConfigError
-from slidekit.report import DPI, FIGSIZE, draw_report, find_trace, load_metrics, report_figure, step_window
+from slidekit.tools.report import DPI, FIGSIZE, draw_report, find_trace, load_metrics, report_figure, step_window
 from slidekit.telemetry import Span
 from slidekit.trace import trace_events
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slidekit import Batch, EngineConfig, ModelConfig, OptimConfig, TrainConfig, Trainer
-from slidekit.schedules import lr_factor
+from slidekit.lr_schedule import lr_factor
 from slidekit.testing.asserts import assert_losses_close, assert_states_close
 from slidekit.testing.models import random_batches
 from slidekit.testing.reference import reference_run

@@ -1,7 +1,7 @@
 """No offload: the whole training state on the GPU, the plain PyTorch recipe slidekit is measured against.
 
-    python benchmarks/baselines/no_offload.py --model qwen2.5-3b --batch 8,16,32 --seq 1024
-    python benchmarks/baselines/no_offload.py --model tiny --device cpu --batch 2,3 --seq 64   # anywhere
+    python slidekit/tools/baselines/no_offload.py --model qwen2.5-3b --batch 8,16,32 --seq 1024
+    python slidekit/tools/baselines/no_offload.py --model tiny --device cpu --batch 2,3 --seq 64   # anywhere
 
 FP32 master weights on the device, forward and backward under
 ``torch.autocast(bfloat16)``, ``torch.optim.AdamW(fused=True)``: 16 bytes per
@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 
 import torch
-from common import build_model, fits, loss_of, parser, resolve_device, run_batches
+from slidekit.tools.baselines.common import build_model, fits, loss_of, parser, resolve_device, run_batches
 
 SYSTEM = "no_offload"
 

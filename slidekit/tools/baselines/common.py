@@ -1,8 +1,8 @@
-"""What every alternative in benchmarks/baselines shares: options, the model, the tokens, timing, the JSON lines.
+"""What every alternative in slidekit/tools/baselines shares: options, the model, the tokens, timing, the JSON lines.
 
 Each baseline script is standalone::
 
-    python benchmarks/baselines/no_offload.py --model tiny --device cpu --batch 2,3 --seq 64
+    python slidekit/tools/baselines/no_offload.py --model tiny --device cpu --batch 2,3 --seq 64
 
 and ``slidekit bench`` runs it once per model with all its batch sizes. The flow of one run:
 
@@ -24,7 +24,7 @@ and ``slidekit bench`` runs it once per model with all its batch sizes. The flow
 
 Every line is one record with ``system``, ``status`` and ``batch``:
 
-- ``status: "ok"`` with the metrics of ``slidekit.bench.throughput`` (the timed steps' seconds,
+- ``status: "ok"`` with the metrics of ``slidekit.tools.bench.throughput`` (the timed steps' seconds,
   their median, tokens/s, model TFLOPS with slidekit's parameter count of the same preset),
   ``peak_gpu_gib`` and ``peak_host_rss_gib`` of this batch (``peak_rss_scope``), ``wall_s`` (this
   batch's seconds, warm-up included), ``setup_s``; or
@@ -33,7 +33,7 @@ Every line is one record with ``system``, ``status`` and ``batch``:
 
 The model is the preset's transformers model (``AutoModelForCausalLM.from_config``,
 random init on the target device, sdpa attention, gradient checkpointing,
-no KV cache). The tokens are ``slidekit.bench.synthetic_tokens``, the same
+no KV cache). The tokens are ``slidekit.tools.bench.synthetic_tokens``, the same
 rows slidekit trains on (a fresh generator per batch, so each batch sees the
 rows a separate run would); the loss is transformers' own (full logits,
 upcast to FP32), with ``shift_labels`` so the targets are exactly slidekit's.
@@ -57,7 +57,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from slidekit.bench import (
+from slidekit.tools.bench import (
     PRESETS,
     arch_spec,
     hf_config,

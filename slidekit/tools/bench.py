@@ -7,19 +7,19 @@
 The flow (``bench``):
 
 1. slidekit first, batch by batch: one run per ``--resident`` mode, each in its own process
-   (``python -m slidekit.bench``: ``main`` below; ``benchmarks/train_throughput.py`` wraps it),
+   (``python -m slidekit.tools.bench``: ``main`` below; ``benchmarks/train_throughput.py`` wraps it),
    given min(``--timeout``, what is left of ``--time-budget``).
 2. Then each requested alternative, in the order given, ONCE for all batches
    (``--batch 8,16,32``): the script builds its model and optimizer once and prints one JSON
-   line per batch as it finishes it (``benchmarks/baselines/common.py`` says how). It gets
+   line per batch as it finishes it (``slidekit/tools/baselines/common.py`` says how). It gets
    min(``--timeout`` x the number of batches, what is left). The lines are read as they come
-   (``slidekit.children.stream_child``); a batch's row is recorded at once, so lines printed before a timeout kill
+   (``slidekit.tools.children.stream_child``); a batch's row is recorded at once, so lines printed before a timeout kill
    or a crash are kept, and every batch without a line becomes ``unavailable: no line for batch
    N; <timed out after S s | exit code C: last error line>`` (a record naming no batch, as an
    older script prints, stands for every batch without a line of its own).
-   - ``none``: ``benchmarks/baselines/no_offload.py``: FP32 master weights and AdamW on the GPU.
-   - ``torchao``: ``benchmarks/baselines/torchao_offload.py``: torchao's CPUOffloadOptimizer.
-   - ``deepspeed``: ``benchmarks/baselines/deepspeed_offload.py``: ZeRO-2, optimizer offloaded to the CPU.
+   - ``none``: ``slidekit/tools/baselines/no_offload.py``: FP32 master weights and AdamW on the GPU.
+   - ``torchao``: ``slidekit/tools/baselines/torchao_offload.py``: torchao's CPUOffloadOptimizer.
+   - ``deepspeed``: ``slidekit/tools/baselines/deepspeed_offload.py``: ZeRO-2, optimizer offloaded to the CPU.
 3. Every finished row is printed as a progress line on stderr and appended to ``--out`` at once
    (a suite killed midway keeps what finished). At the end the rows are ordered by batch (in
    the order given; each batch's rows in run order), the ratios are added per batch
@@ -71,9 +71,9 @@ from pathlib import Path
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
-from slidekit.children import ChildRun, last_error, run_child, stream_child
+from slidekit.tools.children import ChildRun, last_error, run_child, stream_child
 from slidekit.errors import ConfigError
-from slidekit.presets import PRESETS, arch_spec, hf_config, preset, write_config
+from slidekit.tools.presets import PRESETS, arch_spec, hf_config, preset, write_config
 from slidekit.telemetry import d2h_seconds, hiding_factor
 
 if TYPE_CHECKING:
@@ -108,7 +108,7 @@ __all__ = [
 ]
 
 
-#: ``--baselines`` name -> (system name in the results, script in benchmarks/baselines).
+#: ``--baselines`` name -> (system name in the results, script in slidekit/tools/baselines).
 BASELINES: dict[str, tuple[str, str]] = {
     "none": ("no_offload", "no_offload.py"),
     "torchao": ("torchao", "torchao_offload.py"),
@@ -288,7 +288,7 @@ def measure_slidekit(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def slidekit_parser() -> argparse.ArgumentParser:
-    """Options of one slidekit throughput run (``python -m slidekit.bench``, benchmarks/train_throughput.py)."""
+    """Options of one slidekit throughput run (``python -m slidekit.tools.bench``, benchmarks/train_throughput.py)."""
     p = argparse.ArgumentParser(description="Training throughput of slidekit on a preset model shape.")
     p.add_argument("--model", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--batch", type=int, default=8)
@@ -325,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _slidekit_cmd(args: argparse.Namespace, batch: int, resident: str) -> list[str]:
-    cmd = [sys.executable, "-m", "slidekit.bench", *_common_flags(args, str(batch))]
+    cmd = [sys.executable, "-m", "slidekit.tools.bench", *_common_flags(args, str(batch))]
     cmd += ["--kernels", args.kernels, "--optimizer", args.optimizer, "--activations", args.activations]
     cmd += ["--window", str(args.window), "--resident", resident, "--state-tier", args.state_tier]
     if args.offload_dir:
@@ -341,10 +341,8 @@ def _common_flags(args: argparse.Namespace, batch: str) -> list[str]:
     ]
 
 
-def _baselines_dir(args: argparse.Namespace) -> Path:
-    if args.baselines_dir:
-        return Path(args.baselines_dir)
-    return Path(__file__).resolve().parents[1] / "benchmarks" / "baselines"
+#: The bundled baseline scripts: modules of this package, run with ``python -m`` (an installed wheel has them).
+BASELINE_PACKAGE = "slidekit.tools.baselines"
 
 
 def _slidekit_runs(args: argparse.Namespace, batch: int) -> Iterator[tuple[dict[str, Any], list[str]]]:
@@ -360,12 +358,16 @@ def _baseline_runs(
     """(the rows' identity, the command for all ``batches``; None with a reason if there is no script)."""
     for name in _split(args.baselines):
         system, script = BASELINES[name]
-        path = _baselines_dir(args) / script
         ident = {"system": system, "label": system}
+        flags = _common_flags(args, ",".join(map(str, batches)))
+        if not args.baselines_dir:  # the bundled script, from the installed package
+            yield ident, [sys.executable, "-m", f"{BASELINE_PACKAGE}.{script.removesuffix('.py')}", *flags]
+            continue
+        path = Path(args.baselines_dir) / script
         if not path.is_file():
             yield {**ident, "reason": f"script {path} not found (pass --baselines-dir)"}, None
         else:
-            yield ident, [sys.executable, str(path), *_common_flags(args, ",".join(map(str, batches)))]
+            yield ident, [sys.executable, str(path), *flags]
 
 
 def _split(value: str) -> list[str]:
@@ -611,7 +613,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", default=None, metavar="FILE.md", help="also write the table here")
     p.add_argument("--logs", default=None, metavar="DIR", help="keep each run's stdout and stderr here")
     p.add_argument(
-        "--baselines-dir", default=None, help="where the baseline scripts are (default: the checkout's)"
+        "--baselines-dir", default=None, help="a directory of replacement baseline scripts (default: the bundled ones, slidekit.tools.baselines)"
     )
 
 

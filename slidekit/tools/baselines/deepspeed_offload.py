@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-Offload: ZeRO stage 2 with the optimizer state and step on the CPU (DeepSpeedCPUAdam).
 
-    python benchmarks/baselines/deepspeed_offload.py --model qwen2.5-3b --batch 8,16,32 --seq 1024
+    python slidekit/tools/baselines/deepspeed_offload.py --model qwen2.5-3b --batch 8,16,32 --seq 1024
 
 One process (RANK 0 of WORLD_SIZE 1, set here, on a free local port), BF16
 weights and compute on the GPU, FP32 master partitions and AdamW moments in
@@ -44,7 +44,7 @@ import time
 from typing import Any
 
 import torch
-from common import (
+from slidekit.tools.baselines.common import (
     build_model,
     check_host_ram,
     fits,

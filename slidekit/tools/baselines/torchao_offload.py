@@ -1,6 +1,6 @@
 """torchao's CPU-offload optimizer: the step on the CPU, the weights on the GPU.
 
-    python benchmarks/baselines/torchao_offload.py --model qwen2.5-3b --batch 8,16,32 --seq 1024
+    python slidekit/tools/baselines/torchao_offload.py --model qwen2.5-3b --batch 8,16,32 --seq 1024
 
 The model's FP32 master weights stay on the GPU, forward and backward run under
 ``torch.autocast(bfloat16)``; ``torchao.optim.CPUOffloadOptimizer`` keeps a
@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 
 import torch
-from common import (
+from slidekit.tools.baselines.common import (
     build_model,
     check_host_ram,
     fits,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from slidekit.schedules import SCHEDULES, lr_factor
+from slidekit.lr_schedule import SCHEDULES, lr_factor
 
 
 def test_warmup_is_linear_from_zero():
