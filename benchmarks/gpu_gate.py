@@ -270,9 +270,9 @@ def run_one(model: str, batch: int, seq: int, resident: str, warmup: int, steps:
     import torch
 
     from slidekit import Batch, DataConfig, EngineConfig, ModelConfig, OptimConfig, TrainConfig, Trainer
+    from slidekit.telemetry import model_flops, peak_rss_bytes, reset_peak_rss
     from slidekit.tools.bench import synthetic_tokens
     from slidekit.tools.presets import write_config
-    from slidekit.telemetry import model_flops, peak_rss_bytes, reset_peak_rss
 
     with tempfile.TemporaryDirectory() as tmp:
         write_config(model, Path(tmp), seq)

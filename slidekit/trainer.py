@@ -47,6 +47,7 @@ from slidekit.errors import ConfigError, ModelLoadError
 from slidekit.export import ExportError, check_dtype, check_target, export_guards, export_model
 from slidekit.identity import changed_settings, effective_lr, run_identity
 from slidekit.interfaces import ParamGroupRange, StorageTier, TierContext
+from slidekit.lr_schedule import lr_factor
 from slidekit.models.base import UnitLayout
 from slidekit.models.loading import (
     DEMO_MODEL,
@@ -61,7 +62,6 @@ from slidekit.planner import Estimate, Machine, Placement, Planner
 from slidekit.plugins import Plugins, Selection
 from slidekit.resolve import build_optimizer, resolve
 from slidekit.run import RunDirectory, discard_run
-from slidekit.lr_schedule import lr_factor
 from slidekit.telemetry import Progress, memory_metrics, model_flops
 from slidekit.trace import TraceWriter
 

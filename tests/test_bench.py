@@ -29,8 +29,10 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from slidekit.tools import bench as bench_module
 from slidekit import telemetry
+from slidekit.cli import build_parser, main
+from slidekit.models.base import ArchSpec
+from slidekit.tools import bench as bench_module
 from slidekit.tools.bench import (
     PRESETS,
     add_ratios,
@@ -44,9 +46,6 @@ from slidekit.tools.bench import (
     stream_child,
     throughput,
 )
-from slidekit.cli import build_parser, main
-from slidekit.models.base import ArchSpec
-
 
 #: Published parameter counts (model cards), billions.
 PUBLISHED_B = {

@@ -9,11 +9,19 @@ from pathlib import Path
 import pytest
 
 from slidekit import DataConfig, EngineConfig, OptimConfig, RunConfig, TrainConfig, Trainer
-from slidekit.tools import report as report_module
 from slidekit.cli import main
 from slidekit.errors import ConfigError
-from slidekit.tools.report import DPI, FIGSIZE, draw_report, find_trace, load_metrics, report_figure, step_window
 from slidekit.telemetry import Span
+from slidekit.tools import report as report_module
+from slidekit.tools.report import (
+    DPI,
+    FIGSIZE,
+    draw_report,
+    find_trace,
+    load_metrics,
+    report_figure,
+    step_window,
+)
 from slidekit.trace import trace_events
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -71,10 +71,10 @@ from pathlib import Path
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
-from slidekit.tools.children import ChildRun, last_error, run_child, stream_child
 from slidekit.errors import ConfigError
-from slidekit.tools.presets import PRESETS, arch_spec, hf_config, preset, write_config
 from slidekit.telemetry import d2h_seconds, hiding_factor
+from slidekit.tools.children import ChildRun, last_error, run_child, stream_child
+from slidekit.tools.presets import PRESETS, arch_spec, hf_config, preset, write_config
 
 if TYPE_CHECKING:
     import torch

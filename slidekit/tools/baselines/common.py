@@ -57,6 +57,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from slidekit.telemetry import proc_sizes, reset_peak_rss
 from slidekit.tools.bench import (
     PRESETS,
     arch_spec,
@@ -67,7 +68,6 @@ from slidekit.tools.bench import (
     synthetic_tokens,
     throughput,
 )
-from slidekit.telemetry import proc_sizes, reset_peak_rss
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (inputs, labels) -> loss
 AfterOOM = Callable[[int], str | None]  # (the batch) cleans up after an OOM; a reason stops the rest

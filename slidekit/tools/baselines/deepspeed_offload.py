@@ -44,6 +44,7 @@ import time
 from typing import Any
 
 import torch
+
 from slidekit.tools.baselines.common import (
     build_model,
     check_host_ram,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 
 import torch
+
 from slidekit.tools.baselines.common import build_model, fits, loss_of, parser, resolve_device, run_batches
 
 SYSTEM = "no_offload"
