@@ -75,6 +75,8 @@ class FitResult:
     losses: list[float]
     tokens: int
     seconds: float
+    #: Whole steps: start of step i+1 - start of step i, the last ending once every update is applied
+    #: and the device is idle (``Engine.drain``); data, metrics and evaluation between steps included.
     step_seconds: list[float] = field(default_factory=list)
     timings: list[dict[str, float]] = field(default_factory=list)  # seconds per pipeline lane, per step
     grad_norms: list[float] = field(default_factory=list)  # global gradient norm per step, before clipping
@@ -483,6 +485,7 @@ class Trainer:
         for note in self.notes:
             bar.write(note)
         result = FitResult([], 0, 0.0)
+        starts: list[float] = []  # when each step began
         t0 = time.perf_counter()
         try:
             with _GracefulStop() as stop:
@@ -491,13 +494,15 @@ class Trainer:
                     if stop.signal or len(micro) < self.config.grad_accum:
                         break  # interrupted, or the data ran out: no partial step
                     t_step = time.perf_counter()
+                    starts.append(t_step)
                     metrics = self._step(engine, step, micro, result)
                     if trace is not None:
                         trace.step(engine.steps_done, t_step, time.perf_counter(), metrics)
                     self._consumed += len(micro) if configured else 0
                     self._after_step(engine, metrics, last=step == steps)
                     bar.update(metrics)
-                engine.wait_updates()
+                engine.drain()
+                result.step_seconds = [b - a for a, b in zip(starts, [*starts[1:], time.perf_counter()])]
                 if self.run is not None:  # the final state is on disk before fit returns
                     if self.run.last_saved != engine.steps_done:
                         self.checkpoint()
@@ -571,7 +576,6 @@ class Trainer:
                 stacklevel=3,
             )
         result.losses.append(res.loss)
-        result.step_seconds.append(res.seconds)
         result.timings.append(res.timings)
         result.grad_norms.append(res.grad_norm)
         result.tokens += res.tokens

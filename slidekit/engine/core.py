@@ -55,7 +55,7 @@ class StepResult:
     skipped: bool  # True when the update was skipped (non-finite loss or gradients)
     tokens: int  # tokens processed (labelled or not)
     labelled: int  # tokens that carried a label
-    seconds: float
+    seconds: float  # train_step's own wall time, the device work of the step included (its resident update too)
     grad_norm: float  # global L2 norm of the step's gradients (before clipping)
     timings: dict[str, float]  # seconds per pipeline lane (see Engine.train_step)
 
@@ -493,6 +493,7 @@ class Engine:
         skipped = self._conclude(c, loss_sum / labelled, grad_norm, skip_nonfinite)
         self.steps_done += 1
         self.updates_applied += not skipped
+        timings = self.timeline.finish()  # waits for the step's device work: the resident update too
         return StepResult(
             loss=loss_sum / labelled,
             skipped=skipped,
@@ -500,7 +501,7 @@ class Engine:
             labelled=labelled,
             seconds=time.perf_counter() - t0,
             grad_norm=grad_norm,
-            timings=self.timeline.finish(),
+            timings=timings,
         )
 
     def _conclude(self, c: dict[str, Any], loss: float, grad_norm: float, skip_nonfinite: bool) -> bool:
@@ -680,6 +681,12 @@ class Engine:
         for unit, fut in enumerate(self.updated):
             if fut is not None:
                 self.pipeline.result(fut, f"the optimizer update of unit {unit}")
+
+    def drain(self) -> None:
+        """Block until every update is applied and every copy and kernel queued on the device is done."""
+        self.wait_updates()
+        if self.streams.cuda:
+            torch.cuda.synchronize(self.device)
 
     def master_state(self) -> dict[str, torch.Tensor]:
         """Hugging Face name -> FP32 master view (after all updates). Tied heads appear under both names."""
