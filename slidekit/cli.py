@@ -240,7 +240,7 @@ def _plan(args: argparse.Namespace) -> int:
     """Print the plan; exit status 1 when the requested placement does not fit."""
     import dataclasses
 
-    from slidekit.planner import GIB, Machine, plan_run
+    from slidekit.planning import GIB, Machine, plan_run
     from slidekit.resolve import resolve_device
 
     config = config_from_args(args)

@@ -33,16 +33,8 @@ from slidekit import leftovers, owned
 from slidekit.config import TrainConfig
 from slidekit.data import Batch, DataSpec, PackedDataset, build_datasets, load_tokenizer
 from slidekit.devices import device_family
-from slidekit.engine import (
-    ActivationStore,
-    DeviceActivations,
-    Engine,
-    HostStore,
-    Pipeline,
-    Streams,
-    TierActivations,
-    Window,
-)
+from slidekit.engine import Engine
+from slidekit.engine.build import EngineParts, build_engine
 from slidekit.errors import ConfigError, ModelLoadError
 from slidekit.export import ExportError, check_dtype, check_target, export_guards, export_model
 from slidekit.identity import changed_settings, effective_lr, run_identity
@@ -57,8 +49,7 @@ from slidekit.models.loading import (
     weight_files,
 )
 from slidekit.owned import Leftover
-from slidekit.plan import place_state, plan_memory
-from slidekit.planner import Estimate, Machine, Placement, Planner
+from slidekit.planning import Estimate, Layout, Machine, Placement, Planner
 from slidekit.plugins import Plugins, Selection
 from slidekit.resolve import build_optimizer, resolve
 from slidekit.run import RunDirectory, discard_run
@@ -145,7 +136,7 @@ class Trainer:
         """Build everything a run needs. ``fault_hook(lane)`` is called before every pipeline task
         ("h2d", "d2h", "optim") and every visit of the main thread ("main"): a seam for fault and
         delay injection in tests. ``machine`` stands in for this machine's measured memory and disk
-        (what-if planning, tests); the run is refused when it does not fit (``slidekit.planner``)."""
+        (what-if planning, tests); the run is refused when it does not fit (``slidekit.planning``)."""
         self.config = config
         self._machine = machine
         self.planner: Planner | None = None
@@ -202,86 +193,43 @@ class Trainer:
         except BaseException:
             run = self.run
             self.close()
-            if run is not None and not config.run.resume:  # a fresh run that never started leaves no trace
+            fresh = config.run.resume_target() is None
+            if run is not None and fresh:  # a fresh run that never started leaves no trace
                 discard_run(run.path, checkpoints=False, keep_dir=not run.created)
             raise
 
     # ------------------------------------------------------------------ building
 
-    def _tier(self, sel: Selection) -> StorageTier:
-        if sel.name not in self._tiers:
+    def _tier(self, name: str) -> StorageTier:
+        """The run's one instance of the storage tier ``name`` (built on first use)."""
+        if name not in self._tiers:
+            sel = self.plugins.select("tier", name, device_family(self.device))
             ctx = TierContext(device=self.device, directory=self.config.engine.offload_dir)
-            self._tiers[sel.name] = sel.descriptor.factory(ctx)
-        return self._tiers[sel.name]
+            self._tiers[name] = sel.descriptor.factory(ctx)
+        return self._tiers[name]
 
     def _build_engine(self) -> Engine:
+        """Plan the run's layout once (``slidekit.planning``), refuse it if it does not fit, build it."""
         ec, oc = self.config.engine, self.config.optim
-        kernels = self.selections["kernels"].descriptor.factory()
         optimizer = build_optimizer(self.config, self.setup)
-        units = self.spec.units
-        itemsize = self.setup.itemsize
         self.planner = planner = Planner.for_run(
             self.config, self.setup, optimizer=optimizer, plugins=self.plugins
         )
-        state_bytes = planner.state
-        resident = self._plan_residency(planner, optimizer)
-        self._check_fit(planner, resident)
-        plan = plan_memory(
-            [u.numel for u, r in zip(units, resident, strict=True) if not r] or [1],
-            compute_itemsize=itemsize,
-            window=ec.window,
-            grad_buffers=ec.grad_buffers,
-            tied=self.spec.tie_embeddings,
-        )
-        pipeline = Pipeline(ec.timeout_s, task_hook=self._fault_hook)
-        state_tier = self._tier(self.selections["state_tier"])
-        offload = place_state(len(units), ec.state_offload_fraction)
-        slow = self._tier(self.selections["state_offload_tier"]) if any(offload) else state_tier
-        state_tiers = [slow if off else state_tier for off in offload]
-        if any(resident):  # resident units keep master and state on the compute device
-            device_tier = self._device_tier()
-            state_tiers = [device_tier if r else t for r, t in zip(resident, state_tiers, strict=True)]
-        self._check_capacity(state_tiers, state_bytes)
-        host = HostStore(
-            units,
+        layout = self._plan(planner, optimizer)
+        parts = EngineParts(
+            spec=self.spec,
+            kernels=self.selections["kernels"].descriptor.factory(),
             optimizer=optimizer,
-            state_tiers=state_tiers,
-            pin=self.device.type == "cuda",
-            grad_dtype=self.compute_dtype,
-            grad_buffers=ec.grad_buffers,
-            pipeline=pipeline,
-            state_chunk=ec.state_chunk,
-            device_masters=[self.device if r else None for r in resident],  # the CPU too: same code path
-        )
-        for unit, on_device in enumerate(resident):
-            mapped = host.state.mapped(unit) or {}
-            if not on_device and any(t.device.type != "cpu" for t in mapped.values()):
-                raise ConfigError(
-                    f"optimizer state of unit {unit} is in device memory, but the unit is updated on the CPU; "
-                    "use a host tier (ram, posix, gds) for engine.state_tier / state_offload_tier, and "
-                    "engine.gpu_resident to keep whole units on the device"
-                )
-        window = Window(plan.window, plan.slot_numel, self.compute_dtype, self.device, pipeline)
-        acts: ActivationStore = DeviceActivations()
-        if "activation_tier" in self.selections:
-            acts = TierActivations(self._tier(self.selections["activation_tier"]), self.device, pipeline)
-        return Engine(
-            self.spec,
-            resident=resident,
-            kernels=kernels,
-            optimizer=optimizer,
-            host=host,
-            window=window,
-            activations=acts,
-            pipeline=pipeline,
-            streams=Streams(self.device),
-            plan=plan,
-            groups=[param_groups(u, oc.weight_decay, oc.no_decay) for u in units],
+            tier=self._tier,
             device=self.device,
             compute_dtype=self.compute_dtype,
+            groups=[param_groups(u, oc.weight_decay, oc.no_decay) for u in self.spec.units],
             loss_chunk=ec.loss_chunk,
-            prefetch=ec.window - 1,
+            timeout_s=ec.timeout_s,
+            task_hook=self._fault_hook,
+            offload_dir=ec.offload_dir,
         )
+        return build_engine(layout, parts)
 
     def machine(self) -> Machine:
         """What this machine has for the run (measured once, unless given to the constructor)."""
@@ -289,31 +237,31 @@ class Trainer:
             self._machine = Machine.probe(self.device, self.config.engine.offload_dir, self.config.run.dir)
         return self._machine
 
-    def _plan_residency(self, planner: Planner, optimizer: Any) -> list[bool]:
-        """Units to keep on the compute device for good (``engine.gpu_resident``), with a note saying so."""
+    def _plan(self, planner: Planner, optimizer: Any) -> Layout:
+        """The layout of the configured placement on this machine (with a note on what stays resident)."""
         ec = self.config.engine
-        numels = [u.numel for u in self.spec.units]
         if self.device.type == "cuda" and ec.resident_fraction() and not planner.device_updates:
             raise ConfigError(
                 f"optimizer {optimizer.name!r} updates on the CPU only, so no unit can be resident on the "
                 "GPU; set engine.gpu_resident='none' or use layer_adam"
             )
-        resident = planner.residency(Placement.of(ec), self.machine())
-        count = sum(resident)
-        if count:
-            gib = sum(planner.resident_cost(u) for u, r in enumerate(resident) if r) / 2**30
+        layout = planner.layout(Placement.of(ec), self.machine())
+        self._check_fit(planner, layout)
+        kept = [u for u in layout.units if u.resident]
+        if kept:
+            gib = sum(planner.resident_cost(u.index) for u in kept) / 2**30
             self.notes.append(
-                f"{count} of {len(numels)} units resident on {self.device} ({gib:.1f} GiB: master, optimizer "
-                "state, weights, gradients; updated there)"
+                f"{len(kept)} of {len(layout.units)} units resident on {self.device} ({gib:.1f} GiB: master, "
+                "optimizer state, weights, gradients; updated there)"
             )
-        return resident
+        return layout
 
-    def _check_fit(self, planner: Planner, resident: Sequence[bool]) -> None:
+    def _check_fit(self, planner: Planner, layout: Layout) -> None:
         """Refuse, before anything is allocated, a configuration this machine cannot hold, with the numbers
         and the fastest placement that would fit."""
-        placement = Placement.of(self.config.engine)
+        placement, resident = layout.placement, layout.resident
         machine = self.machine()
-        self.estimate = planner.estimate(placement, machine, resident)
+        self.estimate = planner.estimate_layout(layout, machine)
         problems = self.estimate.shortfalls(machine)
         if not problems:
             return
@@ -343,38 +291,6 @@ class Trainer:
             + "\n  ".join(problems)
             + f"\n{fix} (see `slidekit plan`)"
         )
-
-    def _device_tier(self) -> StorageTier:
-        """Where resident units keep their optimizer state: device memory (the gpu tier), or RAM on the CPU.
-
-        It must map: resident units are updated in place on the main thread, never streamed.
-        """
-        family = device_family(self.device)
-        return self._tier(self.plugins.select("tier", "gpu" if family != "cpu" else "ram", family))
-
-    def _check_capacity(self, state_tiers: Sequence[StorageTier], state_bytes: Sequence[int]) -> None:
-        """Refuse, before anything is written, a placement whose tiers lack the space for it."""
-        need: dict[int, list[int]] = {}  # id(tier) -> [state bytes, activation bytes]
-        for tier, nbytes in zip(state_tiers, state_bytes, strict=True):
-            need.setdefault(id(tier), [0, 0])[0] += nbytes
-        if "activation_tier" in self.selections:
-            dc, spec = self.config.data, self.spec
-            itemsize = torch.empty((), dtype=self.compute_dtype).element_size()
-            per_layer = dc.batch_size * dc.seq_len * spec.hidden_size * itemsize * self.config.grad_accum
-            tier = self._tier(self.selections["activation_tier"])
-            need.setdefault(id(tier), [0, 0])[1] += per_layer * spec.num_layers
-        for tier in {id(t): t for t in self._tiers.values()}.values():
-            state, acts = need.get(id(tier), (0, 0))
-            capacity = tier.stats().capacity
-            if capacity is not None and state + acts > capacity:
-                gib = 2**30
-                where = f" in {self.config.engine.offload_dir}" if self.config.engine.offload_dir else ""
-                raise ConfigError(
-                    f"storage tier {tier.name!r}{where} needs {(state + acts) / gib:.2f} GiB "
-                    f"(optimizer state {state / gib:.2f} GiB, activations {acts / gib:.2f} GiB) but has "
-                    f"{capacity / gib:.2f} GiB free; free space, use another offload_dir, lower "
-                    "state_offload_fraction, or keep activations elsewhere"
-                )
 
     def _load_weights(self) -> None:
         mc = self.config.model
@@ -502,7 +418,8 @@ class Trainer:
                     self._after_step(engine, metrics, last=step == steps)
                     bar.update(metrics)
                 engine.drain()
-                result.step_seconds = [b - a for a, b in zip(starts, [*starts[1:], time.perf_counter()])]
+                ends = [*starts[1:], time.perf_counter()] if starts else []
+                result.step_seconds = [b - a for a, b in zip(starts, ends, strict=True)]
                 if self.run is not None:  # the final state is on disk before fit returns
                     if self.run.last_saved != engine.steps_done:
                         self.checkpoint()

@@ -20,7 +20,7 @@ from slidekit import EngineConfig, Plugins, RunConfig, TrainConfig, Trainer, exp
 from slidekit.errors import ConfigError
 from slidekit.export import export_model
 from slidekit.interfaces import TierContext
-from slidekit.planner import Machine
+from slidekit.planning import Machine
 from slidekit.testing.models import tiny_config
 
 pytestmark = pytest.mark.skipif(

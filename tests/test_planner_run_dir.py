@@ -12,9 +12,9 @@ import torch
 from slidekit import DataConfig, EngineConfig, RunConfig, TrainConfig, Trainer
 from slidekit.cli import main
 from slidekit.errors import ConfigError
-from slidekit.planner import GIB, Machine, Placement, Planner, Workload
+from slidekit.planning import GIB, Machine, Placement, Planner, Workload
+from slidekit.planning.run_space import checkpoint_copies, checkpoint_writes
 from slidekit.plugins import Plugins
-from slidekit.run_space import checkpoint_copies, checkpoint_writes
 from slidekit.testing.models import tiny_config
 
 

@@ -267,7 +267,7 @@ def test_nothing_is_left_behind(tiny_model, tmp_path, fail):
 def test_a_seq_len_beyond_the_model_is_reported_as_such_not_as_a_memory_shortfall(tiny_model):
     from slidekit import DataConfig
     from slidekit.errors import ConfigError
-    from slidekit.planner import Machine
+    from slidekit.planning import Machine
 
     small = Machine(device_type="cpu", host_available=8 * 2**30, host_total=8 * 2**30)
     cfg = TrainConfig(

@@ -159,7 +159,9 @@ class AdamW8bit:
 
     name = "adamw_8bit"
     #: ``step`` also takes tensors on a GPU (units the engine keeps resident there): a fused Triton pass there.
-    device_capable = True
+    device_update = True
+    #: Per-element (or block-wise, blocks dividing GRANULE) state: updated and streamed piece by piece.
+    linear_state = True
     #: Tests only: send CPU tensors down the GPU path too (the Triton kernel then needs TRITON_INTERPRET=1).
     _device_path_on_cpu = False
 

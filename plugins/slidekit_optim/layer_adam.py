@@ -245,7 +245,9 @@ class LayerAdam:
 
     name = "layer_adam"
     #: ``step`` also takes tensors on a GPU (units the engine keeps resident there): a fused Triton pass there.
-    device_capable = True
+    device_update = True
+    #: Per-element (or block-wise, blocks dividing GRANULE) state: updated and streamed piece by piece.
+    linear_state = True
 
     def __init__(
         self, hyper: OptimizerHyper, *, impl: Impl = "auto", kernel_source: Path | str | None = None

@@ -1,4 +1,4 @@
-"""The sliding engine: executes the visit schedule of ``slidekit.plan`` for one step at a time.
+"""The sliding engine: executes the visit schedule of ``slidekit.planning.schedule`` for one step at a time.
 
 One step, for a model of L layers (units 0..L+1)::
 
@@ -33,21 +33,20 @@ import torch
 from slidekit.engine.activations import ActivationStore
 from slidekit.engine.host import HostStore
 from slidekit.engine.runtime import Pipeline, Streams
-from slidekit.engine.state import slice_groups
+from slidekit.engine.step_state import StepState
+from slidekit.engine.updates import Updates
+from slidekit.engine.uploads import Uploads
 from slidekit.engine.window import Slot, Window
 from slidekit.errors import NonFiniteError
 from slidekit.inputs import check_step
 from slidekit.interfaces import KernelSet, ParamGroupRange, UnitOptimizer
 from slidekit.models.base import ArchSpec, UnitKind
 from slidekit.models.decoder import RopeTables, embed_backward, embed_forward, head_loss, layer_forward
-from slidekit.plan import BWD, FWD, HEAD, MemoryPlan, Visit, schedule
+from slidekit.planning.layout import Layout
+from slidekit.planning.schedule import BWD, FWD, HEAD, Visit, schedule
 from slidekit.telemetry import Timeline, hiding_factor
 
 __all__ = ["Engine", "StepResult"]
-
-#: Elements per chunk when FP32 masters are uploaded and cast on the device.
-UPLOAD_CHUNK = 1 << 24
-
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
@@ -66,13 +65,14 @@ class StepResult:
         return float("inf") if eta is None else eta
 
 
-class Engine:
+class Engine(Uploads, Updates):
     """Runs training steps over a model whose units live on the host and slide through a window."""
 
     def __init__(
         self,
         spec: ArchSpec,
         *,
+        layout: Layout,
         kernels: KernelSet,
         optimizer: UnitOptimizer,
         host: HostStore,
@@ -80,14 +80,13 @@ class Engine:
         activations: ActivationStore,
         pipeline: Pipeline,
         streams: Streams,
-        plan: MemoryPlan,
+        upload_staging: torch.Tensor | None,
         groups: Sequence[Sequence[ParamGroupRange]],
         device: torch.device,
         compute_dtype: torch.dtype,
         loss_chunk: int | None,
-        prefetch: int,
-        resident: Sequence[bool] = (),
     ) -> None:
+        """The parts come from ``slidekit.engine.build.build_engine``, which allocates ``layout``."""
         self.spec = spec
         self.kernels = kernels
         self.optimizer = optimizer
@@ -96,12 +95,12 @@ class Engine:
         self.acts = activations
         self.pipeline = pipeline
         self.streams = streams
-        self.plan = plan
+        self.layout = layout
         self.groups = groups
         self.device = device
         self.dtype = compute_dtype
         self.loss_chunk = loss_chunk
-        self.prefetch_depth = prefetch
+        self.prefetch_depth = layout.prefetch
         self.visits = schedule(spec.num_layers, spec.tie_embeddings)
         self.rope = RopeTables(spec)
         n = len(spec.units)
@@ -111,331 +110,10 @@ class Engine:
         self.updates_applied = 0  # steps whose update was applied: Adam's bias-correction count
         self._loads: dict[int, tuple[Slot, Future[Any] | None]] = {}  # visit index -> slot, upload
         self._tied_slot: Slot | None = None
-        self._stage: torch.Tensor | None = None  # FP32 staging on the device for casting uploads
+        self.upload_stage = upload_staging  # FP32 staging on the device for casting uploads
         self.timeline = Timeline(streams.cuda)
         self._checkpoint: tuple[Any, dict[int, list[str]]] | None = None  # (SaveHandle, names per unit)
-        # Units resident on the device: their own cache unit, master and state there, updated there.
-        for unit, on_device in enumerate(resident):
-            if on_device:
-                self.window.add_resident(unit, spec.units[unit].numel)
         self.sync_resident()
-
-    # ================================================================== uploads
-
-    def _request(self, k: int, *, wait: bool = True) -> bool:
-        """Make sure visit ``k``'s parameters are (being) loaded into a slot.
-
-        ``wait=False`` (a prefetch): when every cache unit is still in use, give
-        up at once and return False rather than hold up the main thread, which
-        may have work that needs no cache unit (resident units) meanwhile.
-        """
-        if k >= len(self.visits) or k in self._loads:
-            return True
-        visit = self.visits[k]
-        if not visit.needs_params:
-            return True
-        own = self.window.resident.get(visit.unit)
-        if own is not None:  # always loaded, never evicted
-            if self._is_tied_embed(visit.unit):
-                self._tied_slot = own
-            self._loads[k] = (own, None)
-            return True
-        if self._is_tied_embed(visit.unit) and self._tied_slot is not None:
-            self._loads[k] = (self._tied_slot, None)
-            return True
-        version = self.version[visit.unit]
-        tied = self._is_tied_embed(visit.unit)
-        slot = self.window.lookup(visit.unit, version)  # still resident from an earlier visit?
-        fut = None
-        if slot is None:
-            if wait:
-                slot = self.window.claim(visit.unit, version, pinned=tied)
-            else:
-                slot = self.window.try_claim(visit.unit, version, pinned=tied)
-                if slot is None:
-                    return False
-            fut = self.pipeline.submit(
-                "h2d",
-                self._upload,
-                slot,
-                visit.unit,
-                self.updated[visit.unit],
-                slot.free_event,
-                unit=visit.unit,
-            )
-        if tied:  # the tied embedding stays for the whole pass: the head needs it too
-            self.window.pin(slot)
-            self._tied_slot = slot
-        self._loads[k] = (slot, fut)
-        return True
-
-    def _upload(self, slot: Slot, unit: int, update: Future[None] | None, free_event: Any) -> Any:
-        """Upload thread: wait for the unit's update, then copy its master into the slot."""
-        if update is not None:
-            self.pipeline.result(update, f"the optimizer update of unit {unit}")
-        master = self.host.masters[unit]
-        n = master.numel()
-        if not self.streams.cuda:
-            with self.timeline.host("h2d", unit):
-                slot.params[:n].copy_(master)
-            return None
-        s = self.streams
-        with s.use(s.h2d), self.timeline.device("h2d", unit, s.h2d):
-            s.wait(s.h2d, free_event)  # the slot's previous contents are no longer read
-            if self.dtype == torch.float32:
-                slot.params[:n].copy_(master, non_blocking=True)
-            else:  # FP32 over the bus, cast on the device: no host-side BF16 copy to keep
-                stage = self._staging()
-                for a in range(0, n, UPLOAD_CHUNK):
-                    b = min(a + UPLOAD_CHUNK, n)
-                    stage[: b - a].copy_(master[a:b], non_blocking=True)
-                    slot.params[a:b].copy_(stage[: b - a])
-        return s.record(s.h2d)
-
-    def _staging(self) -> torch.Tensor:
-        if self._stage is None:
-            self._stage = torch.empty(UPLOAD_CHUNK, dtype=torch.float32, device=self.device)
-        return self._stage
-
-    def _acquire(self, k: int, last: int | None = None) -> Slot:
-        """The slot holding visit ``k``'s parameters, ready for compute on the compute stream.
-
-        Prefetches the next visits, up to visit ``last`` when given (forward-only passes).
-        """
-        unit = self.visits[k].unit
-        if self.pipeline.task_hook is not None:
-            self.pipeline.task_hook("main")
-        with self.timeline.host("stall", unit):  # the main thread waiting: uploads or cache units behind
-            self._request(k)
-            slot, fut = self._loads.pop(k)
-            if fut is not None:
-                event = self.pipeline.result(fut, f"the upload of unit {unit}")
-                self.streams.wait(self.streams.compute, event)
-        stop = k + 1 + self.prefetch_depth
-        for j in range(k + 1, stop if last is None else min(stop, last + 1)):
-            if not self._request(j, wait=False):
-                break  # no free cache unit yet: the visit itself claims one when its turn comes
-        return slot
-
-    def _is_tied_embed(self, unit: int) -> bool:
-        return unit == 0 and self.spec.tie_embeddings
-
-    # ================================================================== gradients and updates
-
-    def _finish_unit(self, unit: int, slot: Slot, c: dict[str, Any]) -> None:
-        """After a unit's backward: add its gradient norm, copy the gradients down, update it.
-
-        Without clipping the update is queued at once and overlaps the rest of
-        the backward pass. With clipping it must wait for the global norm: the
-        gradients go to the unit's own host buffer and the update is queued at
-        the end of the step (``_clip_and_update``).
-        """
-        n = self.spec.units[unit].numel
-        unit_sq = torch.linalg.vector_norm(slot.grads[:n], dtype=torch.float32).square()
-        c["sq_norm"] += unit_sq
-        if slot.resident:  # updated on the device once the step's loss and norm are known
-            c["resident_due"].append(unit)
-            return
-        done = self.streams.record(self.streams.compute)
-        # Bump the version now, on this thread: from here on no slot holding the old
-        # parameters can be mistaken for current, and every upload waits for the update.
-        self.version[unit] += 1
-        if c["defer"]:  # into the unit's own buffer, updated once the step's norm is known
-            c["deferred"][unit] = self.pipeline.submit(
-                "d2h", self._download, unit, slot, done, unit_sq, None, unit=unit
-            )
-            return
-        # Futures the download completes piece by piece: stall reports follow them to the d2h lane.
-        handoff: list[Future[tuple[int, float]]] = [
-            self.pipeline.promise("d2h", unit) for _ in self.host.pieces(unit)
-        ]
-        download = self.pipeline.submit("d2h", self._download, unit, slot, done, unit_sq, handoff, unit=unit)
-        self.updated[unit] = self.pipeline.submit(
-            "optim", self._update, unit, download, handoff, c["lr"], self.updates_applied + 1, 1.0, unit=unit
-        )
-
-    def _download(
-        self,
-        unit: int,
-        slot: Slot,
-        computed: Any,
-        unit_sq: torch.Tensor,
-        handoff: list[Future[tuple[int, float]]] | None,
-    ) -> float:
-        """Download thread: the unit's gradients to the host; returns their squared norm.
-
-        With ``handoff`` (one future per range of ``host.pieces(unit)``) each
-        piece lands in a ring buffer whose index (with the norm) is handed to the
-        optimizer thread as soon as it has arrived, so a unit larger than a
-        buffer is updated while its later pieces come down. Without, the whole
-        unit goes into its own buffer, kept until the step ends.
-        """
-        n = self.host.masters[unit].numel()
-        sq = torch.empty((), dtype=torch.float32, pin_memory=self.streams.cuda)
-        s = self.streams
-        copied = None
-        try:
-            for k, (a, b) in enumerate(self.host.pieces(unit) if handoff is not None else [(0, n)]):
-                if handoff is None:
-                    index, dst = -1, self.host.unit_grad(unit)
-                else:
-                    with self.timeline.host("d2h_wait", unit):  # waiting for the optimizer to free a buffer
-                        index = self.host.ring.acquire()
-                    dst = self.host.ring.buffers[index][: b - a]
-                with self.timeline.host("d2h", unit):
-                    if s.cuda:
-                        with s.use(s.d2h):
-                            if k == 0:
-                                s.wait(s.d2h, computed)
-                            with self.timeline.device("d2h_copy", unit, s.d2h):  # the transfer alone
-                                dst.copy_(slot.grads[a:b], non_blocking=True)
-                                if k == 0:
-                                    sq.copy_(unit_sq, non_blocking=True)
-                            copied = s.record(s.d2h)
-                        s.synchronize(copied)
-                    else:
-                        with self.timeline.device("d2h_copy", unit, None):
-                            dst.copy_(slot.grads[a:b])
-                            if k == 0:
-                                sq.copy_(unit_sq)
-                if handoff is not None:
-                    handoff[k].set_result((index, float(sq)))
-        except BaseException as exc:
-            for fut in handoff or []:
-                if not fut.done():
-                    fut.set_exception(exc)
-            raise
-        self.window.release(slot, copied)
-        return float(sq)
-
-    def _update(
-        self,
-        unit: int,
-        download: Future[float],
-        handoff: list[Future[tuple[int, float]]] | None,
-        lr: float,
-        count: int,
-        scale: float,
-    ) -> None:
-        """Optimizer thread: update ``unit``'s master from its gradients, in submission order.
-
-        Piece by piece as they arrive (``handoff``), or from the unit's own
-        buffer once ``download`` is done. A unit whose gradients are not finite
-        is never applied: the step stops here.
-        """
-        what = f"the gradient download of unit {unit}"
-        if handoff is None:
-            self._check_finite(unit, self.pipeline.result(download, what))
-            self._wait_checkpoint(unit)
-            with self.timeline.host("update", unit):
-                self._apply(unit, self.host.unit_grad(unit), lr=lr, count=count, scale=scale, lowp_out=None)
-            return
-        for k, (a, b) in enumerate(self.host.pieces(unit)):
-            index, sq = self.pipeline.result(handoff[k], what)
-            try:
-                if k == 0:
-                    self._check_finite(unit, sq)
-                    self._wait_checkpoint(unit)
-                grad = self.host.ring.buffers[index][: b - a]
-                with self.timeline.host("update", unit):
-                    self._apply(unit, grad, lr=lr, count=count, scale=scale, lowp_out=None, start=a, stop=b)
-            finally:
-                self.host.ring.release(index)
-
-    def _check_finite(self, unit: int, sq: float) -> None:
-        if not math.isfinite(sq):
-            raise NonFiniteError(
-                f"step {self.steps_done + 1}: the gradients of unit {unit} ({self.spec.units[unit].kind}) "
-                "are not finite; no update was applied to it. Lower the learning rate, clip gradients "
-                "(optim.max_grad_norm), or set optim.on_nonfinite='skip' to skip such steps"
-            )
-
-    def _apply_deferred(self, c: dict[str, Any], grad_norm: float) -> None:
-        """Queue every unit's update, in the order the next forward pass needs them, with the clip factor.
-
-        torch.nn.utils.clip_grad_norm_ semantics: scale = min(1, max_norm / (norm + 1e-6)).
-        """
-        scale = 1.0 if c["clip"] is None else min(1.0, c["clip"] / (grad_norm + 1e-6))
-        for unit in sorted(c["deferred"]):  # resident units are updated on the device instead
-            self.updated[unit] = self.pipeline.submit(
-                "optim",
-                self._update,
-                unit,
-                c["deferred"].pop(unit),
-                None,
-                c["lr"],
-                self.updates_applied + 1,
-                scale,
-                unit=unit,
-            )
-
-    def _update_resident(self, c: dict[str, Any], grad_norm: float) -> None:
-        """Update the device-resident units on the device, in the order the next forward pass needs them.
-
-        Their BF16 weights are rewritten in place from the new masters, so they
-        never cross the bus. The update is queued on the compute stream, after
-        the backward pass that produced the gradients.
-        """
-        scale = 1.0 if c["clip"] is None else min(1.0, c["clip"] / (grad_norm + 1e-6))
-        for unit in sorted(c["resident_due"]):
-            self._wait_checkpoint(unit)
-            with self.timeline.device("update_gpu", unit, self.streams.compute):
-                self._update_on_device(unit, c["lr"], self.updates_applied + 1, scale)
-
-    def _update_on_device(self, unit: int, lr: float, count: int, scale: float) -> None:
-        # Streaming uses staging buffers that belong to the optimizer thread: resident state must map.
-        assert not self.host.state.streamed(unit), f"resident unit {unit} has streamed state"
-        slot = self.window.resident[unit]
-        n = self.spec.units[unit].numel
-        params = slot.params[:n]
-        lowp = params.dtype == torch.bfloat16  # the optimizer writes the BF16 weights in the same pass
-        self._apply(unit, slot.grads[:n], lr=lr, count=count, scale=scale, lowp_out=params if lowp else None)
-        if not lowp:
-            params.copy_(self.host.masters[unit])
-
-    def _apply(
-        self,
-        unit: int,
-        grad: torch.Tensor,
-        *,
-        lr: float,
-        count: int,
-        scale: float,
-        lowp_out: torch.Tensor | None,
-        start: int = 0,
-        stop: int | None = None,
-    ) -> None:
-        """Scale ``grad`` (clipping) and run the optimizer over the unit's master and state, chunk by chunk.
-
-        ``grad`` (and ``lowp_out``) hold parameters [start, stop) of the unit: all of it by default.
-        """
-        if scale != 1.0:
-            grad.mul_(scale)
-        master, groups = self.host.masters[unit], self.groups[unit]
-
-        def step(a: int, b: int, state: Mapping[str, torch.Tensor]) -> None:
-            self.optimizer.step(
-                master[a:b],
-                grad[a - start : b - start],
-                state,
-                lr=lr,
-                count=count,
-                groups=slice_groups(groups, a, b),
-                lowp_out=None if lowp_out is None else lowp_out[a - start : b - start],
-            )
-
-        self.host.state.update(unit, step, start, stop)
-
-    def sync_resident(self) -> None:
-        """Refresh resident units' compute-dtype weights from their masters (after loading or restoring)."""
-        for unit, slot in self.window.resident.items():
-            n = self.spec.units[unit].numel
-            slot.params[:n].copy_(self.host.masters[unit])
-
-    def _drop_deferred(self, c: dict[str, Any]) -> None:
-        """Skip the step: wait for the downloads, apply nothing. Masters and state stay as they were."""
-        for unit, download in c.pop("deferred").items():
-            self.pipeline.result(download, f"the gradient download of unit {unit}")
 
     # ================================================================== the step
 
@@ -472,24 +150,23 @@ class Engine:
         tgt = [t.to(self.device, torch.int64, non_blocking=True) for _, t in micro]
         # Micro-batches may differ in length: each gets the first T rows of one shared table.
         rope = [self.rope.get(i.shape[1], self.device, self.dtype) for i in ids]
-        c: dict[str, Any] = {
-            "ids": ids,
-            "labels": tgt,
-            "rope": rope,  # (cos, sin) per micro-batch
-            "lr": lr,
-            "labelled": labelled,
-            "clip": max_grad_norm,
-            "deferred": {},
-            "defer": max_grad_norm is not None or skip_nonfinite,
-            "resident_due": [],
-            "sq_norm": torch.zeros((), dtype=torch.float32, device=self.device),
-        }
+        c = StepState(
+            ids=ids,
+            labels=tgt,
+            rope=rope,
+            lr=lr,
+            labelled=labelled,
+            clip=max_grad_norm,
+            defer=max_grad_norm is not None or skip_nonfinite,
+            sq_norm=torch.zeros((), dtype=torch.float32, device=self.device),
+        )
         run: dict[str, Callable[..., Any]] = {FWD: self._forward, HEAD: self._head, BWD: self._backward}
         self._request(0)
         for k, visit in enumerate(self.visits):
             run[visit.phase](k, visit, c)
-        loss_sum = float(c["loss_sum"])  # waits for the device, not for the optimizer
-        grad_norm = float(c["sq_norm"].sqrt())
+        assert c.loss_sum is not None, "the step has no head visit"
+        loss_sum = float(c.loss_sum)  # waits for the device, not for the optimizer
+        grad_norm = float(c.sq_norm.sqrt())
         skipped = self._conclude(c, loss_sum / labelled, grad_norm, skip_nonfinite)
         self.steps_done += 1
         self.updates_applied += not skipped
@@ -504,16 +181,16 @@ class Engine:
             timings=timings,
         )
 
-    def _conclude(self, c: dict[str, Any], loss: float, grad_norm: float, skip_nonfinite: bool) -> bool:
+    def _conclude(self, c: StepState, loss: float, grad_norm: float, skip_nonfinite: bool) -> bool:
         """Apply deferred updates, or skip / refuse a non-finite step. True when skipped."""
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         if finite:
             self._update_resident(c, grad_norm)
-            if c["defer"]:
+            if c.defer:
                 self._apply_deferred(c, grad_norm)
             return False
         what = f"step {self.steps_done + 1}: loss {loss} / gradient norm {grad_norm} is not finite"
-        if c["defer"]:
+        if c.defer:
             self._drop_deferred(c)
             if skip_nonfinite:
                 return True
@@ -524,22 +201,22 @@ class Engine:
             f"{what}. Lower the learning rate, clip gradients (optim.max_grad_norm) or set optim.on_nonfinite='skip'"
         )
 
-    def _forward(self, k: int, visit: Visit, c: dict[str, Any]) -> None:
+    def _forward(self, k: int, visit: Visit, c: StepState) -> None:
         slot = self._acquire(k)
         unit = self.spec.units[visit.unit]
         w = slot.weights(unit, trainable=False)
         with torch.no_grad(), self.timeline.device("fwd", visit.unit, self.streams.compute):
             if unit.kind == UnitKind.EMBED:
-                c["x"] = [embed_forward(w, ids).to(self.dtype) for ids in c["ids"]]
+                c.x = [embed_forward(w, ids).to(self.dtype) for ids in c.ids]
             else:
-                for mb, x in enumerate(c["x"]):
+                for mb, x in enumerate(c.x):
                     self.acts.save((visit.unit, mb), x)
-                    cos, sin = c["rope"][mb]
-                    c["x"][mb] = layer_forward(self.spec, w, x, cos, sin, self.kernels)
+                    cos, sin = c.rope[mb]
+                    c.x[mb] = layer_forward(self.spec, w, x, cos, sin, self.kernels)
         if not slot.pinned:
             self.window.release(slot, self.streams.record(self.streams.compute))
 
-    def _head(self, k: int, visit: Visit, c: dict[str, Any]) -> None:
+    def _head(self, k: int, visit: Visit, c: StepState) -> None:
         slot = self._acquire(k)
         unit = self.spec.units[visit.unit]
         slot.grads[: unit.numel].zero_()
@@ -548,17 +225,19 @@ class Engine:
             assert self._tied_slot is not None
             self._tied_slot.grads[: self.spec.embed.numel].zero_()
         lm_weight = self._lm_weight(w, trainable=True)
-        c["dx"], c["loss_sum"] = [], torch.zeros((), dtype=torch.float32, device=self.device)
+        c.dx, total = [], torch.zeros((), dtype=torch.float32, device=self.device)
         with torch.enable_grad(), self.timeline.device("head", visit.unit, self.streams.compute):
-            for hidden, labels in zip(c.pop("x"), c["labels"], strict=True):
+            for hidden, labels in zip(c.take_x(), c.labels, strict=True):
                 x = hidden.detach().requires_grad_(True)
                 loss_sum = head_loss(self.spec, w, lm_weight, x, labels, self.kernels, self.loss_chunk)
-                (loss_sum / c["labelled"]).backward()
-                c["loss_sum"] += loss_sum.detach()
-                c["dx"].append(x.grad)
+                (loss_sum / c.labelled).backward()
+                total += loss_sum.detach()
+                assert x.grad is not None
+                c.dx.append(x.grad)
+        c.loss_sum = total
         self._finish_unit(visit.unit, slot, c)
 
-    def _backward(self, k: int, visit: Visit, c: dict[str, Any]) -> None:
+    def _backward(self, k: int, visit: Visit, c: StepState) -> None:
         unit = self.spec.units[visit.unit]
         if unit.kind == UnitKind.EMBED:
             self._embed_backward(k, visit, c)
@@ -566,7 +245,7 @@ class Engine:
         slot = self._acquire(k)
         slot.grads[: unit.numel].zero_()
         w = slot.weights(unit, trainable=True)
-        micro = len(c["dx"])
+        micro = len(c.dx)
         for mb in range(micro):
             # Read the next boundary activation back while this one recomputes.
             if mb + 1 < micro:
@@ -576,13 +255,14 @@ class Engine:
             with self.timeline.host("act_load", visit.unit):  # the main thread waiting for the tier's read
                 x = self.acts.load((visit.unit, mb)).detach().requires_grad_(True)
             with torch.enable_grad(), self.timeline.device("bwd", visit.unit, self.streams.compute):
-                cos, sin = c["rope"][mb]
+                cos, sin = c.rope[mb]
                 y = layer_forward(self.spec, w, x, cos, sin, self.kernels)
-                torch.autograd.backward(y, c["dx"][mb])
-            c["dx"][mb] = x.grad
+                torch.autograd.backward(y, c.dx[mb])
+            assert x.grad is not None
+            c.dx[mb] = x.grad
         self._finish_unit(visit.unit, slot, c)
 
-    def _embed_backward(self, k: int, visit: Visit, c: dict[str, Any]) -> None:
+    def _embed_backward(self, k: int, visit: Visit, c: StepState) -> None:
         embed = self.spec.embed
         if self._tied_slot is not None:
             slot = self._tied_slot
@@ -599,7 +279,7 @@ class Engine:
             slot.grads[: embed.numel].zero_()
         grad = embed.views(slot.grads)["embed_tokens.weight"]
         with self.timeline.device("bwd", 0, self.streams.compute):
-            for ids, dx in zip(c["ids"], c.pop("dx"), strict=True):
+            for ids, dx in zip(c.ids, c.take_dx(), strict=True):
                 embed_backward(grad, ids, dx, padding_idx=self.spec.pad_token_id)
         self._finish_unit(0, slot, c)
 
@@ -651,21 +331,7 @@ class Engine:
         assert self._tied_slot is not None
         return self._tied_slot.weights(self.spec.embed, trainable=trainable)["embed_tokens.weight"]
 
-    # ================================================================== checkpoints
-
-    def guard_checkpoint(self, handle: Any, names: dict[int, list[str]]) -> None:
-        """Hold back each unit's next update until ``handle`` (a checkpoint being written) has its tensors."""
-        self._checkpoint = (handle, names)
-
-    def _wait_checkpoint(self, unit: int) -> None:
-        guard = self._checkpoint
-        if guard is None:
-            return
-        handle, names = guard
-        if handle.done():
-            self._checkpoint = None
-        with self.timeline.host("checkpoint_wait", unit):
-            handle.wait_for(*names[unit], timeout=self.pipeline.timeout_s)
+    # ================================================================== state
 
     def invalidate_device_copies(self) -> None:
         """Masters were replaced (a checkpoint was loaded): no cache unit holds current weights any more."""
@@ -673,8 +339,6 @@ class Engine:
         self.version = [v + 1 for v in self.version]
         self.updated = [None] * len(self.updated)
         self.sync_resident()
-
-    # ================================================================== state
 
     def wait_updates(self) -> None:
         """Block until every queued optimizer update has been applied."""

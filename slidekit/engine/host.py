@@ -6,7 +6,7 @@ the optimizer's state, on the tier the plan chose for the unit
 
 Shared by the units that slide: ``grad_buffers`` flat buffers in the compute dtype that
 gradients land in from the device and that the optimizer reads, each the size
-of a layer (``slidekit.plan.ring_numel``): an embedding or head larger than
+of a layer (``slidekit.planning.ring_numel``): an embedding or head larger than
 that comes down, and is updated, in layer-sized pieces (``pieces``). Host
 memory is therefore about 4 (master) + the optimizer's state bytes per
 parameter, plus a few layer-sized buffers. A unit kept on the compute device
@@ -25,7 +25,7 @@ from slidekit.engine.state import StateStore
 from slidekit.hostmem import HostBuffers
 from slidekit.interfaces import StorageTier, UnitOptimizer
 from slidekit.models.base import UnitLayout
-from slidekit.plan import ring_numel, unit_pieces
+from slidekit.planning.layout import Layout
 
 __all__ = ["GradRing", "HostStore"]
 
@@ -53,30 +53,28 @@ class GradRing:
 
 
 class HostStore:
-    """Masters, optimizer state (``StateStore``) and the gradient ring for every unit."""
+    """Masters, optimizer state (``StateStore``) and the gradient ring for every unit, as ``layout`` says."""
 
     def __init__(
         self,
+        layout: Layout,
         units: Sequence[UnitLayout],
         *,
         optimizer: UnitOptimizer,
         state_tiers: Sequence[StorageTier],
         pin: bool,
         grad_dtype: torch.dtype,
-        grad_buffers: int,
         pipeline: Pipeline,
-        state_chunk: int = 1 << 22,
-        device_masters: Sequence[torch.device | None] | None = None,
+        device: torch.device,
     ) -> None:
         self.units = units
         self.memory = HostBuffers(pin=pin)  # page-locked at exact sizes when an accelerator is used
-        on = device_masters or [None] * len(units)
-        # Units resident on the device keep their master there (``device_masters[i]``), not here.
+        # Units resident on the compute device keep their master there, not here.
         self.masters = [
-            self.memory.empty(u.numel, torch.float32)
-            if dev is None
-            else torch.empty(u.numel, dtype=torch.float32, device=dev)
-            for u, dev in zip(units, on, strict=True)
+            torch.empty(u.numel, dtype=torch.float32, device=device)
+            if place.resident
+            else self.memory.empty(u.numel, torch.float32)
+            for u, place in zip(units, layout.units, strict=True)
         ]
         self.state = StateStore(
             units,
@@ -84,19 +82,20 @@ class HostStore:
             tiers=state_tiers,
             memory=self.memory,
             pipeline=pipeline,
-            chunk=state_chunk,
+            chunk=layout.state_chunk,
+            staging=layout.state_staging,
+            stage_now=bool(layout.state_staging_bytes),
         )
         # The ring holds gradients on their way down: units kept on the compute device never come down.
-        self.sliding = [dev is None for dev in on]
-        self.piece = ring_numel(
-            [u.numel for u in units], [u.kind for u in units], self.sliding, pieces=self.state.linear
-        )
-        self.ring = GradRing(grad_buffers if self.piece else 0, self.piece, grad_dtype, self.memory, pipeline)
-        self._pieces = [
-            unit_pieces(u.numel, self.piece) if slides else [] for u, slides in zip(units, self.sliding, strict=True)
-        ]
-        self._unit_grads: dict[int, torch.Tensor] = {}
+        self.piece = layout.ring_numel
+        self.ring = GradRing(layout.ring_buffers, self.piece, grad_dtype, self.memory, pipeline)
+        self._pieces = [list(place.pieces) for place in layout.units]
         self._grad_dtype = grad_dtype
+        self._unit_grads: dict[int, torch.Tensor] = {}
+        if layout.unit_grads:  # a step that must see every gradient first keeps each sliding unit's own
+            for place in layout.units:
+                if place.slides:
+                    self.unit_grad(place.index)
 
     def pieces(self, unit: int) -> list[tuple[int, int]]:
         """The ranges [a, b) of ``unit`` that come down and are updated one ring buffer at a time
@@ -105,11 +104,16 @@ class HostStore:
 
     def unit_grad(self, unit: int) -> torch.Tensor:
         """A gradient buffer of the unit's own, for steps that must keep every gradient until the end
-        (exact global-norm clipping): 2 more bytes per parameter in BF16, allocated on first use."""
+        (exact global-norm clipping): 2 more bytes per parameter in BF16, allocated up front when the layout
+        keeps gradients (``Layout.unit_grads``), else on first use (a step asked to clip directly)."""
         buf = self._unit_grads.get(unit)
         if buf is None:
             buf = self._unit_grads[unit] = self.memory.empty(self.units[unit].numel, self._grad_dtype)
         return buf
+
+    def unit_grad_bytes(self) -> int:
+        """Bytes of the per-unit gradient buffers allocated so far."""
+        return sum(b.numel() * b.element_size() for b in self._unit_grads.values())
 
     def close(self) -> None:
         self.state.close()

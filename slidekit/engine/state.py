@@ -30,11 +30,13 @@ from slidekit.engine.runtime import Pipeline
 from slidekit.hostmem import HostBuffers
 from slidekit.interfaces import ParamGroupRange, StorageTier, UnitOptimizer
 from slidekit.models.base import UnitLayout
-from slidekit.plan import GRANULE  # streamed chunks (and gradient pieces) start at its multiples
+from slidekit.planning.placement import (
+    GRANULE,  # streamed chunks (and gradient pieces) start at its multiples
+)
 
-__all__ = ["GRANULE", "StateStore", "is_linear", "slice_groups"]
+__all__ = ["GRANULE", "StateStore", "slice_groups"]
 
-Layout = dict[str, tuple[torch.dtype, int]]
+StateLayout = dict[str, tuple[torch.dtype, int]]
 ChunkFn = Callable[[int, int, Mapping[str, torch.Tensor]], None]
 
 
@@ -53,15 +55,6 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def is_linear(optimizer: UnitOptimizer) -> bool:
-    """Whether the optimizer's state is linear in the parameters (see the module doc)."""
-    one, two, three = (dict(optimizer.state_layout(k * GRANULE)) for k in (1, 2, 3))
-    return all(
-        two[name][1] == 2 * n and three[name][1] == 3 * n and two[name][0] == dt
-        for name, (dt, n) in one.items()
-    ) and set(one) == set(two) == set(three)
-
-
 class StateStore:
     """Every unit's optimizer state: allocated and zeroed up front, updated in place or streamed."""
 
@@ -73,8 +66,14 @@ class StateStore:
         tiers: Sequence[StorageTier],
         memory: HostBuffers,
         pipeline: Pipeline,
-        chunk: int = 1 << 22,
+        chunk: int,
+        staging: int,
+        stage_now: bool = False,
     ) -> None:
+        """``chunk``: parameters per streamed chunk; ``staging``: parameters one staging set holds; both
+        from the run's ``slidekit.planning.Layout``, which allocates the sets up front (``stage_now``)
+        when a unit's tier is a disk. A host tier that does not map its regions streams too: its sets are
+        then allocated on first use."""
         if len(tiers) != len(units):
             raise ValueError(f"one tier per unit: got {len(tiers)} tiers for {len(units)} units")
         self.units = units
@@ -82,10 +81,13 @@ class StateStore:
         self._optimizer = optimizer
         self._memory = memory
         self._pipeline = pipeline
-        self._layouts: list[Layout] = [dict(optimizer.state_layout(u.numel)) for u in units]
-        self.linear = is_linear(optimizer)
-        self.chunk = max(GRANULE, chunk // GRANULE * GRANULE) if self.linear else max(u.numel for u in units)
-        self._staging: list[dict[str, torch.Tensor]] = []  # three rotating sets, built on first use
+        self._layouts: list[StateLayout] = [dict(optimizer.state_layout(u.numel)) for u in units]
+        self.linear = bool(optimizer.linear_state)  # declared (slidekit.interfaces.UnitOptimizer)
+        self.chunk = chunk
+        self._staging_numel = staging
+        self._staging: list[dict[str, torch.Tensor]] = []  # three rotating sets
+        if stage_now:
+            self._staging_sets()
         self._mapped: list[dict[str, torch.Tensor] | None] = [
             self._allocate(u.index, layout) for u, layout in zip(units, self._layouts, strict=True)
         ]
@@ -96,7 +98,7 @@ class StateStore:
 
     # ------------------------------------------------------------------ allocation
 
-    def _allocate(self, unit: int, layout: Layout) -> dict[str, torch.Tensor] | None:
+    def _allocate(self, unit: int, layout: StateLayout) -> dict[str, torch.Tensor] | None:
         """Allocate a unit's regions and zero them; return mapped views, or None to stream."""
         tier = self.tiers[unit]
         nbytes = {name: numel * _itemsize(dtype) for name, (dtype, numel) in layout.items()}
@@ -133,13 +135,15 @@ class StateStore:
 
     def _stage(self, k: int, unit: int, start: int, stop: int) -> dict[str, torch.Tensor]:
         """Views into staging set ``k`` shaped for the state of parameters [start, stop)."""
+        self._staging_sets()
+        return {name: self._staging[k][name][:n] for name, (_, _, n) in self._span(unit, start, stop).items()}
+
+    def _staging_sets(self) -> None:
         if not self._staging:
-            biggest = max(min(self.chunk, u.numel) for u in self.units)
-            per_set = dict(self._optimizer.state_layout(biggest))
+            per_set = dict(self._optimizer.state_layout(self._staging_numel))
             self._staging = [
                 {name: self._memory.empty(n, dt) for name, (dt, n) in per_set.items()} for _ in range(3)
             ]
-        return {name: self._staging[k][name][:n] for name, (_, _, n) in self._span(unit, start, stop).items()}
 
     def _read(self, unit: int, start: int, staged: Mapping[str, torch.Tensor]) -> list[Future[None]]:
         tier, span = self.tiers[unit], self._span(unit, start, start + 1)
@@ -198,7 +202,7 @@ class StateStore:
 
     # ------------------------------------------------------------------ whole buffers (checkpoints)
 
-    def layout(self, unit: int) -> Layout:
+    def layout(self, unit: int) -> StateLayout:
         """name -> (dtype, numel) of the unit's state buffers."""
         return dict(self._layouts[unit])
 
@@ -227,6 +231,10 @@ class StateStore:
 
     def nbytes(self, unit: int) -> int:
         return sum(n * _itemsize(dt) for dt, n in self._layouts[unit].values())
+
+    def staging_bytes(self) -> int:
+        """Bytes of the state staging sets allocated so far."""
+        return sum(t.numel() * t.element_size() for stage in self._staging for t in stage.values())
 
     def streamed(self, unit: int) -> bool:
         return self._mapped[unit] is None

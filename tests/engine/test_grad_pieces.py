@@ -1,7 +1,7 @@
 """Gradients of units larger than a layer come down and are updated in layer-sized pieces.
 
 The shared host gradient buffers are sized for the largest layer
-(``slidekit.plan.ring_numel``); an embedding or head of a large vocabulary
+(``slidekit.planning.ring_numel``); an embedding or head of a large vocabulary
 goes through them piece by piece, the optimizer updating each piece while
 the next comes down. Updating a unit in pieces must change nothing: these
 tests train with pieces and with buffers sized for the whole unit (the old
@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from slidekit import EngineConfig, ModelConfig, OptimConfig, Plugins, TrainConfig, Trainer
-from slidekit.engine import host as host_module
 from slidekit.errors import NonFiniteError
 from slidekit.hookspecs import hookimpl
 from slidekit.interfaces import KernelSetDescriptor
-from slidekit.plan import GRANULE, ring_numel, unit_pieces
+from slidekit.planning import GRANULE, ring_numel, unit_pieces
+from slidekit.planning import layout as layout_module  # where the layout sizes the ring
 from slidekit.testing.asserts import assert_states_equal
 from slidekit.testing.models import random_batches, save_tiny_model
 from slidekit_kernels.torch_ref import TorchRef
@@ -47,7 +47,7 @@ def test_ring_is_sized_for_the_largest_sliding_layer():
 def _train(model_dir, tmp_path, batches, *, whole_units: bool, monkeypatch, **engine):
     if whole_units:  # the old layout: buffers as large as the largest unit, every unit in one piece
         monkeypatch.setattr(
-            host_module, "ring_numel", lambda numels, kinds, sliding, pieces: max(numels)
+            layout_module, "ring_numel", lambda numels, kinds, sliding, pieces: max(numels)
         )  # fmt: skip
     else:
         monkeypatch.undo()

@@ -14,7 +14,7 @@ import torch
 
 from slidekit import EngineConfig, ModelConfig, OptimConfig, TrainConfig, Trainer
 from slidekit.errors import PipelineStalled
-from slidekit.plan import spread_host_units
+from slidekit.planning import spread_host_units
 from slidekit.testing.models import random_batches
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -26,7 +26,7 @@ from slidekit.engine.host import HostStore
 from slidekit.engine.runtime import Pipeline
 from slidekit.interfaces import TierContext
 from slidekit.models.base import UnitKind
-from slidekit.plan import GRANULE
+from slidekit.planning import GRANULE, Placement
 from slidekit.plugins import Plugins
 from slidekit.testing.asserts import assert_states_equal
 from slidekit.testing.models import random_batches
@@ -45,17 +45,19 @@ def _config(model: ModelConfig, resident: str, **optim: object) -> TrainConfig:
 
 
 def _host_store(trainer: Trainer, on_device: list[bool]) -> HostStore:
-    """A HostStore for ``trainer``'s model with the given units kept on the compute device."""
+    """A HostStore for ``trainer``'s model, laid out with the given units kept on the compute device."""
+    assert trainer.planner is not None
+    layout = trainer.planner.layout(Placement.of(trainer.config.engine), trainer.machine(), on_device)
     tier = trainer.selections["state_tier"].descriptor.factory(TierContext(device=torch.device("cpu")))
     return HostStore(
+        layout,
         trainer.spec.units,
         optimizer=trainer.engine.optimizer,
         state_tiers=[tier] * len(trainer.spec.units),
         pin=False,
         grad_dtype=torch.float32,
-        grad_buffers=2,
         pipeline=Pipeline(30.0),
-        device_masters=[torch.device("cpu") if r else None for r in on_device],
+        device=torch.device("cpu"),
     )
 
 
@@ -125,7 +127,7 @@ def test_resident_units_are_updated_on_the_compute_device_and_clipping_bites(tin
     batches = random_batches(128, steps=4)
     with Trainer(_config(model, "all", max_grad_norm=0.05)) as t:
         host = t.engine.host
-        assert not any(host.sliding) and host.ring.buffers == []
+        assert not any(u.slides for u in t.engine.layout.units) and host.ring.buffers == []
         result = t.fit(batches)
         assert all(n > 0.05 for n in result.grad_norms)  # every step clips
         lanes = result.timings[-1]

@@ -47,7 +47,7 @@ from test_adamw8_kernel import (
 from slidekit import EngineConfig, ModelConfig, OptimConfig, TrainConfig, Trainer
 from slidekit.hookspecs import hookimpl
 from slidekit.interfaces import OptimizerDescriptor, OptimizerHyper, ParamGroupRange
-from slidekit.planner import Placement, Planner, Workload
+from slidekit.planning import Placement, Planner, Workload
 from slidekit.plugins import Plugins
 from slidekit.testing.models import random_batches, tiny_config
 from slidekit_optim.adamw_8bit import KERNEL_SOURCE, AdamW8bit
@@ -361,7 +361,7 @@ def test_a_resident_unit_costs_about_10_bytes_per_parameter_in_bf16():
         state_bytes=lambda n: sum(c * dt.itemsize for dt, c in opt.state_layout(n).values()),
         media={"ram": "host", "gpu": "device"},
         device_type="cuda",
-        device_updates=opt.device_capable,
+        device_updates=opt.device_update,
     )
     for unit, u in enumerate(spec.units):
         assert planner.resident_cost(unit) / u.numel == pytest.approx(10.03, abs=0.01)
@@ -369,7 +369,7 @@ def test_a_resident_unit_costs_about_10_bytes_per_parameter_in_bf16():
 
 
 def _cuda_machine():
-    from slidekit.planner import GIB, Machine
+    from slidekit.planning import GIB, Machine
 
     return Machine(
         device_type="cuda",

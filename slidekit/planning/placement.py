@@ -1,19 +1,8 @@
-"""Pure planning: the visit schedule of a step and the memory it needs. No devices, no files.
+"""Pure placement arithmetic: which units stay on the compute device, where each unit's optimizer
+state goes, and the pieces gradients come down in. No devices, no files.
 
-A step visits units in this order (L decoder layers; unit 0 is the
-embedding, L+1 the head)::
-
-    fwd 0, fwd 1, ..., fwd L, head L+1, bwd L, ..., bwd 1, bwd 0
-
-``head`` computes the loss and its gradients at once (the fused linear +
-cross-entropy never keeps the logits), so the head's backward needs no second
-visit. ``bwd 0`` needs only a gradient buffer, not the embedding's weights,
-unless the LM head is tied to it: then the embedding stays resident in a
-pinned cache unit for the whole step, because the head needs its weights and
-both ends add to its gradient.
-
-The engine executes this schedule; ``MemoryPlan`` sizes the cache units and
-host buffers it needs. Test: ``pytest tests/test_plan.py``.
+``slidekit.planning.layout`` puts these together into the run's ``Layout``.
+Test: ``pytest tests/test_placement.py``.
 """
 
 from __future__ import annotations
@@ -24,40 +13,13 @@ from dataclasses import dataclass
 __all__ = [
     "GRANULE",
     "MemoryPlan",
-    "Visit",
     "place_state",
     "plan_memory",
     "plan_residency",
     "ring_numel",
-    "schedule",
     "spread_host_units",
     "unit_pieces",
 ]
-
-FWD, HEAD, BWD = "fwd", "head", "bwd"
-
-
-@dataclass(frozen=True, slots=True)
-class Visit:
-    """One unit's turn on the compute device."""
-
-    unit: int
-    phase: str  # "fwd", "head" or "bwd"
-    needs_params: bool  # must the unit's weights be in a cache unit?
-
-
-def schedule(num_layers: int, tied: bool) -> tuple[Visit, ...]:
-    """The visits of one training step, in order."""
-    if num_layers < 1:
-        raise ValueError(f"a model needs at least one decoder layer, got {num_layers}")
-    head = num_layers + 1
-    visits = [Visit(0, FWD, True)]
-    visits += [Visit(i, FWD, True) for i in range(1, head)]
-    visits.append(Visit(head, HEAD, True))
-    visits += [Visit(i, BWD, True) for i in range(num_layers, 0, -1)]
-    visits.append(Visit(0, BWD, tied))
-    return tuple(visits)
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MemoryPlan:
@@ -78,7 +40,7 @@ def plan_memory(
     tied: bool,
 ) -> MemoryPlan:
     """Size the cache units for units of the given lengths (what the whole run needs, host
-    memory included, is ``slidekit.planner.Planner.estimate``).
+    memory included, is the run's ``slidekit.planning.Layout``).
 
     ``window`` counts the cache units that take turns; a tied embedding adds
     one pinned unit on top. At least two must take turns, so the next unit can

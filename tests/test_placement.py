@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from slidekit.plan import BWD, FWD, HEAD, plan_memory, plan_residency, schedule, spread_host_units
+from slidekit.planning import BWD, FWD, HEAD, plan_memory, plan_residency, schedule, spread_host_units
 
 
 @given(layers=st.integers(1, 64), tied=st.booleans())

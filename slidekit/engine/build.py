@@ -1,0 +1,191 @@
+"""The engine builder: allocates exactly what a ``slidekit.planning.Layout`` says and returns the engine.
+
+    layout = planner.layout(placement, machine)          # decided once (slidekit.planning)
+    engine = build_engine(layout, parts)                 # allocated once, here
+
+Per unit: its FP32 master (on the compute device when resident, else in host
+RAM, page-locked with an accelerator), its optimizer state on the tier the
+layout names, and, when resident, its own cache unit. For the run: the
+window's cache units, the gradient ring, the per-unit gradient buffers of a
+step that keeps every gradient, the upload staging buffer, the state staging
+sets, and the activation store. Before anything is allocated, the tiers'
+capacity is checked against what the layout puts on them.
+
+``footprint(engine)`` measures what a built engine holds, per medium, from
+the tensors and the tiers' own counters: ``tests/engine/test_build.py`` checks
+it against ``Layout.allocations`` for random configurations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from slidekit.engine.activations import DeviceActivations, TierActivations
+from slidekit.engine.core import Engine
+from slidekit.engine.host import HostStore
+from slidekit.engine.runtime import Pipeline, Streams
+from slidekit.engine.window import Window
+from slidekit.errors import ConfigError
+from slidekit.interfaces import KernelSet, ParamGroupRange, StorageTier, UnitOptimizer
+from slidekit.models.base import ArchSpec
+from slidekit.planning.layout import Layout
+
+__all__ = ["EngineParts", "build_engine", "footprint"]
+
+GIB = float(1 << 30)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineParts:
+    """The runtime pieces a layout is built with: drivers, device, dtype and the pipeline's settings.
+
+    ``tier(name)`` returns the (shared) instance of a storage tier; ``task_hook(lane)`` is the
+    pipeline's fault-injection seam (``Trainer``'s ``fault_hook``).
+    """
+
+    spec: ArchSpec
+    kernels: KernelSet
+    optimizer: UnitOptimizer
+    tier: Callable[[str], StorageTier]
+    device: torch.device
+    compute_dtype: torch.dtype
+    groups: Sequence[Sequence[ParamGroupRange]]
+    loss_chunk: int | None
+    timeout_s: float
+    task_hook: Callable[[str], None] | None = None
+    offload_dir: str | None = None  # named in capacity errors
+
+
+def _check_layout(layout: Layout) -> None:
+    for u in layout.units:
+        if u.slides and u.state_medium == "device":
+            raise ConfigError(
+                f"optimizer state of unit {u.index} is in device memory (tier {u.state_tier!r}), but the unit is "
+                "updated on the CPU; use a host tier (ram, posix, gds) for engine.state_tier / "
+                "state_offload_tier, and engine.gpu_resident to keep whole units on the device"
+            )
+
+
+def _check_capacity(layout: Layout, parts: EngineParts) -> None:
+    """Refuse, before anything is written, a layout whose tiers lack the space for it."""
+    need: dict[str, list[int]] = {}  # tier name -> [state bytes, activation bytes]
+    for u in layout.units:
+        need.setdefault(u.state_tier, [0, 0])[0] += u.state_bytes
+    if layout.activation_tier != "device":
+        need.setdefault(layout.activation_tier, [0, 0])[1] += layout.activation_bytes
+    for name, (state, acts) in need.items():
+        capacity = parts.tier(name).stats().capacity
+        if capacity is not None and state + acts > capacity:
+            where = f" in {parts.offload_dir}" if parts.offload_dir else ""
+            raise ConfigError(
+                f"storage tier {name!r}{where} needs {(state + acts) / GIB:.2f} GiB "
+                f"(optimizer state {state / GIB:.2f} GiB, activations {acts / GIB:.2f} GiB) but has "
+                f"{capacity / GIB:.2f} GiB free; free space, use another offload_dir, lower "
+                "state_offload_fraction, or keep activations elsewhere"
+            )
+
+
+def build_engine(layout: Layout, parts: EngineParts) -> Engine:
+    """Allocate ``layout`` and return the engine that runs it (closed again if building fails)."""
+    _check_layout(layout)
+    _check_capacity(layout, parts)
+    spec, device, dtype = parts.spec, parts.device, parts.compute_dtype
+    pipeline = Pipeline(parts.timeout_s, task_hook=parts.task_hook)
+    host = acts = None
+    try:
+        host = HostStore(
+            layout,
+            spec.units,
+            optimizer=parts.optimizer,
+            state_tiers=[parts.tier(u.state_tier) for u in layout.units],
+            pin=device.type == "cuda",
+            grad_dtype=dtype,
+            pipeline=pipeline,
+            device=device,
+        )
+        w = layout.window
+        window = Window(w.window, w.slot_numel, dtype, device, pipeline)
+        for u in layout.units:
+            if u.resident:  # its own cache unit for good, outside the rotating window
+                window.add_resident(u.index, u.numel)
+        acts = (
+            DeviceActivations()
+            if layout.activation_tier == "device"
+            else TierActivations(parts.tier(layout.activation_tier), device, pipeline)
+        )
+        stage = (
+            torch.empty(layout.upload_staging, dtype=torch.float32, device=device)
+            if layout.upload_staging
+            else None
+        )
+        return Engine(
+            spec,
+            layout=layout,
+            kernels=parts.kernels,
+            optimizer=parts.optimizer,
+            host=host,
+            window=window,
+            activations=acts,
+            pipeline=pipeline,
+            streams=Streams(device),
+            upload_staging=stage,
+            groups=parts.groups,
+            device=device,
+            compute_dtype=dtype,
+            loss_chunk=parts.loss_chunk,
+        )
+    except BaseException:
+        pipeline.close()
+        if acts is not None:
+            acts.close()
+        if host is not None:
+            host.close()
+        raise
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def footprint(engine: Engine, tiers: Mapping[str, StorageTier]) -> dict[str, dict[str, int]]:
+    """What a built engine holds, measured from its tensors, and per tier from the tier's own counter.
+
+    "device" and "host" follow ``Layout.allocations``' names (state as the mapped tensors: resident
+    units' under "resident"); "tiers" maps each of ``tiers`` to its ``bytes_allocated``, which holds
+    streamed state too, and activations once a step has saved them.
+    """
+    host, layout, window = engine.host, engine.layout, engine.window
+
+    def mapped(unit: int) -> int:
+        return sum(_nbytes(t) for t in (host.state.mapped(unit) or {}).values())
+
+    resident = [u.index for u in layout.units if u.resident]
+    sliding = [u for u in layout.units if u.slides]
+    device = {
+        "window": sum(_nbytes(s.params) + _nbytes(s.grads) for s in window.slots),
+        "resident": sum(
+            _nbytes(window.resident[u].params)
+            + _nbytes(window.resident[u].grads)
+            + _nbytes(host.masters[u])
+            + mapped(u)
+            for u in resident
+        ),
+        "staging": 0 if engine.upload_stage is None else _nbytes(engine.upload_stage),
+    }
+    on_device = sum(mapped(u.index) for u in sliding if u.state_medium == "device")
+    if on_device:
+        device["state"] = on_device
+    out_host = {
+        "masters": sum(_nbytes(host.masters[u.index]) for u in sliding),
+        "state": sum(mapped(u.index) for u in sliding if u.state_medium == "host"),
+        "state staging": host.state.staging_bytes(),
+        "gradients": sum(_nbytes(b) for b in host.ring.buffers) + host.unit_grad_bytes(),
+    }
+    return {
+        "device": device,
+        "host": out_host,
+        "tiers": {name: tier.stats().bytes_allocated for name, tier in tiers.items()},
+    }

@@ -1,0 +1,44 @@
+"""The state of one training step as the engine's visits pass it along (``Engine.train_step``)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["StepState"]
+
+
+@dataclass(eq=False, slots=True)
+class StepState:
+    """What the visits of one step read and write: its inputs, the flowing activations and gradients,
+    the loss, the gradient norm and the updates still to queue."""
+
+    ids: list[torch.Tensor]  # input ids per micro-batch, on the device
+    labels: list[torch.Tensor]  # labels per micro-batch, on the device
+    rope: list[tuple[torch.Tensor, torch.Tensor]]  # (cos, sin) per micro-batch
+    lr: float
+    labelled: int  # labelled tokens of the whole step: the loss is their mean
+    clip: float | None  # max_grad_norm
+    defer: bool  # updates wait for the step's end (clipping, skipping non-finite steps)
+    sq_norm: torch.Tensor  # the squared global gradient norm, summed on the device as units finish
+    x: list[torch.Tensor] = field(default_factory=list)  # hidden states per micro-batch (forward)
+    dx: list[torch.Tensor] = field(default_factory=list)  # their gradients (backward)
+    loss_sum: torch.Tensor | None = None  # summed cross-entropy, set by the head
+    deferred: dict[int, Future[float]] = field(default_factory=dict)  # unit -> its gradient download
+    resident_due: list[int] = field(default_factory=list)  # resident units to update on the device
+
+    def take_x(self) -> list[torch.Tensor]:
+        """The hidden states, let go of here (the head is their last reader)."""
+        x, self.x = self.x, []
+        return x
+
+    def take_dx(self) -> list[torch.Tensor]:
+        """The input gradients, let go of here (the embedding's backward is their last reader)."""
+        dx, self.dx = self.dx, []
+        return dx
+
+    def take_deferred(self) -> dict[int, Future[float]]:
+        deferred, self.deferred = self.deferred, {}
+        return deferred

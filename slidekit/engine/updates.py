@@ -1,0 +1,283 @@
+"""Gradients and updates: after a unit's backward, its gradients come down and its master is updated.
+
+After a unit's backward the download thread copies its gradients into a
+shared host buffer (piece by piece, ``HostStore.pieces``) and the optimizer
+thread updates the unit's FP32 master from it while the device moves on.
+With clipping or skipping the step must see every gradient first: the
+gradients wait in the unit's own host buffer and the updates are queued at
+the end of the step. Resident units are updated on the device. A checkpoint
+being written holds back each unit's next update until it has the unit's
+tensors. Part of ``slidekit.engine.core.Engine``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from slidekit.engine.host import HostStore
+from slidekit.engine.runtime import Pipeline, Streams
+from slidekit.engine.state import slice_groups
+from slidekit.engine.step_state import StepState
+from slidekit.engine.window import Slot, Window
+from slidekit.errors import NonFiniteError
+from slidekit.interfaces import ParamGroupRange, UnitOptimizer
+from slidekit.models.base import ArchSpec
+from slidekit.planning.schedule import Visit
+from slidekit.telemetry import Timeline
+
+__all__ = ["Updates"]
+
+
+class Updates:
+    """The gradient and update half of the engine (a mixin of ``Engine``)."""
+
+    # The engine's state these methods share (set by ``Engine.__init__``).
+    spec: ArchSpec
+    host: HostStore
+    window: Window
+    pipeline: Pipeline
+    streams: Streams
+    timeline: Timeline
+    dtype: torch.dtype
+    visits: tuple[Visit, ...]
+    version: list[int]
+    updated: list[Future[None] | None]
+    optimizer: UnitOptimizer
+    groups: Sequence[Sequence[ParamGroupRange]]
+    steps_done: int
+    updates_applied: int
+    _checkpoint: tuple[Any, dict[int, list[str]]] | None
+
+    def _finish_unit(self, unit: int, slot: Slot, c: StepState) -> None:
+        """After a unit's backward: add its gradient norm, copy the gradients down, update it.
+
+        Without clipping the update is queued at once and overlaps the rest of
+        the backward pass. With clipping it must wait for the global norm: the
+        gradients go to the unit's own host buffer and the update is queued at
+        the end of the step (``_clip_and_update``).
+        """
+        n = self.spec.units[unit].numel
+        unit_sq = torch.linalg.vector_norm(slot.grads[:n], dtype=torch.float32).square()
+        c.sq_norm += unit_sq
+        if slot.resident:  # updated on the device once the step's loss and norm are known
+            c.resident_due.append(unit)
+            return
+        done = self.streams.record(self.streams.compute)
+        # Bump the version now, on this thread: from here on no slot holding the old
+        # parameters can be mistaken for current, and every upload waits for the update.
+        self.version[unit] += 1
+        if c.defer:  # into the unit's own buffer, updated once the step's norm is known
+            c.deferred[unit] = self.pipeline.submit(
+                "d2h", self._download, unit, slot, done, unit_sq, None, unit=unit
+            )
+            return
+        # Futures the download completes piece by piece: stall reports follow them to the d2h lane.
+        handoff: list[Future[tuple[int, float]]] = [
+            self.pipeline.promise("d2h", unit) for _ in self.host.pieces(unit)
+        ]
+        download = self.pipeline.submit("d2h", self._download, unit, slot, done, unit_sq, handoff, unit=unit)
+        self.updated[unit] = self.pipeline.submit(
+            "optim", self._update, unit, download, handoff, c.lr, self.updates_applied + 1, 1.0, unit=unit
+        )
+
+    def _download(
+        self,
+        unit: int,
+        slot: Slot,
+        computed: Any,
+        unit_sq: torch.Tensor,
+        handoff: list[Future[tuple[int, float]]] | None,
+    ) -> float:
+        """Download thread: the unit's gradients to the host; returns their squared norm.
+
+        With ``handoff`` (one future per range of ``host.pieces(unit)``) each
+        piece lands in a ring buffer whose index (with the norm) is handed to the
+        optimizer thread as soon as it has arrived, so a unit larger than a
+        buffer is updated while its later pieces come down. Without, the whole
+        unit goes into its own buffer, kept until the step ends.
+        """
+        n = self.host.masters[unit].numel()
+        sq = torch.empty((), dtype=torch.float32, pin_memory=self.streams.cuda)
+        s = self.streams
+        copied = None
+        try:
+            for k, (a, b) in enumerate(self.host.pieces(unit) if handoff is not None else [(0, n)]):
+                if handoff is None:
+                    index, dst = -1, self.host.unit_grad(unit)
+                else:
+                    with self.timeline.host("d2h_wait", unit):  # waiting for the optimizer to free a buffer
+                        index = self.host.ring.acquire()
+                    dst = self.host.ring.buffers[index][: b - a]
+                with self.timeline.host("d2h", unit):
+                    if s.cuda:
+                        with s.use(s.d2h):
+                            if k == 0:
+                                s.wait(s.d2h, computed)
+                            with self.timeline.device("d2h_copy", unit, s.d2h):  # the transfer alone
+                                dst.copy_(slot.grads[a:b], non_blocking=True)
+                                if k == 0:
+                                    sq.copy_(unit_sq, non_blocking=True)
+                            copied = s.record(s.d2h)
+                        s.synchronize(copied)
+                    else:
+                        with self.timeline.device("d2h_copy", unit, None):
+                            dst.copy_(slot.grads[a:b])
+                            if k == 0:
+                                sq.copy_(unit_sq)
+                if handoff is not None:
+                    handoff[k].set_result((index, float(sq)))
+        except BaseException as exc:
+            for fut in handoff or []:
+                if not fut.done():
+                    fut.set_exception(exc)
+            raise
+        self.window.release(slot, copied)
+        return float(sq)
+
+    def _update(
+        self,
+        unit: int,
+        download: Future[float],
+        handoff: list[Future[tuple[int, float]]] | None,
+        lr: float,
+        count: int,
+        scale: float,
+    ) -> None:
+        """Optimizer thread: update ``unit``'s master from its gradients, in submission order.
+
+        Piece by piece as they arrive (``handoff``), or from the unit's own
+        buffer once ``download`` is done. A unit whose gradients are not finite
+        is never applied: the step stops here.
+        """
+        what = f"the gradient download of unit {unit}"
+        if handoff is None:
+            self._check_finite(unit, self.pipeline.result(download, what))
+            self._wait_checkpoint(unit)
+            with self.timeline.host("update", unit):
+                self._apply(unit, self.host.unit_grad(unit), lr=lr, count=count, scale=scale, lowp_out=None)
+            return
+        for k, (a, b) in enumerate(self.host.pieces(unit)):
+            index, sq = self.pipeline.result(handoff[k], what)
+            try:
+                if k == 0:
+                    self._check_finite(unit, sq)
+                    self._wait_checkpoint(unit)
+                grad = self.host.ring.buffers[index][: b - a]
+                with self.timeline.host("update", unit):
+                    self._apply(unit, grad, lr=lr, count=count, scale=scale, lowp_out=None, start=a, stop=b)
+            finally:
+                self.host.ring.release(index)
+
+    def _check_finite(self, unit: int, sq: float) -> None:
+        if not math.isfinite(sq):
+            raise NonFiniteError(
+                f"step {self.steps_done + 1}: the gradients of unit {unit} ({self.spec.units[unit].kind}) "
+                "are not finite; no update was applied to it. Lower the learning rate, clip gradients "
+                "(optim.max_grad_norm), or set optim.on_nonfinite='skip' to skip such steps"
+            )
+
+    def _apply_deferred(self, c: StepState, grad_norm: float) -> None:
+        """Queue every unit's update, in the order the next forward pass needs them, with the clip factor.
+
+        torch.nn.utils.clip_grad_norm_ semantics: scale = min(1, max_norm / (norm + 1e-6)).
+        """
+        scale = 1.0 if c.clip is None else min(1.0, c.clip / (grad_norm + 1e-6))
+        for unit in sorted(c.deferred):  # resident units are updated on the device instead
+            self.updated[unit] = self.pipeline.submit(
+                "optim",
+                self._update,
+                unit,
+                c.deferred.pop(unit),
+                None,
+                c.lr,
+                self.updates_applied + 1,
+                scale,
+                unit=unit,
+            )
+
+    def _update_resident(self, c: StepState, grad_norm: float) -> None:
+        """Update the device-resident units on the device, in the order the next forward pass needs them.
+
+        Their BF16 weights are rewritten in place from the new masters, so they
+        never cross the bus. The update is queued on the compute stream, after
+        the backward pass that produced the gradients.
+        """
+        scale = 1.0 if c.clip is None else min(1.0, c.clip / (grad_norm + 1e-6))
+        for unit in sorted(c.resident_due):
+            self._wait_checkpoint(unit)
+            with self.timeline.device("update_gpu", unit, self.streams.compute):
+                self._update_on_device(unit, c.lr, self.updates_applied + 1, scale)
+
+    def _update_on_device(self, unit: int, lr: float, count: int, scale: float) -> None:
+        # Streaming uses staging buffers that belong to the optimizer thread: resident state must map.
+        assert not self.host.state.streamed(unit), f"resident unit {unit} has streamed state"
+        slot = self.window.resident[unit]
+        n = self.spec.units[unit].numel
+        params = slot.params[:n]
+        lowp = params.dtype == torch.bfloat16  # the optimizer writes the BF16 weights in the same pass
+        self._apply(unit, slot.grads[:n], lr=lr, count=count, scale=scale, lowp_out=params if lowp else None)
+        if not lowp:
+            params.copy_(self.host.masters[unit])
+
+    def _apply(
+        self,
+        unit: int,
+        grad: torch.Tensor,
+        *,
+        lr: float,
+        count: int,
+        scale: float,
+        lowp_out: torch.Tensor | None,
+        start: int = 0,
+        stop: int | None = None,
+    ) -> None:
+        """Scale ``grad`` (clipping) and run the optimizer over the unit's master and state, chunk by chunk.
+
+        ``grad`` (and ``lowp_out``) hold parameters [start, stop) of the unit: all of it by default.
+        """
+        if scale != 1.0:
+            grad.mul_(scale)
+        master, groups = self.host.masters[unit], self.groups[unit]
+
+        def step(a: int, b: int, state: Mapping[str, torch.Tensor]) -> None:
+            self.optimizer.step(
+                master[a:b],
+                grad[a - start : b - start],
+                state,
+                lr=lr,
+                count=count,
+                groups=slice_groups(groups, a, b),
+                lowp_out=None if lowp_out is None else lowp_out[a - start : b - start],
+            )
+
+        self.host.state.update(unit, step, start, stop)
+
+    def sync_resident(self) -> None:
+        """Refresh resident units' compute-dtype weights from their masters (after loading or restoring)."""
+        for unit, slot in self.window.resident.items():
+            n = self.spec.units[unit].numel
+            slot.params[:n].copy_(self.host.masters[unit])
+
+    def _drop_deferred(self, c: StepState) -> None:
+        """Skip the step: wait for the downloads, apply nothing. Masters and state stay as they were."""
+        for unit, download in c.take_deferred().items():
+            self.pipeline.result(download, f"the gradient download of unit {unit}")
+
+    def guard_checkpoint(self, handle: Any, names: dict[int, list[str]]) -> None:
+        """Hold back each unit's next update until ``handle`` (a checkpoint being written) has its tensors."""
+        self._checkpoint = (handle, names)
+
+    def _wait_checkpoint(self, unit: int) -> None:
+        guard = self._checkpoint
+        if guard is None:
+            return
+        handle, names = guard
+        if handle.done():
+            self._checkpoint = None
+        with self.timeline.host("checkpoint_wait", unit):
+            handle.wait_for(*names[unit], timeout=self.pipeline.timeout_s)

@@ -1,0 +1,92 @@
+"""What the machine has for a run: free device memory, available RAM, free disk where the run writes.
+
+``Machine.probe`` measures it; tests and what-if planning build one by hand.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from slidekit.telemetry import proc_sizes
+
+__all__ = ["GIB", "Machine", "fmt_gib"]
+
+GIB = 1 << 30
+
+
+def fmt_gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Machine:
+    """What the machine has: free device memory, available RAM, free disk in the offload directory."""
+
+    device_type: str  # "cpu", "cuda" or "rocm"
+    device_free: int | None = None  # None on the CPU: the compute device's memory is host RAM
+    device_total: int | None = None
+    host_available: int
+    host_total: int
+    disk_free: int | None = None  # None: no offload directory given
+    run_dir_free: int | None = None  # free space where run.dir lives; None: no run directory
+    run_dir_checkpoints: int = 0  # step-* checkpoints already in the run directory
+    run_dir_shares_disk: bool = False  # the run directory is on the offload directory's file system
+
+    @classmethod
+    def probe(cls, device: object, offload_dir: str | None, run_dir: str | None = None) -> Machine:
+        """Measure this machine, for ``device`` (a torch.device), ``offload_dir`` and ``run_dir``."""
+        import torch
+
+        dev = torch.device(str(device))
+        free = total = None
+        kind = "cpu"
+        if dev.type == "cuda":
+            free, total = torch.cuda.mem_get_info(dev)
+            kind = "rocm" if torch.version.hip else "cuda"
+        info = proc_sizes("/proc/meminfo")
+        host_total = info.get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        host_available = info.get("MemAvailable", host_total)
+        disk = run_free = None
+        existing, shared = 0, False
+        if offload_dir:
+            disk = shutil.disk_usage(_existing(offload_dir)).free
+        if run_dir:
+            from slidekit.checkpoint import step_dirs
+
+            run_free = shutil.disk_usage(_existing(run_dir)).free
+            existing = len(step_dirs(Path(run_dir).expanduser() / "checkpoints"))
+            if offload_dir:
+                shared = os.stat(_existing(run_dir)).st_dev == os.stat(_existing(offload_dir)).st_dev
+        return cls(
+            device_type=kind,
+            device_free=free,
+            device_total=total,
+            host_available=host_available,
+            host_total=host_total,
+            disk_free=disk,
+            run_dir_free=run_free,
+            run_dir_checkpoints=existing,
+            run_dir_shares_disk=shared,
+        )
+
+    def describe(self) -> str:
+        parts = []
+        if self.device_free is not None:
+            parts.append(f"GPU {fmt_gib(self.device_free)} free of {fmt_gib(self.device_total or 0)}")
+        parts.append(f"RAM {fmt_gib(self.host_available)} available of {fmt_gib(self.host_total)}")
+        if self.disk_free is not None:
+            parts.append(f"disk {fmt_gib(self.disk_free)} free")
+        if self.run_dir_free is not None:
+            parts.append(f"run directory {fmt_gib(self.run_dir_free)} free")
+        return ", ".join(parts)
+
+
+def _existing(directory: str) -> Path:
+    """``directory``, or its nearest existing ancestor (it may not exist yet: ask its file system)."""
+    path = Path(directory).expanduser()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path

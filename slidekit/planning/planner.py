@@ -1,0 +1,310 @@
+"""The planner: the run's ``Layout`` for a placement, its ``Estimate`` on a machine, and the fastest
+placement that fits.
+
+``Planner.for_run`` takes a configured run (model spec, workload, engine
+settings, what the drivers declare); ``layout(placement, machine)`` decides
+which units are resident (``residency``) and where each unit's state goes;
+``estimate`` adds up the layout's bytes and a step's transient work on each
+medium; ``recommend`` walks the placements from fastest to slowest (more
+units resident on the GPU; activations on the device, then in RAM; state in
+RAM, then a growing share on disk) and returns the first that fits. The
+trainer refuses a configuration that does not fit before it allocates
+anything, with the numbers and that recommendation; a run directory that
+lacks room for its checkpoints is refused up front too.
+
+    slidekit plan --model DIR --batch-size 8 --seq-len 1024      # what a run needs, and what fits
+
+Test: ``pytest tests/test_planner.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from slidekit.config import resident_fraction
+from slidekit.models.base import ArchSpec
+from slidekit.planning.estimate import RUNTIME_HOST, Estimate, head_work, layer_work, step_work
+from slidekit.planning.layout import (
+    UPLOAD_CHUNK,
+    Drivers,
+    EngineSettings,
+    Layout,
+    Placement,
+    StateLayout,
+    Workload,
+    build_layout,
+)
+from slidekit.planning.machine import Machine
+from slidekit.planning.placement import place_state, plan_residency
+from slidekit.planning.run_space import checkpoint_bytes, checkpoint_writes, run_dir_need
+
+if TYPE_CHECKING:
+    from slidekit.config import TrainConfig
+    from slidekit.interfaces import UnitOptimizer
+    from slidekit.plugins import Plugins
+    from slidekit.resolve import RunSetup
+
+__all__ = ["RESIDENT_RESERVE", "Planner"]
+
+#: "auto" residency leaves max(RESIDENT_RESERVE, 5% of the device) free beyond the plan.
+RESIDENT_RESERVE = 4 << 30
+
+
+class Planner:
+    """Layouts, memory estimates and placement recommendations for one model and workload.
+
+    ``state_bytes(numel)`` (or ``state_layout(numel)``) is the optimizer state of a unit of ``numel``
+    parameters; ``media`` maps tier names to "device", "host" or "disk". ``device_updates``: the
+    optimizer can update units on the device (only then can units be resident). ``keep_grads``: every
+    unit's gradients stay on the host until the step ends (global-norm clipping, skipping non-finite
+    steps). ``device_tier``: the tier resident units keep their state on.
+    """
+
+    def __init__(
+        self,
+        spec: ArchSpec,
+        workload: Workload,
+        *,
+        compute_itemsize: int,
+        media: Mapping[str, str],
+        device_type: str,
+        state_bytes: Callable[[int], int] | None = None,
+        state_layout: Callable[[int], StateLayout] | None = None,
+        window: int = 3,
+        grad_buffers: int = 2,
+        state_chunk: int = 1 << 22,
+        loss_workspace: int = 768 << 20,
+        device_updates: bool = True,
+        keep_grads: bool = False,
+        linear_state: bool = True,
+        device_tier: str | None = None,
+        host_tier: str | None = None,
+        disk_tier: str | None = None,
+        checkpoint_keep: int | None = None,
+        checkpoint_writes: int = 0,
+    ) -> None:
+        if state_layout is None:
+            if state_bytes is None:
+                raise TypeError("a Planner needs state_layout or state_bytes")
+            import torch
+
+            sized = state_bytes
+
+            def state_layout(numel: int) -> StateLayout:  # a byte count stands for one byte buffer
+                return {"state": (torch.uint8, sized(numel))}
+
+        self.spec = spec
+        self.workload = dataclasses.replace(workload, keep_grads=workload.keep_grads or keep_grads)
+        self.itemsize = compute_itemsize
+        self.device_type = device_type
+        def first(medium: str) -> str | None:  # without roles resolved: the first tier of the medium
+            return next((t for t, m in media.items() if m == medium), None)
+
+        if host_tier is None:
+            host_tier = first("host") or ""
+        if device_tier is None:  # the tier of the compute device's memory (on the CPU: RAM)
+            device_tier = host_tier if device_type == "cpu" else first("device") or ""
+        self.drivers = Drivers(
+            state_layout=state_layout,
+            device_update=device_updates,
+            linear_state=linear_state,
+            media=dict(media),
+            device_tier=device_tier,
+            host_tier=host_tier,
+            disk_tier=first("disk") if disk_tier is None else disk_tier,
+            loss_workspace=loss_workspace,
+        )
+        self.settings = EngineSettings(window=window, grad_buffers=grad_buffers, state_chunk=state_chunk)
+        self.numels = [u.numel for u in spec.units]
+        self.state = [self.drivers.state_bytes(n) for n in self.numels]
+        self.state_per_param = sum(self.state) / sum(self.numels)
+        self.checkpoint_keep = checkpoint_keep  # run.keep (None: every checkpoint is kept)
+        self.checkpoint_writes = checkpoint_writes  # checkpoints the run writes at most (0: no run.dir)
+
+    @classmethod
+    def for_run(
+        cls, config: TrainConfig, setup: RunSetup, *, optimizer: UnitOptimizer, plugins: Plugins
+    ) -> Planner:
+        """The planner of a configured run: its model, workload, engine settings and drivers."""
+        from slidekit.planning.roles import tier_for
+
+        ec, dc, oc = config.engine, config.data, config.optim
+        roles = {m: tier_for(plugins, m, setup.family) for m in ("device", "host", "disk")}
+        host = roles["host"].name if roles["host"] else ""
+        device = host if setup.family == "cpu" else roles["device"].name if roles["device"] else ""
+        return cls(
+            setup.spec,
+            Workload(batch_size=dc.batch_size, seq_len=dc.seq_len, grad_accum=config.grad_accum),
+            compute_itemsize=setup.itemsize,
+            state_layout=optimizer.state_layout,
+            media={r.name: r.descriptor.medium for r in plugins.drivers("tier")},
+            device_type=setup.family,
+            window=ec.window,
+            grad_buffers=ec.grad_buffers,
+            state_chunk=ec.state_chunk,
+            loss_workspace=setup.selections["kernels"].descriptor.loss_workspace_bytes,
+            device_updates=optimizer.device_update,
+            keep_grads=oc.max_grad_norm is not None or oc.on_nonfinite == "skip",
+            linear_state=optimizer.linear_state,
+            device_tier=device,
+            host_tier=host,
+            disk_tier=roles["disk"].name if roles["disk"] else "",
+            checkpoint_keep=config.run.keep,
+            checkpoint_writes=checkpoint_writes(config),
+        )
+
+    # ------------------------------------------------------------------ pieces
+
+    @property
+    def device_updates(self) -> bool:
+        return self.drivers.device_update
+
+    def medium(self, tier: str) -> str:
+        return self.drivers.medium(tier)
+
+    def resident_cost(self, unit: int) -> int:
+        """Device bytes of one resident unit: FP32 master, optimizer state, weights and gradients."""
+        return self.numels[unit] * (4 + 2 * self.itemsize) + self.state[unit]
+
+    def layer_work(self) -> int:
+        return layer_work(self.spec, self.workload, self.itemsize)
+
+    def head_work(self) -> int:
+        return head_work(self.spec, self.workload, self.itemsize, self.drivers.loss_workspace)
+
+    def flow_bytes(self, activation_tier: str) -> dict[str, int]:
+        """Activations, the flowing hidden states and the working peak of a step, on the device."""
+        on_device = activation_tier == "device" or self.medium(activation_tier) == "device"
+        return step_work(
+            self.spec,
+            self.workload,
+            itemsize=self.itemsize,
+            activations_on_device=on_device,
+            loss_workspace=self.drivers.loss_workspace,
+        )
+
+    def checkpoint_bytes(self) -> int:
+        """Disk space of one checkpoint: every unit's FP32 master and optimizer state, and its files."""
+        return checkpoint_bytes(self.numels, self.state)
+
+    # ------------------------------------------------------------------ layouts and estimates
+
+    def residency(self, placement: Placement, machine: Machine) -> list[bool]:
+        """Units kept on the device: the configured share, or for "auto" what the device's spare memory holds."""
+        fraction = resident_fraction(placement.gpu_resident)
+        units = len(self.numels)
+        free = machine.device_free
+        on_cpu = free is None
+        if not on_cpu and not self.device_updates:
+            return [False] * units  # an optimizer that updates on the CPU only: nothing can stay on the GPU
+        if fraction is not None:  # as configured (on the CPU "resident" units are updated in place in RAM)
+            return plan_residency(self.numels, bytes_per_param=0, budget=0, fraction=fraction)
+        if free is None:
+            return [False] * units  # "auto" on the CPU: nothing to gain
+        nothing = self.layout(placement, machine, [False] * units).allocations()["device"]
+        fixed = nothing["window"] + 4 * UPLOAD_CHUNK + sum(self.flow_bytes(placement.activation_tier).values())
+        reserve = max(RESIDENT_RESERVE, (machine.device_total or 0) // 20)
+        budget = free - fixed - reserve
+        per_param = 4 + 2 * self.itemsize + self.state_per_param
+        return plan_residency(self.numels, bytes_per_param=per_param, budget=max(budget, 0))
+
+    def layout(
+        self, placement: Placement, machine: Machine, resident: Sequence[bool] | None = None
+    ) -> Layout:
+        """Where every buffer of ``placement`` lives (``resident`` overrides the residency plan)."""
+        res = tuple(self.residency(placement, machine) if resident is None else resident)
+        sp = self.spec
+        return build_layout(
+            tuple((u.index, str(u.kind), u.numel) for u in sp.units),
+            tied=sp.tie_embeddings,
+            workload=self.workload,
+            hidden_size=sp.hidden_size,
+            num_layers=sp.num_layers,
+            itemsize=self.itemsize,
+            drivers=self.drivers,
+            settings=self.settings,
+            placement=placement,
+            resident=res,
+            offload=tuple(place_state(len(self.numels), placement.state_offload_fraction)),
+            accelerator=self.device_type != "cpu",
+        )
+
+    def estimate(
+        self, placement: Placement, machine: Machine, resident: Sequence[bool] | None = None
+    ) -> Estimate:
+        """Bytes ``placement`` needs on each medium (``resident`` overrides the residency plan)."""
+        return self.estimate_layout(self.layout(placement, machine, resident), machine)
+
+    def estimate_layout(self, layout: Layout, machine: Machine) -> Estimate:
+        """``layout``'s bytes plus a step's transient work and the run directory's checkpoints."""
+        alloc = layout.allocations()
+        device = {k: alloc["device"][k] for k in ("window", "resident", "staging")}
+        if "state" in alloc["device"]:
+            device["state"] = alloc["device"]["state"]
+        device.update(self.flow_bytes(layout.placement.activation_tier))
+        host = dict(alloc["host"])
+        host["runtime"] = RUNTIME_HOST.get(self.device_type, RUNTIME_HOST["cuda"])
+        run_dir, fix = run_dir_need(
+            self.checkpoint_bytes(), self.checkpoint_keep, self.checkpoint_writes, machine.run_dir_checkpoints
+        )
+        return Estimate(
+            placement=layout.placement,
+            resident=layout.resident,
+            layout=layout,
+            device=device,
+            host=host,
+            disk=alloc["disk"],
+            run_dir=run_dir,
+            run_dir_fix=fix,
+        )
+
+    # ------------------------------------------------------------------ recommendations
+
+    def candidates(self, base: Placement, disk_tier: str | None) -> list[Placement]:
+        """Placements from the fastest to the slowest, keeping ``base``'s tier choices where they work.
+
+        More units resident first (where the optimizer can update on the
+        device); then activations on the device before a host tier; then state
+        in RAM before a growing share (1/4, 1/2, 3/4, all) on ``disk_tier``;
+        activations on disk last.
+        """
+        host = self.drivers.host_tier
+        host_tier = base.state_tier if self.medium(base.state_tier) == "host" else host
+        acts_host = base.activation_tier if base.activation_tier != "device" and self.medium(
+            base.activation_tier) == "host" else host  # fmt: skip
+        if self.device_type == "cpu":
+            residents = [base.gpu_resident]  # the CPU computes where the masters are: nothing to choose
+        else:
+            residents = ["all", "auto"] if self.device_updates else ["none"]
+        out: list[Placement] = []
+        fractions = [0.0] + ([0.25, 0.5, 0.75, 1.0] if disk_tier else [])
+        for fraction in fractions:
+            for acts in ("device", acts_host):
+                for res in residents:
+                    out.append(
+                        Placement(
+                            state_tier=host_tier,
+                            state_offload_tier=disk_tier if fraction else None,
+                            state_offload_fraction=fraction,
+                            activation_tier=acts,
+                            gpu_resident=res,
+                        )
+                    )
+        if disk_tier:
+            out.append(dataclasses.replace(out[-1], activation_tier=disk_tier))
+        return list(dict.fromkeys(out))
+
+    def recommend(
+        self, base: Placement, machine: Machine, disk_tier: str | None = None
+    ) -> Estimate | None:
+        """The fastest placement that fits ``machine``, or None. ``disk_tier`` (default: the disk role's
+        tier, ``slidekit.planning.roles``) may hold optimizer state where the machine has an offload
+        directory."""
+        disk_tier = disk_tier or self.drivers.disk_tier
+        for placement in self.candidates(base, disk_tier if machine.disk_free is not None else None):
+            est = self.estimate(placement, machine)
+            if est.placement_fits(machine):  # no placement gives the run directory more room
+                return est
+        return None
