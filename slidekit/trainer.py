@@ -14,15 +14,10 @@ builds the engine. ``fit`` runs the steps and returns the losses.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
-import os
-import signal
-import threading
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,19 +32,20 @@ from slidekit.engine import Engine
 from slidekit.engine.build import EngineParts, build_engine
 from slidekit.errors import ConfigError, ModelLoadError
 from slidekit.export import ExportError, check_dtype, check_target, export_guards, export_model
+from slidekit.graceful import GracefulStop
 from slidekit.identity import changed_settings, effective_lr, run_identity
-from slidekit.interfaces import ParamGroupRange, StorageTier, TierContext
+from slidekit.interfaces import StorageTier, TierContext
 from slidekit.lr_schedule import lr_factor
-from slidekit.models.base import UnitLayout
 from slidekit.models.loading import (
     DEMO_MODEL,
     demo_dir,
-    init_unit,
-    load_unit_weights,
+    fill_masters,
     weight_files,
 )
 from slidekit.owned import Leftover
+from slidekit.param_groups import param_groups
 from slidekit.planning import Estimate, Layout, Machine, Placement, Planner
+from slidekit.planning.fit import check_fit
 from slidekit.plugins import Plugins, Selection
 from slidekit.resolve import build_optimizer, resolve
 from slidekit.run import RunDirectory, discard_run
@@ -76,49 +72,6 @@ class FitResult:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
-
-
-def param_groups(unit: UnitLayout, weight_decay: float, no_decay: Sequence[str]) -> list[ParamGroupRange]:
-    """Weight-decay ranges of a unit's flat vector: decay unless the name ends with a ``no_decay`` suffix."""
-    groups: list[ParamGroupRange] = []
-    for e in unit.entries:
-        wd = 0.0 if any(e.name.endswith(s) for s in no_decay) else weight_decay
-        if groups and groups[-1].weight_decay == wd:
-            groups[-1] = ParamGroupRange(start=groups[-1].start, stop=e.stop, weight_decay=wd)
-        else:
-            groups.append(ParamGroupRange(start=e.offset, stop=e.stop, weight_decay=wd))
-    return groups
-
-
-class _GracefulStop:
-    """SIGINT/SIGTERM/SIGHUP (the terminal closed) during ``fit``: finish the current step, then return
-    (writing the checkpoint, with a run directory). A second signal aborts at once.
-
-    Handlers are only installed from the main thread (Python delivers signals there).
-    """
-
-    SIGNALS = tuple(
-        getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
-    )  # no SIGHUP on Windows
-
-    def __init__(self) -> None:
-        self.signal: str | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _GracefulStop:
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signal is not None:
-            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: abandoning the step")
-        self.signal = signal.Signals(signum).name
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 class Trainer:
@@ -258,63 +211,28 @@ class Trainer:
 
     def _check_fit(self, planner: Planner, layout: Layout) -> None:
         """Refuse, before anything is allocated, a configuration this machine cannot hold, with the numbers
-        and the fastest placement that would fit."""
-        placement, resident = layout.placement, layout.resident
-        machine = self.machine()
-        self.estimate = planner.estimate_layout(layout, machine)
-        problems = self.estimate.shortfalls(machine)
-        if not problems:
-            return
-        positions = self.spec.max_positions
-        if self.config.data.seq_len > positions:  # is a seq_len beyond the model's positions all that fails?
-            clamped = copy.copy(planner)
-            clamped.workload = dataclasses.replace(planner.workload, seq_len=positions)
-            if not clamped.estimate(placement, machine, resident).shortfalls(machine):
-                self._check_seq_len()
-        if self._kept_leftovers and any(p.startswith("disk") for p in problems):
-            problems.append(
+        and the fastest placement that would fit (``slidekit.planning.fit``)."""
+        extra = []
+        if self._kept_leftovers:
+            extra.append(
                 "the offload directory also holds other slidekit processes' files, left alone (their "
                 f"owners live, or cannot be told): {owned.describe(self._kept_leftovers)}"
             )
-        better = planner.recommend(placement, machine)
-        if self.estimate.placement_fits(machine):
-            fix = "the placement fits; only the run directory lacks room"
-        elif better is not None:
-            fix = f"this placement fits: {better.placement.flags()}"
-        else:
-            fix = (
-                "no placement fits this batch: lower data.batch_size (and raise grad_accum to keep the tokens "
-                "per step), use optim.name='adamw_8bit', or set engine.offload_dir so state can go to disk"
-            )
-        raise ConfigError(
-            f"this configuration does not fit on this machine ({machine.describe()}):\n  "
-            + "\n  ".join(problems)
-            + f"\n{fix} (see `slidekit plan`)"
+        self.estimate = check_fit(
+            planner, layout, self.machine(), seq_len_refusal=self._check_seq_len, disk_notes=extra
         )
 
     def _load_weights(self) -> None:
         mc = self.config.model
         assert self._engine is not None
-        masters = self._engine.host.masters
-        files = {} if mc.random_init or mc.source == DEMO_MODEL else weight_files(self.model_dir)
-        if not files and not (mc.random_init or mc.source == DEMO_MODEL):
+        fresh = mc.random_init or mc.source == DEMO_MODEL
+        files = {} if fresh else weight_files(self.model_dir)
+        if not files and not fresh:
             raise ModelLoadError(
                 f"{str(self.model_dir)!r} has no model.safetensors or model.safetensors.index.json; "
                 "set model.random_init (CLI: --random-init) to start from random weights"
             )
-
-        def load(unit: UnitLayout, master: torch.Tensor) -> None:
-            host = master if master.device.type == "cpu" else torch.empty_like(master, device="cpu")
-            if files:
-                load_unit_weights(unit, files, host)
-            else:
-                init_unit(self.spec, unit, host, mc.init_seed)
-            if host is not master:  # a unit resident on the device
-                master.copy_(host)
-
-        # One generator per unit makes the result independent of the order: load units in parallel.
-        with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="slidekit-load") as pool:
-            list(pool.map(load, self.spec.units, masters))
+        fill_masters(self.spec, self._engine.host.masters, files, mc.init_seed)
         self._engine.sync_resident()
 
     # ------------------------------------------------------------------ data
@@ -404,7 +322,7 @@ class Trainer:
         starts: list[float] = []  # when each step began
         t0 = time.perf_counter()
         try:
-            with _GracefulStop() as stop:
+            with GracefulStop() as stop:
                 for step in range(1, steps + 1):
                     micro = list(itertools.islice(data, self.config.grad_accum))
                     if stop.signal or len(micro) < self.config.grad_accum:

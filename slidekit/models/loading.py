@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from slidekit.models.base import ArchSpec, UnitLayout
 __all__ = [
     "DEMO_MODEL",
     "demo_dir",
+    "fill_masters",
     "init_unit",
     "load_hf_config",
     "load_unit_weights",
@@ -192,3 +195,21 @@ def init_unit(spec: ArchSpec, unit: UnitLayout, master: torch.Tensor, seed: int)
             if e.key == "embed_tokens.weight" and spec.pad_token_id is not None:
                 view[spec.pad_token_id].zero_()  # as transformers initialises nn.Embedding(padding_idx=...)
         # biases stay zero
+
+
+def fill_masters(spec: ArchSpec, masters: Sequence[torch.Tensor], files: Mapping[str, Any], seed: int) -> None:
+    """Each unit's FP32 master from the weight ``files`` (``weight_files``), or initialised at random from
+    ``seed`` when there are none; masters on a device are filled through a host copy. One generator per
+    unit makes the result independent of the order, so units load in parallel."""
+
+    def load(unit: UnitLayout, master: torch.Tensor) -> None:
+        host = master if master.device.type == "cpu" else torch.empty_like(master, device="cpu")
+        if files:
+            load_unit_weights(unit, files, host)
+        else:
+            init_unit(spec, unit, host, seed)
+        if host is not master:  # a unit resident on the device
+            master.copy_(host)
+
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="slidekit-load") as pool:
+        list(pool.map(load, spec.units, masters))
