@@ -253,7 +253,9 @@ class UnitOptimizer(Protocol):
     updated parameters cast to its dtype there. ``count`` is the 1-based number
     of updates this unit has received, for bias correction.
 
-    Two capabilities, declared (the engine and the planner read them, never probe):
+    Two capabilities, declared as bools (the engine and the planner read them, never probe; a run
+    refuses an optimizer that lacks one, or whose ``linear_state`` its ``state_layout`` contradicts:
+    ``slidekit.capabilities``):
 
     ``device_update``
         ``step`` also runs on tensors on the compute device (CUDA, ROCm), so units

@@ -6,7 +6,7 @@ driver the configuration names (explicit names must be available; "auto"
 says what it chose). The trainer builds a run from it; ``slidekit plan``
 plans one from it without loading a single weight.
 
-Test: ``pytest tests/test_planner.py tests/test_plugins.py``.
+Test: ``pytest tests/test_planner.py tests/test_plugins.py tests/test_capabilities.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from slidekit.capabilities import check_optimizer
 from slidekit.config import TrainConfig
 from slidekit.devices import device_family, resolve_device
 from slidekit.errors import ConfigError, ModelLoadError
@@ -87,8 +88,16 @@ def resolve(config: TrainConfig, plugins: Plugins) -> RunSetup:
 
 
 def build_optimizer(config: TrainConfig, setup: RunSetup) -> UnitOptimizer:
-    """The selected optimizer driver, built with ``config.optim``'s hyperparameters."""
+    """The selected optimizer driver, built with ``config.optim``'s hyperparameters.
+
+    Its capability declarations are checked (``slidekit.capabilities.check_optimizer``):
+    a driver that does not declare ``device_update`` and ``linear_state`` as bools, or
+    whose ``linear_state = True`` its own ``state_layout`` contradicts, is refused with a
+    ``PluginError`` naming the plugin, the attribute and the fix.
+    """
     oc = config.optim
     hyper = OptimizerHyper(betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay, threads=oc.threads)
-    optimizer: UnitOptimizer = setup.selections["optimizer"].descriptor.factory(hyper)
+    selection = setup.selections["optimizer"]
+    optimizer: UnitOptimizer = selection.descriptor.factory(hyper)
+    check_optimizer(optimizer, who=f"optimizer {selection.name!r} (plugin {selection.registered.plugin!r})")
     return optimizer

@@ -58,7 +58,7 @@ those by a few FP32 roundings, far inside the quantization error the tests
 allow against float64 AdamW.
 
 Tensors on a GPU (units the engine keeps resident on the device,
-``device_capable``) take the fused Triton kernel of ``adamw8_triton.py`` on
+``device_update``) take the fused Triton kernel of ``adamw8_triton.py`` on
 the current stream: the C++ kernel's operation sequence, decoding and
 encoding (same maps and tables, so ``keep_nonzero`` and ties alike), block
 maxima and BF16 rounding, with correctly rounded divide and square root and
@@ -160,7 +160,8 @@ class AdamW8bit:
     name = "adamw_8bit"
     #: ``step`` also takes tensors on a GPU (units the engine keeps resident there): a fused Triton pass there.
     device_update = True
-    #: Per-element (or block-wise, blocks dividing GRANULE) state: updated and streamed piece by piece.
+    #: Blocks of 256 divide slidekit's granule (4096): the state of parameters [a, a + m), a a multiple
+    #: of it, is codes [a, a + m) and scales [a / 256, a / 256 + ceil(m / 256)).
     linear_state = True
     #: Tests only: send CPU tensors down the GPU path too (the Triton kernel then needs TRITON_INTERPRET=1).
     _device_path_on_cpu = False

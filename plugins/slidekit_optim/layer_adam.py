@@ -246,7 +246,7 @@ class LayerAdam:
     name = "layer_adam"
     #: ``step`` also takes tensors on a GPU (units the engine keeps resident there): a fused Triton pass there.
     device_update = True
-    #: Per-element (or block-wise, blocks dividing GRANULE) state: updated and streamed piece by piece.
+    #: Per-element moments: the state of parameters [a, a + m) is elements [a, a + m) of each moment.
     linear_state = True
 
     def __init__(

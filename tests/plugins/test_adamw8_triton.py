@@ -266,7 +266,7 @@ def test_a_new_map_reaches_the_gpu():
 
 @needs_gpu
 def test_engine_keeps_every_unit_on_the_gpu_with_adamw_8bit(tiny_model):
-    """Refused before adamw_8bit declared device_capable ("updates on the CPU only"); now every unit is kept
+    """Refused before adamw_8bit declared device_update ("updates on the CPU only"); now every unit is kept
     on the GPU, updated there, and the run follows the one that slides every unit through the CPU."""
     model = ModelConfig(source=str(tiny_model("llama")))
     batches = random_batches(128, steps=6, batch=4, seq_len=32)

@@ -1,0 +1,247 @@
+"""Conformance checks any per-unit optimizer must pass (bundled or third-party).
+
+All at once::
+
+    from slidekit.testing.optimizers import check_optimizer
+    check_optimizer(lambda: MyAdam(OptimizerHyper(weight_decay=0.1)))
+
+or one test per check, so pytest reports each on its own::
+
+    from slidekit.testing.optimizers import CHECKS
+
+    @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+    def test_conformance(check):
+        check(lambda: MyAdam(OptimizerHyper(weight_decay=0.1)))
+
+Each check builds a fresh optimizer from the factory. A check that does not
+apply (a capability declared False) or needs what this machine lacks (a CUDA
+device) raises ``unittest.SkipTest``: pytest reports a skip, and
+``check_optimizer`` passes over it.
+
+What an optimizer is held to, beyond the ``UnitOptimizer`` docstring:
+
+* ``check_declarations``: ``device_update`` and ``linear_state`` are declared,
+  as bools, and a declared ``linear_state = True`` agrees with
+  ``state_layout`` (``slidekit.capabilities.check_optimizer``, the check every
+  run makes when it builds the optimizer);
+* ``check_step``: ``step`` updates the master and the state in place (the
+  engine keeps the tensors it passed), leaves them finite, and writes the
+  updated master, cast, to ``lowp_out``;
+* ``check_linear_state`` (``linear_state = True``): updating a unit in pieces
+  that start at multiples of ``GRANULE``, each piece on its slice of the
+  state (at ``state_layout(a)``'s offsets, ``state_layout(m)``'s size), gives
+  bit for bit what one whole update gives, step after step: this is how the
+  engine updates a unit whose state it streams or whose gradients come down
+  in pieces;
+* ``check_device_update`` (``device_update = True``, on a CUDA machine):
+  ``step`` runs on CUDA tensors and gives bit for bit what it gives on the
+  CPU, so results never depend on where the engine kept a unit.
+"""
+
+from __future__ import annotations
+
+import unittest
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+from slidekit.capabilities import GRANULE
+from slidekit.capabilities import check_optimizer as check_capabilities
+from slidekit.engine.state import slice_groups
+from slidekit.interfaces import ParamGroupRange, UnitOptimizer
+
+__all__ = [
+    "CHECKS",
+    "GROUPS",
+    "NUMEL",
+    "OptimizerFactory",
+    "check_declarations",
+    "check_device_update",
+    "check_linear_state",
+    "check_optimizer",
+    "check_step",
+]
+
+OptimizerFactory = Callable[[], UnitOptimizer]
+
+#: The unit the checks update: three granules and an odd tail.
+NUMEL = 3 * GRANULE + 777
+#: Its parameter groups: decaying and not, with edges inside the pieces ``check_linear_state`` cuts
+#: and one range (the last 100 elements) in no group at all.
+GROUPS = (
+    ParamGroupRange(start=0, stop=1000, weight_decay=0.1),
+    ParamGroupRange(start=1000, stop=GRANULE + 5, weight_decay=0.0),
+    ParamGroupRange(start=GRANULE + 5, stop=NUMEL - 100, weight_decay=0.05),
+)
+#: Pieces ``check_linear_state`` cuts the unit into: each starts at a multiple of ``GRANULE``.
+PIECES = ((0, GRANULE), (GRANULE, 3 * GRANULE), (3 * GRANULE, NUMEL))
+STEPS = 3
+LR = 1e-3
+
+State = dict[str, torch.Tensor]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _name(opt: UnitOptimizer) -> str:
+    return str(getattr(opt, "name", type(opt).__name__))
+
+
+def _unit(seed: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """An FP32 master and ``STEPS`` BF16 gradients of ``NUMEL`` elements, seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(NUMEL, generator=gen)
+    grads = [(torch.randn(NUMEL, generator=gen) * 1e-2).bfloat16() for _ in range(STEPS)]
+    return master.to(device), [g.to(device) for g in grads]
+
+
+def _zero_state(opt: UnitOptimizer, numel: int, device: torch.device | str = "cpu") -> State:
+    return {k: torch.zeros(n, dtype=dt, device=device) for k, (dt, n) in opt.state_layout(numel).items()}
+
+
+def _assert_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Bitwise equality, naming the first element that differs and by how much."""
+    a, b = got.detach().cpu().reshape(-1), want.detach().cpu().reshape(-1)
+    if a.dtype != b.dtype or a.shape != b.shape:
+        raise AssertionError(f"{what}: {a.dtype} {tuple(a.shape)}, expected {b.dtype} {tuple(b.shape)}")
+    differ = a.view(torch.uint8).reshape(a.numel(), -1) != b.view(torch.uint8).reshape(b.numel(), -1)
+    bad = differ.any(dim=1).nonzero().flatten()
+    if bad.numel():
+        i = int(bad[0])
+        raise AssertionError(
+            f"{what}: {bad.numel()} of {a.numel()} elements differ, first at {i} "
+            f"(got {a[i].item()!r}, expected {b[i].item()!r})"
+        )
+
+
+def _run(
+    opt: UnitOptimizer,
+    master: torch.Tensor,
+    grads: Sequence[torch.Tensor],
+    state: Mapping[str, torch.Tensor],
+    lowp: torch.Tensor,
+    pieces: Sequence[tuple[int, int]] = ((0, NUMEL),),
+) -> None:
+    """``STEPS`` updates of the unit, each as one ``step`` per piece on the piece's slice of everything."""
+    offsets = [{k: n for k, (_, n) in opt.state_layout(a).items()} for a, _ in pieces]
+    sizes = [{k: n for k, (_, n) in opt.state_layout(b - a).items()} for a, b in pieces]
+    for count, grad in enumerate(grads, 1):
+        lr = LR * (1 - count / (2 * len(grads)))  # a schedule: each step its own learning rate
+        for (a, b), off, size in zip(pieces, offsets, sizes, strict=True):
+            opt.step(
+                master[a:b],
+                grad[a:b],
+                {k: t[off[k] : off[k] + size[k]] for k, t in state.items()},
+                lr=lr,
+                count=count,
+                groups=slice_groups(GROUPS, a, b),
+                lowp_out=lowp[a:b],
+            )
+
+
+# --------------------------------------------------------------------------- the checks
+
+
+def check_declarations(make: OptimizerFactory) -> None:
+    """``device_update`` and ``linear_state`` are bools, and ``linear_state`` agrees with ``state_layout``."""
+    opt = make()
+    try:
+        check_capabilities(opt, who=f"optimizer {_name(opt)!r}")
+    except Exception as exc:
+        raise AssertionError(str(exc)) from exc
+
+
+def check_step(make: OptimizerFactory) -> None:
+    """``step`` updates master and state in place, keeps them finite, and writes the cast master to lowp_out."""
+    opt = make()
+    name = _name(opt)
+    master, grads = _unit(0)
+    before = master.clone()
+    state = _zero_state(opt, NUMEL)
+    held = {k: (t, t.data_ptr()) for k, t in state.items()}
+    lowp = torch.empty(NUMEL, dtype=torch.bfloat16)
+    _run(opt, master, grads, state, lowp)
+    if torch.equal(master, before):
+        raise AssertionError(f"{name}: {STEPS} steps left the master unchanged")
+    if not bool(master.isfinite().all()):
+        raise AssertionError(f"{name}: the master is not finite after {STEPS} steps")
+    _assert_bits(lowp, master.to(lowp.dtype), f"{name}: lowp_out against the updated master cast to BF16")
+    for k, (t, ptr) in held.items():
+        if state[k] is not t or t.data_ptr() != ptr:
+            raise AssertionError(f"{name}: state {k!r} was replaced; step must update it in place")
+        if t.is_floating_point() and not bool(t.isfinite().all()):
+            raise AssertionError(f"{name}: state {k!r} is not finite after {STEPS} steps")
+    if state and all(not bool(t.any()) for t in state.values()):
+        raise AssertionError(f"{name}: the state is still all zero after {STEPS} steps")
+
+
+def check_linear_state(make: OptimizerFactory) -> None:
+    """With ``linear_state = True``: the unit updated in pieces gives the bits of the unit updated whole."""
+    opt = make()
+    name = _name(opt)
+    if opt.linear_state is not True:
+        raise unittest.SkipTest(f"{name} declares linear_state = False: the engine updates its units whole")
+    init, grads = _unit(1)
+    runs = []
+    for pieces in (((0, NUMEL),), PIECES):
+        master, state = init.clone(), _zero_state(opt, NUMEL)
+        lowp = torch.empty(NUMEL, dtype=torch.bfloat16)
+        _run(make(), master, grads, state, lowp, pieces)
+        runs.append((master, state, lowp))
+    (m_whole, s_whole, l_whole), (m_pieces, s_pieces, l_pieces) = runs
+    cut = ", ".join(f"[{a}, {b})" for a, b in PIECES)
+    what = f"{name} (linear_state = True), updated in pieces {cut} against whole"
+    _assert_bits(m_pieces, m_whole, f"{what}: master")
+    _assert_bits(l_pieces, l_whole, f"{what}: lowp_out")
+    for k in s_whole:
+        _assert_bits(s_pieces[k], s_whole[k], f"{what}: state {k!r}")
+
+
+def check_device_update(make: OptimizerFactory) -> None:
+    """With ``device_update = True``: ``step`` on CUDA tensors gives the bits of ``step`` on the CPU."""
+    opt = make()
+    name = _name(opt)
+    if opt.device_update is not True:
+        raise unittest.SkipTest(f"{name} declares device_update = False: its units stay on the host")
+    if not torch.cuda.is_available():
+        raise unittest.SkipTest("needs a CUDA device")
+    device = torch.device("cuda", torch.cuda.current_device())
+    results = []
+    for where in ("cpu", device):
+        master, grads = _unit(2, where)
+        state = _zero_state(opt, NUMEL, where)
+        lowp = torch.empty(NUMEL, dtype=torch.bfloat16, device=where)
+        _run(make(), master, grads, state, lowp)
+        if where != "cpu":
+            torch.cuda.synchronize(device)
+            for label, t in {"master": master, "lowp_out": lowp, **state}.items():
+                if t.device != device:
+                    raise AssertionError(f"{name}: {label} left {device} for {t.device} during step")
+        results.append((master, state, lowp))
+    (m_cpu, s_cpu, l_cpu), (m_dev, s_dev, l_dev) = results
+    what = f"{name} (device_update = True), {STEPS} steps on {device} against the CPU"
+    _assert_bits(m_dev, m_cpu, f"{what}: master")
+    _assert_bits(l_dev, l_cpu, f"{what}: lowp_out")
+    for k in s_cpu:
+        _assert_bits(s_dev[k], s_cpu[k], f"{what}: state {k!r}")
+
+
+CHECKS: tuple[Callable[[OptimizerFactory], None], ...] = (
+    check_declarations,
+    check_step,
+    check_linear_state,
+    check_device_update,
+)
+
+
+def check_optimizer(make: OptimizerFactory) -> None:
+    """Run every check against fresh optimizers from ``make``; raise AssertionError on the first failure.
+
+    Checks that do not apply or that this machine cannot run (``unittest.SkipTest``) are passed over.
+    """
+    for check in CHECKS:
+        try:
+            check(make)
+        except unittest.SkipTest:
+            continue
