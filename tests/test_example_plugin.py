@@ -96,3 +96,71 @@ def test_training_with_it_matches_the_ram_tier_bitwise(installed_example, tiny_m
     crc_losses, crc_state = run("crc32_ram")
     assert crc_losses == ram_losses
     assert_states_equal(crc_state, ram_state)
+
+
+# --------------------------------------------------------------------------- its optimizer
+
+
+def _sgd(installed_example, **hyper):
+    from slidekit.interfaces import OptimizerHyper
+
+    desc = Plugins().get("optimizer", "momentum_sgd").descriptor
+    return lambda: desc.factory(OptimizerHyper(**hyper))
+
+
+def test_the_optimizer_passes_the_optimizer_checks(installed_example):
+    from slidekit.testing.optimizers import check_optimizer
+
+    make = _sgd(installed_example, betas=(0.8, 0.999))
+    assert (make().device_update, make().linear_state) == (True, True)
+    check_optimizer(make)
+
+
+def test_the_optimizer_follows_torch_sgd(installed_example):
+    import torch
+
+    from slidekit.interfaces import ParamGroupRange
+
+    n, decayed = 5000, 3000  # elements [0, 3000) decay, the rest do not
+    gen = torch.Generator().manual_seed(0)
+    init = torch.randn(n, generator=gen)
+    grads = [torch.randn(n, generator=gen) for _ in range(6)]
+    opt = _sgd(installed_example, betas=(0.9, 0.999))()
+    master, state = init.clone(), {"momentum_buffer": torch.zeros(n)}
+    groups = [ParamGroupRange(start=0, stop=decayed, weight_decay=0.1)]
+    a, b = init[:decayed].clone().requires_grad_(), init[decayed:].clone().requires_grad_()
+    ref = torch.optim.SGD(
+        [{"params": [a], "weight_decay": 0.1}, {"params": [b], "weight_decay": 0.0}],
+        lr=0.05,
+        momentum=0.9,
+        foreach=False,
+    )
+    for count, g in enumerate(grads, 1):
+        opt.step(master, g, state, lr=0.05, count=count, groups=groups)
+        a.grad, b.grad = g[:decayed].clone(), g[decayed:].clone()
+        ref.step()
+    torch.testing.assert_close(master, torch.cat([a.detach(), b.detach()]), rtol=1e-6, atol=1e-7)
+
+
+def test_training_with_the_optimizer_streamed_in_pieces_matches_it_mapped(installed_example, tiny_model):
+    """linear_state = True at work: state in crc32_ram (not mapped) is streamed in pieces of one granule;
+    in ram (mapped) each unit is updated whole. Same bits."""
+    from slidekit.capabilities import GRANULE
+
+    model_dir = tiny_model("llama")
+    batches = random_batches(128, steps=3)
+
+    def run(tier: str, chunk: int):
+        cfg = TrainConfig(
+            model=ModelConfig(source=str(model_dir)),
+            optim=OptimConfig(name="momentum_sgd", lr=1e-2, weight_decay=0.1),
+            engine=EngineConfig(device="cpu", state_tier=tier, state_chunk=chunk),
+        )
+        with Trainer(cfg) as t:
+            result = t.fit(batches)
+            return result.losses, t.state_dict()
+
+    whole_losses, whole_state = run("ram", 1 << 22)
+    pieces_losses, pieces_state = run("crc32_ram", GRANULE)
+    assert pieces_losses == whole_losses
+    assert_states_equal(pieces_state, whole_state)

@@ -1,8 +1,10 @@
-"""An example slidekit plugin: the ``crc32_ram`` storage tier.
+"""An example slidekit plugin: the ``crc32_ram`` storage tier and the ``momentum_sgd`` optimizer.
 
 A plugin is a module with ``@hookimpl`` functions named after slidekit's hook
 specs, registered through an entry point in group ``slidekit``. This one
-implements ``slidekit_storage_tiers`` and yields one ``TierDescriptor``.
+implements ``slidekit_storage_tiers`` and yields one ``TierDescriptor``, and
+``slidekit_optimizers``, yielding one ``OptimizerDescriptor`` (the optimizer
+is in ``sgd.py``).
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from slidekit.hookspecs import hookimpl
-from slidekit.interfaces import TierContext, TierDescriptor, TierStats
+from slidekit.interfaces import OptimizerDescriptor, TierContext, TierDescriptor, TierStats
+from slidekit_example_tier.sgd import MomentumSGD
 
-__all__ = ["CorruptRegionError", "Crc32RamTier"]
+__all__ = ["CorruptRegionError", "Crc32RamTier", "MomentumSGD"]
 
 
 class CorruptRegionError(RuntimeError):
@@ -56,7 +59,9 @@ class Crc32RamTier:
             raise ValueError("storage tiers move contiguous tensors only; call .contiguous() first")
         data = t.detach().reshape(-1).view(torch.uint8)
         if offset < 0 or offset + data.numel() > region.numel():
-            raise ValueError(f"region {key!r} holds {region.numel()} bytes; cannot move {data.numel()} at {offset}")
+            raise ValueError(
+                f"region {key!r} holds {region.numel()} bytes; cannot move {data.numel()} at {offset}"
+            )
         return region, data
 
     def write(self, key: str, src: torch.Tensor, offset: int = 0) -> Future[None]:
@@ -103,4 +108,14 @@ def slidekit_storage_tiers() -> Iterator[TierDescriptor]:
         factory=Crc32RamTier,
         priority=10,
         description="host memory with a CRC-32 check on every read (example plugin)",
+    )
+
+
+@hookimpl
+def slidekit_optimizers() -> Iterator[OptimizerDescriptor]:
+    yield OptimizerDescriptor(
+        name="momentum_sgd",
+        factory=MomentumSGD,
+        priority=1,  # below the bundled optimizers: "auto" never picks it
+        description="SGD with momentum, per unit, on any device (example plugin)",
     )
