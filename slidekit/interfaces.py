@@ -183,6 +183,12 @@ class TierContext:
     directory: str | None = None  # where file-backed tiers keep their files
     io_threads: int = 2  # worker threads for tiers that do blocking I/O
     options: Mapping[str, Any] = field(default_factory=dict)  # tier-specific settings
+    # The longest close() waits for I/O in flight; then it warns, naming the tier, and leaves it behind.
+    close_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.close_timeout_s > 0:
+            raise ValueError(f"TierContext.close_timeout_s must be > 0 seconds, got {self.close_timeout_s!r}")
 
 
 @runtime_checkable

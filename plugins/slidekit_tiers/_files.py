@@ -30,7 +30,7 @@ import shutil
 import threading
 import weakref
 from collections.abc import Callable
-from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +39,7 @@ import torch
 from slidekit.errors import ConfigError
 from slidekit.interfaces import TierStats
 from slidekit.owned import OwnedDir
+from slidekit.tierkit import Counters, IoPool, byte_view, caller_ready
 
 __all__ = [
     "ALIGN",
@@ -46,7 +47,6 @@ __all__ = [
     "Join",
     "Region",
     "RegionFiles",
-    "as_bytes",
     "disk_free",
     "round_up",
 ]
@@ -71,17 +71,6 @@ def disk_free(path: str) -> int | None:
         return shutil.disk_usage(path).free
     except OSError:
         return None
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous host or CUDA tensor; misuse raises naming the fix."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"storage tiers move torch tensors, got {type(t).__name__}")
-    if not t.is_contiguous():
-        raise ValueError("storage tiers move contiguous tensors only; call .contiguous() first")
-    if t.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"file-backed tiers move cpu or cuda tensors, got a tensor on {t.device}")
-    return t.detach().reshape(-1).view(torch.uint8)
 
 
 def _make_root(directory: str | None, tier: str) -> OwnedDir:
@@ -301,18 +290,17 @@ class FileTier:
 
     A subclass calls ``_start_files`` from its constructor and supplies ``_open``
     (how a region file is opened), ``_jobs`` (the blocking pieces of one
-    transfer, run on the tier's thread pool) and ``detail``.
+    transfer, run on the tier's thread pool) and ``detail``. Byte views,
+    counters, the caller's-stream event and the pool are ``slidekit.tierkit``'s.
     """
 
     name: str
 
-    def _start_files(self, files: RegionFiles, threads: int) -> None:
+    def _start_files(self, files: RegionFiles, threads: int, close_timeout_s: float) -> None:
         self._files = files
-        self._threads = max(1, threads)
-        self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix=f"slidekit-{self.name}")
-        self._lock = threading.Lock()
-        self._written = 0
-        self._read = 0
+        self._pool = IoPool(threads, tier=self.name, timeout_s=close_timeout_s)
+        self._threads = self._pool.threads
+        self._counters = Counters()
         self._closed = False
 
     def _open(self, path: str) -> Any:
@@ -355,31 +343,23 @@ class FileTier:
 
     def _transfer(self, key: str, t: torch.Tensor, offset: int, *, write: bool) -> Future[None]:
         self._check_open()
-        data = as_bytes(t)  # (n,) uint8, host or CUDA
+        data = byte_view(t)  # (n,) uint8, host or CUDA
         n = data.numel()
         region = self._files.acquire(key, offset, n)
-        ready = None
-        if data.device.type == "cuda":
-            # Everything queued on the caller's stream so far (producing src, or still using dst)
-            # happens before the tier touches the tensor.
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(data.device))
+        # Everything queued on the caller's stream so far (producing src, or still using dst)
+        # happens before the tier touches the tensor (None for a host tensor).
+        ready = caller_ready(data)
 
         def finish(ok: bool) -> None:
             self._files.release(region)
             if ok:
-                self._count(written=n if write else 0, read=0 if write else n)
+                self._counters.add(written=n if write else 0, read=0 if write else n)
 
         jobs = self._jobs(key, region, data, offset, write, ready)
         join = Join(len(jobs), finish)
         for job in jobs:
             self._pool.submit(job).add_done_callback(join.part_done)
         return join.future
-
-    def _count(self, *, written: int = 0, read: int = 0) -> None:
-        with self._lock:
-            self._written += written
-            self._read += read
 
     def _check_open(self) -> None:
         if self._closed:
@@ -388,12 +368,8 @@ class FileTier:
     # ---------------------------------------------------------------- reporting and closing
 
     def stats(self) -> TierStats:
-        with self._lock:
-            written, read = self._written, self._read
-        return TierStats(
-            bytes_written=written,
-            bytes_read=read,
-            bytes_allocated=self._files.disk_bytes(),
+        return self._counters.stats(
+            allocated=self._files.disk_bytes(),
             capacity=None if self._closed else disk_free(self.root),
             detail=self.detail,
         )
@@ -402,7 +378,8 @@ class FileTier:
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        if not self._pool.close():  # I/O is stuck (warned): its files and buffers stay until exit
+            return
         self._files.close()
         self._close_more()
 

@@ -171,7 +171,8 @@ class GdsTier(FileTier):
             raise ConfigError(f"gds tier: unknown options {sorted(ctx.options)}; it takes none")
         self._kvikio = kvikio if kvikio is not None else _kvikio()
         self.mode = how
-        self._start_files(RegionFiles(ctx.directory, tier="gds", close_file=_close_cufile), ctx.io_threads)
+        files = RegionFiles(ctx.directory, tier="gds", close_file=_close_cufile)
+        self._start_files(files, ctx.io_threads, ctx.close_timeout_s)
 
     def _open(self, path: str) -> Any:
         return self._kvikio.CuFile(path, "r+")

@@ -58,6 +58,7 @@ from slidekit.errors import ConfigError
 from slidekit.hookspecs import hookimpl
 from slidekit.hostmem import HostBuffers
 from slidekit.interfaces import Availability, TierContext, TierDescriptor
+from slidekit.tierkit import StreamCopier
 from slidekit_tiers._files import ALIGN, FileTier, Region, RegionFiles, round_up
 
 __all__ = ["PosixTier", "chunk_spans", "direct_io_support", "probe_direct_io"]
@@ -183,8 +184,9 @@ class PosixTier(FileTier):
             raise
         self._align = ALIGN if self.direct else 1
         self._host = HostBuffers(pin=torch.cuda.is_available())
-        self._local = threading.local()  # per worker: its bounce buffer and CUDA stream
-        self._start_files(files, ctx.io_threads)
+        self._local = threading.local()  # per worker: its bounce buffer
+        self._copier = StreamCopier()  # per worker: its CUDA side stream
+        self._start_files(files, ctx.io_threads, ctx.close_timeout_s)
 
     def _choose_direct(self, directory: str | None, want: bool | None) -> tuple[bool, str]:
         if want is False:
@@ -230,12 +232,12 @@ class PosixTier(FileTier):
         inner = buf[lo - start : hi - start]
         if not write:
             _pread_all(fd, _mv(buf), start)
-            self._copy(piece, inner, ready)
+            self._copier.copy(piece, inner, ready)  # synchronised: the bounce buffer is reused next
             return
         with contextlib.nullcontext() if whole else region.lock:
             if not whole:
                 self._read_edges(fd, buf, start, stop, lo, hi)
-            self._copy(inner, piece, ready)
+            self._copier.copy(inner, piece, ready)
             _pwrite_all(fd, _mv(buf), start)
 
     def _read_edges(self, fd: int, buf: torch.Tensor, start: int, stop: int, lo: int, hi: int) -> None:
@@ -245,17 +247,6 @@ class PosixTier(FileTier):
             _pread_all(fd, _mv(buf[:a]), start)
         if hi < stop and not (lo > start and stop - a == start):
             _pread_all(fd, _mv(buf[stop - a - start : stop - start]), stop - a)
-
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, ready: Any) -> None:
-        if ready is None:
-            dst.copy_(src)
-            return
-        device = src.device if src.device.type == "cuda" else dst.device
-        stream = self._stream(device)
-        with torch.cuda.stream(stream):
-            stream.wait_event(ready)
-            dst.copy_(src, non_blocking=True)
-        stream.synchronize()  # the bounce buffer is reused, and the future promises the bytes arrived
 
     def _bounce(self) -> torch.Tensor:
         buf = getattr(self._local, "bounce", None)
@@ -269,12 +260,6 @@ class PosixTier(FileTier):
             assert buf.data_ptr() % ALIGN == 0
             self._local.bounce = buf
         return buf
-
-    def _stream(self, device: torch.device) -> Any:
-        stream = getattr(self._local, "stream", None)
-        if stream is None:
-            stream = self._local.stream = torch.cuda.Stream(device)
-        return stream
 
     # ---------------------------------------------------------------- reporting
 

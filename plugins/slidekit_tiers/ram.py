@@ -7,23 +7,25 @@ Regions can be mapped, so the engine updates optimizer state in place.
 
 Copies run on the tier's own worker threads; copies to or from the GPU run on
 a side stream that first waits for the caller's current stream, so a source
-produced by queued kernels is complete and a destination is no longer in use.
+produced by queued kernels is complete and a destination is no longer in use
+(``slidekit.tierkit``: byte views, counters, ordered copies and the worker
+pool, whose ``close`` gives up on a stuck copy after
+``TierContext.close_timeout_s`` with a warning).
 
 Test: ``pytest tests/plugins/test_ram_tier.py``.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import Future
 
 import torch
 
 from slidekit.hookspecs import hookimpl
 from slidekit.hostmem import HostBuffers
 from slidekit.interfaces import Availability, TierContext, TierDescriptor, TierStats
+from slidekit.tierkit import Counters, IoPool, StreamCopier, byte_view, caller_ready
 
 __all__ = ["RamTier"]
 
@@ -38,12 +40,6 @@ def _available() -> Availability:
     return True, "pageable host memory (no accelerator to pin for)"
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    if not t.is_contiguous():
-        raise ValueError("storage tiers move contiguous tensors only; call .contiguous() first")
-    return t.reshape(-1).view(torch.uint8)
-
-
 class RamTier:
     """Named byte regions in host memory."""
 
@@ -53,11 +49,9 @@ class RamTier:
         self.pin = _pin_default() if pin is None else pin
         self._memory = HostBuffers(pin=self.pin)  # exact-size page-locked buffers
         self._regions: dict[str, torch.Tensor] = {}
-        self._pool = ThreadPoolExecutor(max(1, ctx.io_threads), thread_name_prefix="slidekit-ram")
-        self._lock = threading.Lock()
-        self._written = 0
-        self._read = 0
-        self._local = threading.local()
+        self._pool = IoPool(ctx.io_threads, tier=self.name, timeout_s=ctx.close_timeout_s)
+        self._copier = StreamCopier()
+        self._counters = Counters()
 
     # ---------------------------------------------------------------- regions
 
@@ -84,7 +78,7 @@ class RamTier:
 
     def _span(self, key: str, t: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
         region = self._region(key)
-        data = _as_bytes(t)
+        data = byte_view(t)
         if offset < 0 or offset + data.numel() > region.numel():
             raise ValueError(
                 f"region {key!r} holds {region.numel()} bytes; cannot move {data.numel()} bytes at offset {offset}"
@@ -95,61 +89,35 @@ class RamTier:
 
     def write(self, key: str, src: torch.Tensor, offset: int = 0) -> Future[None]:
         dst, data = self._span(key, src, offset)
-        return self._copy(dst, data, lambda n: self._count(written=n))
+        return self._copy(dst, data, lambda n: self._counters.add(written=n))
 
     def read(self, key: str, dst: torch.Tensor, offset: int = 0) -> Future[None]:
         src, data = self._span(key, dst, offset)
-        return self._copy(data, src, lambda n: self._count(read=n))
+        return self._copy(data, src, lambda n: self._counters.add(read=n))
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, done: Callable[[int], None]) -> Future[None]:
-        device = dst.device if dst.is_cuda else src.device
-        if device.type != "cuda":
+        ready = caller_ready(dst, src)  # now: after everything already queued on the caller's stream
 
-            def run_host() -> None:
-                dst.copy_(src)
-                done(src.numel())
-
-            return self._pool.submit(run_host)
-        # Order the copy after everything already queued on the caller's stream.
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(device))
-
-        def run_device() -> None:
-            stream = self._stream(device)
-            with torch.cuda.stream(stream):
-                stream.wait_event(ready)
-                dst.copy_(src, non_blocking=self.pin)
-            stream.synchronize()
+        def run() -> None:
+            self._copier.copy(dst, src, ready, non_blocking=self.pin)
             done(src.numel())
 
-        return self._pool.submit(run_device)
-
-    def _stream(self, device: torch.device) -> Any:
-        stream = getattr(self._local, "stream", None)
-        if stream is None:
-            stream = self._local.stream = torch.cuda.Stream(device)
-        return stream
-
-    def _count(self, *, written: int = 0, read: int = 0) -> None:
-        with self._lock:
-            self._written += written
-            self._read += read
+        return self._pool.submit(run)
 
     # ---------------------------------------------------------------- reporting
 
     def stats(self) -> TierStats:
-        return TierStats(
-            bytes_written=self._written,
-            bytes_read=self._read,
-            bytes_allocated=sum(r.numel() for r in self._regions.values()),
+        return self._counters.stats(
+            allocated=sum(r.numel() for r in self._regions.values()),
             capacity=None,
             detail="pinned host memory" if self.pin else "pageable host memory",
         )
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        finished = self._pool.close()
         self._regions.clear()
-        self._memory.close()
+        if finished:  # else a stuck copy may still use the buffers: they stay until exit
+            self._memory.close()
 
 
 @hookimpl
