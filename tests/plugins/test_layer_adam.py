@@ -339,6 +339,26 @@ def test_no_compiler_means_pure_torch(tmp_path, monkeypatch, caplog):
         LayerAdam(HYPER, impl="cpp", kernel_source=source)
 
 
+def test_both_kernels_share_adam_common_h_and_a_change_to_it_rebuilds_both(tmp_path):
+    """The per-element update, BF16 rounding and checks live once, in csrc/adam_common.h; the build's
+    cache key covers the headers beside a source, so editing the shared one builds both kernels anew."""
+    from slidekit_optim import kernel_build
+
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    for f in KERNEL_SOURCE.parent.iterdir():
+        if f.suffix in (".cpp", ".h"):
+            (csrc / f.name).write_bytes(f.read_bytes())
+    sources = [csrc / "fused_adam.cpp", csrc / "adamw8.cpp"]
+    for source in sources:
+        assert '#include "adam_common.h"' in source.read_text()
+    before = {s.name: kernel_build._build_spec(s).name for s in sources}  # white box: the cache key
+    header = csrc / "adam_common.h"
+    header.write_text(header.read_text() + "// an edit\n")
+    after = {s.name: kernel_build._build_spec(s).name for s in sources}
+    assert all(before[name] != after[name] for name in before), (before, after)
+
+
 # --------------------------------------------------------------------------- argument checks
 
 

@@ -35,6 +35,9 @@
 // NaN: a NaN anywhere in a block makes its scale NaN, as in the torch path; which NaN (its sign
 // and payload) may differ from the torch path, so only non-NaN results are bitwise identical.
 //
+// The per-element update (and the BF16 rounding, the scalars and the argument checks) is in
+// adam_common.h, shared with fused_adam.cpp; this file decodes, encodes and walks the blocks.
+//
 // Built on first use by slidekit_optim/adamw_8bit.py (through layer_adam's load_kernel, i.e.
 // torch.utils.cpp_extension.load); tested by tests/plugins/test_adamw8_kernel.py (bitwise
 // against the pure-torch path).
@@ -43,12 +46,11 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>  // lighter than torch/extension.h: halves the build time
 
+#include "adam_common.h"     // the per-element update, BF16 rounding and checks, shared by both kernels
 #include "parallel_tasks.h"  // the split into tasks on torch's thread pool, shared by both kernels
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -58,15 +60,10 @@ constexpr int64_t kBlock = 256;         // quant8.BLOCK_SIZE
 constexpr int kKeyShift = 15;           // quant8: the key is the top 32 - 15 = 17 bits of y
 constexpr int64_t kKeys = int64_t{1} << (32 - kKeyShift);
 
-// The per-call constants, already rounded to float.
-struct StepScalars {
-  float w1;          // 1 - beta1
-  float beta2;
-  float sq_weight;   // 1 - beta2
-  float inv_b2;      // 1 / sqrt(1 - beta2^t)
-  float eps;
-  float neg_step;    // -lr / (1 - beta1^t)
-};
+constexpr const char* kKernel = "adamw8_step";
+
+using slidekit::bits_of;
+using slidekit::float_of;
 
 // A QuantMap's tensors (quant8.QuantMap): values (256), table (2^17 codes), threshold (2^17).
 struct Map {
@@ -82,72 +79,11 @@ struct Moment {
   Map map;
 };
 
-inline float load_grad(const float* g, int64_t i) { return g[i]; }
-
-inline float load_grad(const uint16_t* g, int64_t i) {
-  const uint32_t bits = static_cast<uint32_t>(g[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline uint32_t bits_of(float x) {
-  uint32_t b;
-  std::memcpy(&b, &x, sizeof b);
-  return b;
-}
-
-inline float float_of(uint32_t b) {
-  float x;
-  std::memcpy(&x, &b, sizeof x);
-  return x;
-}
-
-// Round to nearest even, as c10::BFloat16(float) does; NaN becomes the canonical quiet NaN.
-inline uint16_t to_bf16(float x) {
-  const uint32_t bits = bits_of(x);
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return x != x ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
-}
-
 // x[i] = values[codes[i]] * scale.
 void decode(int64_t len, const uint8_t* __restrict codes, const float* __restrict values, float scale,
             float* __restrict x) {
   for (int64_t i = 0; i < len; ++i) {
     x[i] = values[codes[i]] * scale;
-  }
-}
-
-// The update of `len` consecutive elements of one block, in place on the decoded moments m and v.
-// A plain loop over restrict pointers, calling nothing but std::sqrt, so that GCC vectorizes it
-// (-O3 -fno-math-errno); the remainder runs the very same operations.
-template <typename G, bool kDecay, bool kLowp>
-void update_span(
-    int64_t len,
-    float* __restrict p,
-    const G* __restrict g,
-    float* __restrict m,
-    float* __restrict v,
-    uint16_t* __restrict out,
-    float decay,
-    const StepScalars s) {
-  for (int64_t i = 0; i < len; ++i) {
-    const float gi = load_grad(g, i);
-    float pi = p[i];
-    if constexpr (kDecay) {
-      pi = pi * decay;
-    }
-    const float mi = m[i] + s.w1 * (gi - m[i]);
-    float vi = v[i] * s.beta2;
-    vi = vi + (s.sq_weight * gi) * gi;
-    const float denom = std::sqrt(vi) * s.inv_b2 + s.eps;
-    pi = pi + (s.neg_step * mi) / denom;
-    p[i] = pi;
-    m[i] = mi;
-    v[i] = vi;
-    if constexpr (kLowp) {
-      out[i] = to_bf16(pi);
-    }
   }
 }
 
@@ -183,30 +119,14 @@ struct Args {
   const int64_t* seg_stop;  // the decay segments tile [0, n): segment k ends at seg_stop[k]
   const float* seg_decay;   // its factor; 1 means no decay (multiplying by 1 changes no bits)
   int64_t segments;
-  StepScalars s;
+  slidekit::AdamScalars s;
 };
 
-using SpanFn = void (*)(int64_t, float*, const void*, float*, float*, uint16_t*, float, StepScalars);
-
-template <typename G, bool kDecay, bool kLowp>
-void update_span_erased(
-    int64_t len, float* p, const void* g, float* m, float* v, uint16_t* out, float decay, StepScalars s) {
-  update_span<G, kDecay, kLowp>(len, p, static_cast<const G*>(g), m, v, out, decay, s);
-}
-
-template <typename G>
-SpanFn pick(bool decay, bool lowp) {
-  if (decay) {
-    return lowp ? &update_span_erased<G, true, true> : &update_span_erased<G, true, false>;
-  }
-  return lowp ? &update_span_erased<G, false, true> : &update_span_erased<G, false, false>;
-}
-
-// Blocks [b_lo, b_hi): decode, update (per decay segment), encode.
+// Blocks [b_lo, b_hi): decode, update (per decay segment, adam_common.h's adam_update), encode.
 void run_blocks(int64_t b_lo, int64_t b_hi, const Args& a, int64_t g_size, bool bf16_grad) {
   const bool lowp = a.out != nullptr;
-  const SpanFn plain = bf16_grad ? pick<uint16_t>(false, lowp) : pick<float>(false, lowp);
-  const SpanFn decayed = bf16_grad ? pick<uint16_t>(true, lowp) : pick<float>(true, lowp);
+  const slidekit::UpdateFn plain = slidekit::pick_update(bf16_grad, false, lowp);
+  const slidekit::UpdateFn decayed = slidekit::pick_update(bf16_grad, true, lowp);
   const char* g = static_cast<const char*>(a.g);
   // The first segment that ends past this task's first element.
   int64_t seg = std::upper_bound(a.seg_stop, a.seg_stop + a.segments, b_lo * kBlock) - a.seg_stop;
@@ -234,10 +154,7 @@ void run_blocks(int64_t b_lo, int64_t b_hi, const Args& a, int64_t g_size, bool 
 }
 
 void check_vector(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t n) {
-  TORCH_CHECK(t.device().is_cpu(), "adamw8_step: ", name, " must be on the CPU, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, "adamw8_step: ", name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), "adamw8_step: ", name, " must be contiguous");
-  TORCH_CHECK(t.numel() == n, "adamw8_step: ", name, " has ", t.numel(), " elements, expected ", n);
+  slidekit::check_vector(t, kKernel, name, dtype, n);
 }
 
 Map check_map(
@@ -282,10 +199,7 @@ int64_t adamw8_step_(
   const int64_t n = master.numel();
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   check_vector(master, "master", at::kFloat, n);
-  TORCH_CHECK(
-      grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16,
-      "adamw8_step: grad must be float32 or bfloat16, got ", grad.scalar_type());
-  check_vector(grad, "grad", grad.scalar_type(), n);
+  slidekit::check_grad(grad, kKernel, n);
   check_vector(m_codes, "exp_avg_codes", at::kByte, n);
   check_vector(m_absmax, "exp_avg_absmax", at::kFloat, blocks);
   check_vector(v_codes, "exp_avg_sq_codes", at::kByte, n);
@@ -317,13 +231,7 @@ int64_t adamw8_step_(
       seg_stop.data(),
       decay.data(),
       static_cast<int64_t>(seg_stop.size()),
-      StepScalars{
-          static_cast<float>(w1),
-          static_cast<float>(beta2),
-          static_cast<float>(sq_weight),
-          static_cast<float>(inv_b2),
-          static_cast<float>(eps),
-          static_cast<float>(neg_step)}};
+      slidekit::AdamScalars::from(w1, beta2, sq_weight, inv_b2, eps, neg_step)};
   const bool bf16_grad = grad.scalar_type() == at::kBFloat16;
   const int64_t g_size = grad.element_size();
 

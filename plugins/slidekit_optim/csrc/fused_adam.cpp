@@ -24,6 +24,9 @@
 // many-core host, where the pass is memory-bound at about 30 bytes per element: read 2 of BF16
 // gradient and 12 of master and moments, write those 12 back and 2 of BF16 copy.
 //
+// The update itself (and the BF16 rounding, the scalars and the argument checks) is in
+// adam_common.h, shared with adamw8.cpp; this file splits a range into tasks and binds it to Python.
+//
 // Built on first use by slidekit_optim/layer_adam.py (torch.utils.cpp_extension.load);
 // tested by tests/plugins/test_layer_adam.py (bitwise against the pure-torch path).
 
@@ -31,98 +34,15 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/utils/pybind.h>  // lighter than torch/extension.h: halves the build time
 
+#include "adam_common.h"     // the per-element update, BF16 rounding and checks, shared by both kernels
 #include "parallel_tasks.h"  // the split into tasks on torch's thread pool, shared by both kernels
 
-#include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <optional>
-#include <vector>
 
 namespace {
 
-// The per-call constants, already rounded to float.
-struct StepScalars {
-  float decay;       // 1 - lr * weight_decay
-  float w1;          // 1 - beta1
-  float beta2;
-  float sq_weight;   // 1 - beta2
-  float inv_b2;      // 1 / sqrt(1 - beta2^t)
-  float eps;
-  float neg_step;    // -lr / (1 - beta1^t)
-};
-
-inline float load_grad(const float* g, int64_t i) { return g[i]; }
-
-inline float load_grad(const uint16_t* g, int64_t i) {
-  const uint32_t bits = static_cast<uint32_t>(g[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// Round to nearest even, as c10::BFloat16(float) does; NaN becomes the canonical quiet NaN.
-inline uint16_t to_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return x != x ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
-}
-
-// One contiguous range. A plain loop over restrict pointers, calling nothing but std::sqrt, so
-// that GCC vectorizes it (-O3 -fno-math-errno); the remainder runs the very same operations.
-template <typename G, bool kDecay, bool kLowp>
-void update_range(
-    int64_t n,
-    float* __restrict p,
-    const G* __restrict g,
-    float* __restrict m,
-    float* __restrict v,
-    uint16_t* __restrict out,
-    const StepScalars s) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float gi = load_grad(g, i);
-    float pi = p[i];
-    if constexpr (kDecay) {
-      pi = pi * s.decay;
-    }
-    const float mi = m[i] + s.w1 * (gi - m[i]);
-    float vi = v[i] * s.beta2;
-    vi = vi + (s.sq_weight * gi) * gi;
-    const float denom = std::sqrt(vi) * s.inv_b2 + s.eps;
-    pi = pi + (s.neg_step * mi) / denom;
-    p[i] = pi;
-    m[i] = mi;
-    v[i] = vi;
-    if constexpr (kLowp) {
-      out[i] = to_bf16(pi);
-    }
-  }
-}
-
-using RangeFn = void (*)(int64_t, float*, const void*, float*, float*, uint16_t*, StepScalars);
-
-template <typename G, bool kDecay, bool kLowp>
-void update_range_erased(
-    int64_t n, float* p, const void* g, float* m, float* v, uint16_t* out, StepScalars s) {
-  update_range<G, kDecay, kLowp>(n, p, static_cast<const G*>(g), m, v, out, s);
-}
-
-template <typename G>
-RangeFn pick(bool decay, bool lowp) {
-  if (decay) {
-    return lowp ? &update_range_erased<G, true, true> : &update_range_erased<G, true, false>;
-  }
-  return lowp ? &update_range_erased<G, false, true> : &update_range_erased<G, false, false>;
-}
-
-void check_vector(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t n) {
-  TORCH_CHECK(t.device().is_cpu(), "fused_adamw: ", name, " must be on the CPU, got ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, "fused_adamw: ", name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), "fused_adamw: ", name, " must be contiguous");
-  TORCH_CHECK(t.numel() == n, "fused_adamw: ", name, " has ", t.numel(), " elements, master has ", n);
-}
+constexpr const char* kKernel = "fused_adamw";
 
 // Updates master, exp_avg and exp_avg_sq in place (and writes lowp_out) for one range that
 // shares its weight decay; `decay` is applied when `apply_decay`. The buffers must not overlap
@@ -148,31 +68,22 @@ int64_t fused_adamw_(
     double neg_step,
     int64_t max_tasks) {
   const int64_t n = master.numel();
-  check_vector(master, "master", at::kFloat, n);
-  TORCH_CHECK(
-      grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16,
-      "fused_adamw: grad must be float32 or bfloat16, got ", grad.scalar_type());
-  check_vector(grad, "grad", grad.scalar_type(), n);
-  check_vector(exp_avg, "exp_avg", at::kFloat, n);
-  check_vector(exp_avg_sq, "exp_avg_sq", at::kFloat, n);
+  slidekit::check_vector(master, kKernel, "master", at::kFloat, n);
+  slidekit::check_grad(grad, kKernel, n);
+  slidekit::check_vector(exp_avg, kKernel, "exp_avg", at::kFloat, n);
+  slidekit::check_vector(exp_avg_sq, kKernel, "exp_avg_sq", at::kFloat, n);
   const bool lowp = lowp_out.has_value();
   if (lowp) {
-    check_vector(*lowp_out, "lowp_out", at::kBFloat16, n);
+    slidekit::check_vector(*lowp_out, kKernel, "lowp_out", at::kBFloat16, n);
   }
   if (n == 0) {
     return 0;
   }
 
-  const StepScalars s{
-      static_cast<float>(decay),
-      static_cast<float>(w1),
-      static_cast<float>(beta2),
-      static_cast<float>(sq_weight),
-      static_cast<float>(inv_b2),
-      static_cast<float>(eps),
-      static_cast<float>(neg_step)};
+  const auto s = slidekit::AdamScalars::from(w1, beta2, sq_weight, inv_b2, eps, neg_step);
+  const float decay_f = static_cast<float>(decay);
   const bool bf16_grad = grad.scalar_type() == at::kBFloat16;
-  const RangeFn fn = bf16_grad ? pick<uint16_t>(apply_decay, lowp) : pick<float>(apply_decay, lowp);
+  const slidekit::UpdateFn fn = slidekit::pick_update(bf16_grad, apply_decay, lowp);
 
   float* p = master.data_ptr<float>();
   const char* g = static_cast<const char*>(grad.data_ptr());
@@ -186,7 +97,7 @@ int64_t fused_adamw_(
   constexpr int64_t kAlign = 64;
   constexpr int64_t kMinPerTask = int64_t{1} << 15;
   return slidekit::run_in_tasks(n, kMinPerTask, kAlign, max_tasks, [&](int64_t lo, int64_t hi) {
-    fn(hi - lo, p + lo, g + lo * g_size, m + lo, v + lo, out ? out + lo : nullptr, s);
+    fn(hi - lo, p + lo, g + lo * g_size, m + lo, v + lo, out ? out + lo : nullptr, decay_f, s);
   });
 }
 

@@ -1,0 +1,161 @@
+// slidekit CPU kernels: what the two fused AdamW kernels (fused_adam.cpp, adamw8.cpp) share.
+//
+// * load_grad: a gradient element as float, from FP32 or BF16 (the upcast is exact);
+// * to_bf16: round to BF16, nearest even, as c10::BFloat16(float) does;
+// * AdamScalars: one step's constants, rounded from Python's doubles to float;
+// * adam_update: the per-element AdamW update both kernels run, in the one order of IEEE-754 FP32
+//   operations both Python torch paths (layer_adam.py, adamw_8bit.py) replay:
+//
+//       g   = float(grad[i])                  BF16 upcast is exact
+//       p   = p * decay                       only where the range decays; decay = 1 - lr * wd
+//       m   = m + w1 * (g - m)                w1 = 1 - beta1
+//       v   = v * beta2
+//       v   = v + (w2 * g) * g                w2 = 1 - beta2
+//       den = sqrt(v) * inv_b2 + eps          inv_b2 = 1 / sqrt(1 - beta2^t); sqrt correctly rounded
+//       p   = p + (neg_step * m) / den        neg_step = -lr / (1 - beta1^t)
+//       out[i] = bf16(p)                      round to nearest even, when an output is given
+//
+// * pick_update: adam_update for a gradient dtype, with or without decay and BF16 output, behind one
+//   function pointer type, so a kernel picks once per call and its loops stay branch-free;
+// * check_vector / check_grad: the argument checks, with messages naming the kernel and argument.
+//
+// Every including file is compiled with -ffp-contract=off and calls no fma, so no multiply and add
+// are fused: each element's result is the same whatever the vector width, the split into threads or
+// which elements fall into a loop's scalar remainder.
+//
+// Included by path from the kernel sources beside it; kernel_build.py hashes every *.h here into
+// the build's cache key, so a change to this file rebuilds both kernels.
+
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace slidekit {
+
+inline float load_grad(const float* g, int64_t i) { return g[i]; }
+
+inline float load_grad(const uint16_t* g, int64_t i) {
+  const uint32_t bits = static_cast<uint32_t>(g[i]) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint32_t bits_of(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+
+inline float float_of(uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, sizeof x);
+  return x;
+}
+
+// Round to nearest even, as c10::BFloat16(float) does; NaN becomes the canonical quiet NaN.
+inline uint16_t to_bf16(float x) {
+  const uint32_t bits = bits_of(x);
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return x != x ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
+}
+
+// One step's constants, already rounded to float (as ATen rounds a Python scalar operand of a
+// float tensor). The decay factor is per range, so it is passed apart.
+struct AdamScalars {
+  float w1;         // 1 - beta1
+  float beta2;
+  float sq_weight;  // 1 - beta2
+  float inv_b2;     // 1 / sqrt(1 - beta2^t)
+  float eps;
+  float neg_step;   // -lr / (1 - beta1^t)
+
+  static AdamScalars from(
+      double w1, double beta2, double sq_weight, double inv_b2, double eps, double neg_step) {
+    return AdamScalars{
+        static_cast<float>(w1),
+        static_cast<float>(beta2),
+        static_cast<float>(sq_weight),
+        static_cast<float>(inv_b2),
+        static_cast<float>(eps),
+        static_cast<float>(neg_step)};
+  }
+};
+
+// The update of `n` consecutive elements, in place on p, m and v (and writing out when kLowp).
+// A plain loop over restrict pointers, calling nothing but std::sqrt, so that GCC vectorizes it
+// (-O3 -fno-math-errno); the remainder runs the very same operations.
+template <typename G, bool kDecay, bool kLowp>
+void adam_update(
+    int64_t n,
+    float* __restrict p,
+    const G* __restrict g,
+    float* __restrict m,
+    float* __restrict v,
+    uint16_t* __restrict out,
+    float decay,
+    const AdamScalars s) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gi = load_grad(g, i);
+    float pi = p[i];
+    if constexpr (kDecay) {
+      pi = pi * decay;
+    }
+    const float mi = m[i] + s.w1 * (gi - m[i]);
+    float vi = v[i] * s.beta2;
+    vi = vi + (s.sq_weight * gi) * gi;
+    const float denom = std::sqrt(vi) * s.inv_b2 + s.eps;
+    pi = pi + (s.neg_step * mi) / denom;
+    p[i] = pi;
+    m[i] = mi;
+    v[i] = vi;
+    if constexpr (kLowp) {
+      out[i] = to_bf16(pi);
+    }
+  }
+}
+
+// adam_update with the gradient's type erased: (n, p, g, m, v, out, decay, scalars).
+using UpdateFn = void (*)(int64_t, float*, const void*, float*, float*, uint16_t*, float, AdamScalars);
+
+template <typename G, bool kDecay, bool kLowp>
+void adam_update_erased(
+    int64_t n, float* p, const void* g, float* m, float* v, uint16_t* out, float decay, AdamScalars s) {
+  adam_update<G, kDecay, kLowp>(n, p, static_cast<const G*>(g), m, v, out, decay, s);
+}
+
+template <typename G>
+UpdateFn pick_update(bool decay, bool lowp) {
+  if (decay) {
+    return lowp ? &adam_update_erased<G, true, true> : &adam_update_erased<G, true, false>;
+  }
+  return lowp ? &adam_update_erased<G, false, true> : &adam_update_erased<G, false, false>;
+}
+
+// The update for a BF16 (else FP32) gradient, with or without decay and BF16 output.
+inline UpdateFn pick_update(bool bf16_grad, bool decay, bool lowp) {
+  return bf16_grad ? pick_update<uint16_t>(decay, lowp) : pick_update<float>(decay, lowp);
+}
+
+// `t` is a contiguous CPU vector of `n` elements of `dtype`; else a RuntimeError naming `kernel` and `name`.
+inline void check_vector(
+    const at::Tensor& t, const char* kernel, const char* name, at::ScalarType dtype, int64_t n) {
+  TORCH_CHECK(t.device().is_cpu(), kernel, ": ", name, " must be on the CPU, got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, kernel, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), kernel, ": ", name, " must be contiguous");
+  TORCH_CHECK(t.numel() == n, kernel, ": ", name, " has ", t.numel(), " elements, expected ", n);
+}
+
+// The gradient: FP32 or BF16, a contiguous CPU vector of `n` elements.
+inline void check_grad(const at::Tensor& grad, const char* kernel, int64_t n) {
+  TORCH_CHECK(
+      grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16,
+      kernel, ": grad must be float32 or bfloat16, got ", grad.scalar_type());
+  check_vector(grad, kernel, "grad", grad.scalar_type(), n);
+}
+
+}  // namespace slidekit
