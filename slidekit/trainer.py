@@ -157,7 +157,8 @@ class Trainer:
         """The run's one instance of the storage tier ``name`` (built on first use)."""
         if name not in self._tiers:
             sel = self.plugins.select("tier", name, device_family(self.device))
-            ctx = TierContext(device=self.device, directory=self.config.engine.offload_dir)
+            ec = self.config.engine
+            ctx = TierContext(device=self.device, directory=ec.offload_dir, close_timeout_s=ec.timeout_s)
             self._tiers[name] = sel.descriptor.factory(ctx)
         return self._tiers[name]
 
