@@ -15,7 +15,7 @@ resuming from it continues bitwise as if the run had never stopped.
 Ownership (docs/runs.md): a run directory is new, empty, or holds a slidekit
 run (a ``config.json`` that is a slidekit configuration); anything else, a
 model directory for one, is refused before anything is written. A fresh run
-(no ``run.resume``) in a directory that holds a previous run's checkpoints or
+(``run.resume_target()`` is None) in a directory that holds a previous run's checkpoints or
 metrics is refused unless ``run.overwrite``, which removes exactly those.
 One process at a time: ``run.lock`` is held with ``fcntl.flock`` for the
 run's life, so a second run is refused with the first one's pid, and the OS
@@ -91,7 +91,7 @@ class RunDirectory:
         self._lock: int | None = _lock(self.path)
         try:
             _remove_discarded(self.path)
-            if not rc.resume:
+            if rc.resume_target() is None:  # a fresh run (``resume=0`` resumes step 0)
                 self._start_fresh(rc.overwrite)
             try:
                 write_text_atomically(self.path / "config.json", json.dumps(config.to_dict(), indent=1) + "\n")
