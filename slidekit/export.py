@@ -18,14 +18,15 @@ is refused, with or without ``overwrite``; so is OUT when it is a file, lies
 below a file, or is or contains a guarded path (the current directory, the run
 directory, the source model, the data, ...: ``export_guards``).
 
-How it is written: into a sibling ``.OUT.slidekit-export-*`` directory (flock-ed
-while an export writes it), every file fsynced, then put in place in one
-rename where possible: a rename for a new or empty OUT, an atomic exchange
-(Linux ``renameat2``) for a previous export holding only its own files.
+How it is written: into ``model/`` of a sibling ``.OUT.slidekit-export-<pid>-*``
+directory (``slidekit.owned``: its ``.owner`` is locked while the export
+lives), every file fsynced, then put in place in one rename where possible:
+a rename for a new or empty OUT, an atomic exchange (Linux ``renameat2``) for
+a previous export holding only its own files.
 Otherwise (OUT holds a user's file, or is a mount point) files are moved one
 by one under a manifest that lists the old and the new files, so OUT is a
 recognisable export at every moment. ``remove_leftovers`` deletes the staging
-directories of exports that died (no process holds their flock); every export
+directories of exports that died (no process holds their lock); every export
 calls it first.
 
 Test: ``pytest tests/test_export.py``.
@@ -35,13 +36,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import glob
 import json
 import os
 import shutil
 import sys
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from slidekit import owned
 from slidekit.atomic import write_text_atomically
 from slidekit.config import EXPORT_DTYPES
 from slidekit.errors import ConfigError, SlidekitError
@@ -72,8 +72,10 @@ __all__ = [
 
 MANIFEST = "slidekit-export.json"
 _FORMAT = "slidekit-export"
-# Staging directories: ".OUT.slidekit-export-*" beside OUT, or ".slidekit-export-*" inside a mount point.
+# Staging: an owned directory ".OUT.slidekit-export-<pid>-*" beside OUT (or ".slidekit-export-<pid>-*"
+# inside OUT when it is a mount point), holding the export being assembled in its subdirectory _STAGED.
 _STAGING = ".slidekit-export-"
+_STAGED = "model"
 _DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}
 
 
@@ -245,7 +247,7 @@ def export_model(
     target = check_target(out, overwrite=overwrite, guards=guards)
     remove_leftovers(target.path)
     target.path.parent.mkdir(parents=True, exist_ok=True)
-    staging, held = _staging_dir(target.path)
+    staging, owner = _staging_dir(target.path)
     exchanged = False
     try:
         files = _write_model(staging, hf_config, state, tokenizer, dtype, shard_bytes)
@@ -256,12 +258,16 @@ def export_model(
         stage("install", str(target.path))
         exchanged = _install(staging, target, manifest, stage)
     finally:
-        os.close(held)
-        if exchanged:  # the staging directory now holds the previous export: remove what it listed
+        # Exchanged: the staging directory holds the previous export; remove what it listed (files it
+        # did not list stay, in an owned directory the next start removes). Otherwise it is gone after
+        # a rename, or holds what this export wrote.
+        left = False
+        if exchanged:
             assert target.previous is not None
-            _remove_old_export(staging, target.previous["files"])
-        else:  # gone after a rename; otherwise what this export wrote
-            shutil.rmtree(staging, ignore_errors=True)
+            left = not _remove_old_export(staging, target.previous["files"])
+        if not left:
+            shutil.rmtree(owner.path, ignore_errors=True)
+        owner.release()  # after the files are gone: a locked directory is never mistaken for a leftover
     return target.path
 
 
@@ -298,46 +304,54 @@ def _write_model(
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
 
 
-def _staging_dir(target: Path) -> tuple[Path, int]:
-    """A new staging directory and the descriptor holding its flock (released when the export ends).
+def _staging_dir(target: Path) -> tuple[Path, owned.OwnedDir]:
+    """A new staging directory ``<owned dir>/model`` and the owned directory around it (``slidekit.owned``:
+    its ``.owner`` is locked while the export lives; remove the owned directory, then release it).
 
-    Beside ``target``, so the finished export is renamed into place; inside it when ``target`` is a mount
-    point (a rename cannot cross file systems).
+    Beside ``target``, so the finished export is renamed into place and leaves the ``.owner`` behind;
+    inside it when ``target`` is a mount point (a rename cannot cross file systems).
     """
     if target.is_dir() and os.stat(target).st_dev != os.stat(target.parent).st_dev:
-        staging = Path(tempfile.mkdtemp(prefix=_STAGING, dir=target))
+        owner = owned.OwnedDir.create(target, _STAGING)
     else:
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}{_STAGING}", dir=target.parent))
-    fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    return staging, fd
+        owner = owned.OwnedDir.create(target.parent, f".{target.name}{_STAGING}")
+    staging = Path(owner.path) / _STAGED
+    try:
+        staging.mkdir()
+    except BaseException:
+        shutil.rmtree(owner.path, ignore_errors=True)
+        owner.release()
+        raise
+    return staging, owner
 
 
 def remove_leftovers(target: str | os.PathLike[str]) -> list[Path]:
     """Remove the staging directories that exports to ``target`` left when they died; return them.
 
-    Only slidekit's own staging directories, and only those no live export holds (their flock is free).
+    Only slidekit's own staging directories, and only those no live export holds (``owned.reclaim``:
+    their owner's lock is free).
     """
     target = Path(target)
-    candidates = list(target.parent.glob(f".{glob.escape(target.name)}{_STAGING}*"))
+    places = [(target.parent, f".{target.name}{_STAGING}")]
     if target.is_dir():
-        candidates += target.glob(f"{_STAGING}*")
+        places.append((target, _STAGING))
     removed = []
-    for entry in candidates:
-        if entry.is_symlink() or not entry.is_dir():
+    for parent, prefix in places:
+        gone, _kept = owned.reclaim(parent, prefix)
+        removed += [item.path for item in gone] + _remove_unowned(parent, prefix)
+    return removed
+
+
+def _remove_unowned(parent: Path, prefix: str) -> list[Path]:
+    """Staging directories of exports from before owner records (a random name, the directory itself
+    flock-ed while its export lived): removed when that lock is free."""
+    removed = []
+    for entry in parent.glob(f"{glob.escape(prefix)}*"):
+        if owned.pid_of(entry.name, prefix) is not None or entry.is_symlink() or not entry.is_dir():
             continue
-        try:
-            fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # a live export is writing it
-        finally:
-            os.close(fd)
-        shutil.rmtree(entry, ignore_errors=True)
-        removed.append(entry)
+        if owned.lock_free(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
     return removed
 
 
@@ -369,7 +383,7 @@ def _install(
 
     Returns True when the previous export was exchanged into ``staging``."""
     path, previous = target.path, target.previous
-    beside = staging.parent == path.parent
+    beside = staging.parent.parent == path.parent  # the owned directory around it
     if beside and previous is None:
         try:
             os.replace(staging, path)  # atomic onto a new or an empty directory
@@ -408,8 +422,9 @@ def _exchange(a: Path, b: Path) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
-def _remove_old_export(directory: Path, files: Sequence[str]) -> None:
-    """Remove the files a previous export listed, then its (now empty) directories; anything else stays."""
+def _remove_old_export(directory: Path, files: Sequence[str]) -> bool:
+    """Remove the files a previous export listed, then its (now empty) directories; anything else stays.
+    Whether ``directory`` is gone."""
     for name in [*files, MANIFEST]:
         (directory / name).unlink(missing_ok=True)
     for sub in sorted((p for p in directory.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
@@ -423,6 +438,8 @@ def _remove_old_export(directory: Path, files: Sequence[str]) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+        return False
+    return True
 
 
 def _install_files(

@@ -156,7 +156,7 @@ def test_a_killed_export_and_checkpoint_deletion_go_when_the_next_run_starts(tmp
     out, run = tmp_path / "exports" / "model", tmp_path / "run"
     _killed(_KILLED_EXPORT, str(out))
     (left,) = out.parent.glob(f".{out.name}.slidekit-export-*")
-    live, held = export._staging_dir(out)  # an export in progress elsewhere: its flock is held
+    live, held = export._staging_dir(out)  # an export in progress elsewhere: its lock is held
     doomed = run / "checkpoints" / ".tmp-delete-step-00000001-0123abcd"  # retention, killed mid-delete
     doomed.mkdir(parents=True)
     (doomed / "manifest.json").write_text("{}")
@@ -166,7 +166,7 @@ def test_a_killed_export_and_checkpoint_deletion_go_when_the_next_run_starts(tmp
         text = "; ".join(got.removed)
         assert f"a half-written export beside {out}" in text and doomed.name in text
     finally:
-        os.close(held)
+        held.release()
     export.remove_leftovers(out)  # released now: a later export removes it
     # A finished export carries no trace of its staging.
     state = {"model.embed_tokens.weight": torch.zeros(2, 2)}

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import secrets
 import shutil
 import time
 from pathlib import Path
 
+from slidekit import owned
 from slidekit.checkpoint._format import _LOCK, _STEP_DIR, CheckpointError, _step_name
 
 _STALE_UNLOCKED_S = 60.0  # a .tmp-* dir without a lock file is a writer's only before its first instant
@@ -44,21 +44,6 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _lock_held(tmp: Path) -> bool | None:
-    """Whether a live writer holds ``tmp``'s lock (None: there is no lock file)."""
-    try:
-        fd = os.open(tmp / _LOCK, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing our own descriptor drops only our flock, never the writer's
-    return False
-
-
 def _cleanup_tmp(directory: Path) -> list[Path]:
     """Remove ``.tmp-*`` directories that no live writer owns (left by crashes, kills or failed saves).
 
@@ -72,8 +57,8 @@ def _cleanup_tmp(directory: Path) -> list[Path]:
         if not entry.is_dir():
             continue
         if not entry.name.startswith(_DOOMED):
-            held = _lock_held(entry)
-            if held or (held is None and time.time() - entry.stat().st_mtime < _STALE_UNLOCKED_S):
+            free = owned.lock_free(entry / _LOCK)  # None: no lock file (yet)
+            if free is False or (free is None and time.time() - entry.stat().st_mtime < _STALE_UNLOCKED_S):
                 continue
         shutil.rmtree(entry, ignore_errors=True)
         if not entry.exists():
@@ -107,7 +92,11 @@ def _make_tmp(directory: Path, step: int) -> tuple[Path, int]:
         except FileExistsError:
             continue
     fd = os.open(tmp / _LOCK, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # tells _cleanup_tmp (any process) that this directory is alive
+    # Held, with our owner record, for the write: tells _cleanup_tmp (any process) this directory is alive.
+    if not owned.try_lock(fd):  # a file in a directory this process just made: nobody else holds it
+        os.close(fd)
+        raise OSError(f"cannot lock {tmp / _LOCK}: another process holds a file it has just created")
+    owned.record(fd)
     return tmp, fd
 
 
