@@ -94,10 +94,12 @@ class Guard:
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """A checked export target: where, and the manifest of the previous export there (None: none)."""
+    """A checked export (``check_target``): where, the manifest of the previous export there (None:
+    none), and the dtype to write."""
 
     path: Path
     previous: dict[str, Any] | None
+    dtype: str = "bfloat16"
 
 
 def export_guards(config: TrainConfig, model_dir: Path | None) -> list[Guard]:
@@ -130,9 +132,15 @@ def check_dtype(dtype: str) -> None:
 
 
 def check_target(
-    out: str | os.PathLike[str], *, overwrite: bool = False, guards: Sequence[Guard] = ()
+    out: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    guards: Sequence[Guard] = (),
+    dtype: str = "bfloat16",
 ) -> Target:
-    """``out`` as an export target, or ConfigError naming what it would destroy and what to do instead."""
+    """``out`` as an export target for weights in ``dtype`` (``check_dtype``), or ConfigError naming what
+    it would destroy (or the bad dtype) and what to do instead."""
+    check_dtype(dtype)
     path = Path(os.path.realpath(Path(out).expanduser()))
     for g in guards:
         guarded = Path(os.path.realpath(g.path))
@@ -149,10 +157,10 @@ def check_target(
             )
     directory_path(path, role="export target", option="run.export_dir, CLI: --export")
     if not path.is_dir():
-        return Target(path, None)
+        return Target(path, None, dtype)
     entries = [e for e in os.listdir(path) if not e.startswith(_STAGING)]
     if not entries:
-        return Target(path, None)
+        return Target(path, None, dtype)
     previous, problem = _read_manifest(path)
     if problem:
         raise ConfigError(
@@ -171,7 +179,7 @@ def check_target(
             "(run.overwrite, CLI: --overwrite) to replace it (only the files its manifest lists), or export "
             "into a new directory"
         )
-    return Target(path, previous)
+    return Target(path, previous, dtype)
 
 
 def _read_manifest(directory: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -221,12 +229,12 @@ def _shard_names(state: Mapping[str, torch.Tensor], dtype: torch.dtype, limit: i
 
 
 def export_model(
-    out: str | os.PathLike[str],
+    out: str | os.PathLike[str] | Target,
     *,
     hf_config: Any,
     state: Mapping[str, torch.Tensor],
     tokenizer: Any | None,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
     shard_bytes: int = 5 << 30,
     overwrite: bool = False,
     guards: Sequence[Guard] = (),
@@ -235,23 +243,34 @@ def export_model(
 ) -> Path:
     """Write ``state`` (Hugging Face names -> FP32 tensors) with ``hf_config`` and ``tokenizer`` to ``out``.
 
-    ``out`` is checked with ``check_target`` (``overwrite``, ``guards``); ``info`` goes into the manifest
-    (the trainer records the step, the configured steps and the source model). Returns the directory.
-    ``progress(stage, detail)`` is called with ``("written", staging_dir)`` when every file is written
-    and synced, ``("install", target)`` just before it is put in place and, when files are moved one by
-    one, ``("moved", name)`` after each; an exception it raises fails the export exactly as an I/O error
-    would (tests inject crashes this way).
+    ``out`` is a path, checked here with ``check_target`` (``overwrite``, ``guards``, ``dtype``: default
+    bfloat16), after which the staging directories dead exports left there are removed
+    (``remove_leftovers``); or the ``Target`` that ``check_target`` returned, when the caller has made
+    both steps already (the trainer, to refuse a target before it saves a checkpoint): nothing is
+    checked or removed again, and ``dtype`` may only repeat the target's. ``info`` goes into the
+    manifest (the trainer records the step, the configured steps and the source model). Returns the
+    directory. ``progress(stage, detail)`` is called with ``("written", staging_dir)`` when every file
+    is written and synced, ``("install", target)`` just before it is put in place and, when files are
+    moved one by one, ``("moved", name)`` after each; an exception it raises fails the export exactly
+    as an I/O error would (tests inject crashes this way).
     """
     stage = progress or (lambda _stage, _detail: None)
-    check_dtype(dtype)
-    target = check_target(out, overwrite=overwrite, guards=guards)
-    remove_leftovers(target.path)
+    if isinstance(out, Target):
+        if dtype is not None and dtype != out.dtype:
+            raise ValueError(
+                f"export_model got dtype={dtype!r} for a target checked for {out.dtype!r}; "
+                "pass the dtype to check_target"
+            )
+        target = out
+    else:
+        target = check_target(out, overwrite=overwrite, guards=guards, dtype=dtype or "bfloat16")
+        remove_leftovers(target.path)
     target.path.parent.mkdir(parents=True, exist_ok=True)
     staging, owner = _staging_dir(target.path)
     exchanged = False
     try:
-        files = _write_model(staging, hf_config, state, tokenizer, dtype, shard_bytes)
-        manifest = {"format": _FORMAT, "version": 1, "dtype": dtype, **(info or {}), "files": files}
+        files = _write_model(staging, hf_config, state, tokenizer, target.dtype, shard_bytes)
+        manifest = {"format": _FORMAT, "version": 1, "dtype": target.dtype, **(info or {}), "files": files}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
         _sync_tree(staging)
         stage("written", str(staging))
@@ -328,10 +347,11 @@ def _staging_dir(target: Path) -> tuple[Path, owned.OwnedDir]:
 def remove_leftovers(target: str | os.PathLike[str]) -> list[Path]:
     """Remove the staging directories that exports to ``target`` left when they died; return them.
 
-    Only slidekit's own staging directories, and only those no live export holds (``owned.reclaim``:
-    their owner's lock is free).
+    ``target`` as ``check_target`` reads it (``~`` expanded, symlinks resolved: staging directories lie
+    beside the real target). Only slidekit's own staging directories, and only those no live export
+    holds (``owned.reclaim``: their owner's lock is free).
     """
-    target = Path(target)
+    target = Path(os.path.realpath(Path(target).expanduser()))
     places = [(target.parent, f".{target.name}{_STAGING}")]
     if target.is_dir():
         places.append((target, _STAGING))

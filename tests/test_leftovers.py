@@ -173,3 +173,19 @@ def test_a_killed_export_and_checkpoint_deletion_go_when_the_next_run_starts(tmp
     path = export_model(out, hf_config=tiny_config("llama"), state=state, tokenizer=None)
     assert not (path / ".owner").exists() and (path / "model.safetensors").is_file()
     assert [p.name for p in out.parent.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_dead_export_behind_a_symlinked_target_is_reclaimed(tmp_path):
+    """Staging lies beside the real target (``check_target`` resolves symlinks), so the leftovers of an
+    export killed there are found through the link as well."""
+    real = tmp_path / "exports" / "model"
+    real.parent.mkdir()
+    link = tmp_path / "model-link"
+    link.symlink_to(real, target_is_directory=True)
+    staging, held = export._staging_dir(export.check_target(link).path)
+    (staging / "model.safetensors").write_bytes(b"partial")
+    held.release()  # what a kill leaves: the owner record, its lock free
+    assert staging.parent.parent == real.parent
+    (note,) = leftovers.reclaim_export(link)
+    assert f"a half-written export beside {link}" in note and staging.parent.name in note
+    assert not staging.parent.exists() and os.listdir(real.parent) == []
