@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from slidekit import owned
-from slidekit.atomic import write_text_atomically
+from slidekit.atomic import fsync_path, fsync_tree, write_text_atomically
 from slidekit.config import EXPORT_DTYPES
 from slidekit.errors import ConfigError, SlidekitError
 from slidekit.paths import describe, directory_path, encloses
@@ -272,7 +272,7 @@ def export_model(
         files = _write_model(staging, hf_config, state, tokenizer, target.dtype, shard_bytes)
         manifest = {"format": _FORMAT, "version": 1, "dtype": target.dtype, **(info or {}), "files": files}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-        _sync_tree(staging)
+        fsync_tree(staging)
         stage("written", str(staging))
         stage("install", str(target.path))
         exchanged = _install(staging, target, manifest, stage)
@@ -375,24 +375,6 @@ def _remove_unowned(parent: Path, prefix: str) -> list[Path]:
     return removed
 
 
-def _sync_tree(root: Path) -> None:
-    """fsync every file and directory under ``root`` (so a crash after the rename finds whole files)."""
-    for path in [*sorted(root.rglob("*"), key=lambda p: -len(p.parts)), root]:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ---------------------------------------------------------------------- installing
 
 
@@ -407,12 +389,12 @@ def _install(
     if beside and previous is None:
         try:
             os.replace(staging, path)  # atomic onto a new or an empty directory
-            _sync_dir(path.parent)
+            fsync_path(path.parent, directory=True)
             return False
         except OSError:
             pass  # the target was filled meanwhile: file by file, which refuses to replace others' files
     if beside and previous is not None and _holds_only(path, previous["files"]) and _exchange(staging, path):
-        _sync_dir(path.parent)
+        fsync_path(path.parent, directory=True)
         return True
     _install_files(staging, path, previous, manifest, stage)
     return False
@@ -493,4 +475,4 @@ def _install_files(
     for name in sorted(old - set(new)):
         (path / name).unlink(missing_ok=True)
     write_text_atomically(path / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-    _sync_dir(path)
+    fsync_path(path, directory=True)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import shutil
 import warnings
 from collections.abc import Callable, Mapping
@@ -38,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from slidekit import checkpoint as ck
 from slidekit import owned
-from slidekit.atomic import write_text_atomically
+from slidekit.atomic import rename_aside, write_text_atomically
 from slidekit.engine import snapshot
 from slidekit.errors import ConfigError, PipelineStalled
 from slidekit.paths import describe, directory_path
@@ -302,9 +301,7 @@ def _remove_entries(path: Path, names: tuple[str, ...]) -> None:
     for name in names:
         entry = path / name
         if entry.is_dir() and not entry.is_symlink():
-            aside = path / f"{_DISCARDED}{name}-{secrets.token_hex(4)}"
-            os.rename(entry, aside)
-            shutil.rmtree(aside)
+            shutil.rmtree(rename_aside(entry, _DISCARDED))
         elif entry.exists() or entry.is_symlink():
             entry.unlink()
 

@@ -1,4 +1,4 @@
-"""Checkpoint directories on disk: fsync helpers, writer locks, temporary directories, retention.
+"""Checkpoint directories on disk: writer locks, temporary directories, retention, full-disk errors.
 
 See ``slidekit.checkpoint`` for the commit protocol these implement.
 """
@@ -14,35 +14,13 @@ import time
 from pathlib import Path
 
 from slidekit import owned
+from slidekit.atomic import fsync_path, rename_aside, write_synced
 from slidekit.checkpoint._format import _LOCK, _STEP_DIR, CheckpointError, _step_name
 
 _STALE_UNLOCKED_S = 60.0  # a .tmp-* dir without a lock file is a writer's only before its first instant
-_DOOMED = (".tmp-delete-", ".tmp-replaced-")  # checkpoints renamed aside to be deleted (retention, overwrite)
-
-# --------------------------------------------------------------------------- small file-system helpers
-
-
-def _fsync_path(path: Path, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dirs(root: Path) -> None:
-    """fsync every directory under ``root`` (files are synced by their writers: tensorstore's
-    ``file_io_sync`` for zarr files, ``_write_synced`` for ours), deepest first, so entries are durable."""
-    for dirpath, _dirs, _files in os.walk(root, topdown=False):
-        _fsync_path(Path(dirpath), directory=True)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
+# Checkpoints renamed aside (``atomic.rename_aside``) to be deleted: by retention, and when a save replaces one.
+_DELETING, _REPLACED = ".tmp-delete-", ".tmp-replaced-"
+_DOOMED = (_DELETING, _REPLACED)
 
 def _cleanup_tmp(directory: Path) -> list[Path]:
     """Remove ``.tmp-*`` directories that no live writer owns (left by crashes, kills or failed saves).
@@ -67,8 +45,7 @@ def _cleanup_tmp(directory: Path) -> list[Path]:
 
 
 def _remove_checkpoint(path: Path) -> None:
-    aside = path.with_name(f"{_DOOMED[0]}{path.name}-{secrets.token_hex(4)}")
-    os.rename(path, aside)  # a crash from here on leaves a .tmp-* dir, never a half-deleted step-*
+    aside = rename_aside(path, _DELETING)  # a crash from here on leaves a .tmp-* dir, never a half-deleted step-*
     shutil.rmtree(aside, ignore_errors=True)
 
 
@@ -128,10 +105,10 @@ def set_aside(path: str | os.PathLike[str], kind: str, reason: str) -> Path:
     while aside.exists():
         aside = path.with_name(f"{kind}-{path.name}-{stamp}-{secrets.token_hex(2)}")
     os.rename(path, aside)
-    _fsync_path(path.parent, directory=True)
+    fsync_path(path.parent, directory=True)
     with contextlib.suppress(OSError):  # the note is a courtesy: a damaged directory may refuse it
         note = f"set aside by slidekit at {stamp}: {reason}\nDelete this directory once inspected.\n"
-        _write_synced(aside / f"{kind.upper()}.txt", note.encode())
+        write_synced(aside / f"{kind.upper()}.txt", note.encode())
     return aside
 
 
