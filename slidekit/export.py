@@ -105,7 +105,7 @@ class Target:
 def export_guards(config: TrainConfig, model_dir: Path | None) -> list[Guard]:
     """The paths a run's export may not replace: the current directory, the run directory (and its own
     entries, which it may not go inside either), the source model, the data, the offload directory, the trace."""
-    from slidekit.models.loading import demo_dir
+    from slidekit.data import data_file
     from slidekit.run import RUN_ENTRIES
 
     rc = config.run
@@ -116,8 +116,7 @@ def export_guards(config: TrainConfig, model_dir: Path | None) -> list[Guard]:
         guards += [Guard(f"the run directory's {name}", run / name, inside=True) for name in RUN_ENTRIES]
     if model_dir is not None:
         guards.append(Guard("the source model", model_dir))
-    data = config.data.path
-    guards.append(Guard("the data file", Path(data).expanduser() if data else demo_dir() / "corpus.jsonl"))
+    guards.append(Guard("the data file", data_file(config.data.path)))
     if config.engine.offload_dir:
         guards.append(Guard("the offload directory", Path(config.engine.offload_dir).expanduser()))
     if rc.trace:

@@ -56,7 +56,7 @@ Test: ``python -m pytest -q tests/test_data.py``.
 from __future__ import annotations
 
 from slidekit.data.datasets import Batch, DataSpec, DataStats, PackedDataset, build_datasets
-from slidekit.data.formats import FORMATS, detect_format, iter_records, read_texts
+from slidekit.data.formats import FORMATS, data_file, detect_format, iter_records, read_records, read_texts
 from slidekit.data.packing import split_documents
 from slidekit.data.tokens import Documents, load_tokenizer, tokenize_records
 
@@ -68,9 +68,11 @@ __all__ = [
     "Documents",
     "PackedDataset",
     "build_datasets",
+    "data_file",
     "detect_format",
     "iter_records",
     "load_tokenizer",
+    "read_records",
     "read_texts",
     "split_documents",
     "tokenize_records",

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from slidekit.data.formats import FORMATS, detect_format, iter_records
+from slidekit.data.formats import FORMATS, read_records
 from slidekit.data.packing import frame_documents, pack_rows, pad_rows, split_documents
 from slidekit.data.tokens import Documents, tokenize_records
 from slidekit.errors import ConfigError
@@ -51,7 +51,7 @@ class Batch:
 class DataSpec:
     """What ``build_datasets`` builds."""
 
-    path: str | Path  # the JSONL file
+    path: str | Path  # the JSONL file (``~`` is expanded)
     format: str = "auto"  # one of FORMATS; "auto" reads it off the first record
     seq_len: int = 128  # tokens per row (each row holds seq_len + 1: inputs and shifted labels)
     completion_only: bool = False  # loss on completions / assistant turns only (not for "text")
@@ -195,10 +195,8 @@ def _split_dataset(
 
 def build_datasets(spec: DataSpec, tokenizer: Any) -> tuple[PackedDataset, PackedDataset | None]:
     """(train, eval) from ``spec``: eval is None when ``eval_fraction`` is 0."""
-    fmt = detect_format(spec.path, spec.format)
-    docs = tokenize_records(
-        iter_records(spec.path, fmt), fmt, tokenizer, completion_only=spec.completion_only
-    )
+    fmt, records = read_records(spec.path, spec.format)  # one pass over the file
+    docs = tokenize_records(records, fmt, tokenizer, completion_only=spec.completion_only)
     train_idx, eval_idx = split_documents(len(docs), spec.eval_fraction, spec.seed)
     train = _split_dataset(docs, train_idx, spec, tokenizer, "training")
     held_out = _split_dataset(docs, eval_idx, spec, tokenizer, "held-out") if eval_idx.size else None

@@ -7,21 +7,28 @@ Formats (one JSON object per line; detected from the first record, then required
     {"messages": [{"role": "user", "content": "..."}, ...]}   rendered by the tokenizer's chat template
 
 Roles are "system", "user" and "assistant"; other fields of a record are ignored. Malformed input
-raises ``ConfigError`` naming ``file:line`` and what was expected.
+raises ``ConfigError`` naming ``file:line`` and what was expected. ``read_records`` reads a file
+once: its format off the first record, then every record, hashing the bytes on the way
+(``slidekit.fingerprint``). Paths have ``~`` expanded; ``data_file`` is the file ``data.path``
+names.
 
 Test: ``python -m pytest -q tests/test_data.py``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
-from collections.abc import Iterator
+import os
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
 from slidekit.errors import ConfigError
+from slidekit.fingerprint import remember_sha256
 
-__all__ = ["FORMATS", "ROLES", "detect_format", "iter_records", "read_texts"]
+__all__ = ["FORMATS", "ROLES", "data_file", "detect_format", "iter_records", "read_records", "read_texts"]
 
 FORMATS = ("auto", "text", "prompt_completion", "chat")
 ROLES = ("system", "user", "assistant")
@@ -32,18 +39,35 @@ _EXAMPLES = (
 _JSONL = "each line must be one JSON object, such as " + _EXAMPLES
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    """(line number, line) for every non-blank line; a missing or non-UTF-8 file is a ConfigError."""
+def data_file(path: str | os.PathLike[str] | None) -> Path:
+    """The training data file ``data.path`` names (``~`` expanded), or the demo corpus for None."""
+    if path is None:
+        from slidekit.models.loading import demo_dir
+
+        return demo_dir() / "corpus.jsonl"
+    return Path(path).expanduser()
+
+
+def _lines(path: Path) -> Generator[tuple[int, str], None, None]:
+    """(line number, line) for every non-blank line; a missing or non-UTF-8 file is a ConfigError.
+
+    The bytes are hashed as they are read: a file read to its end leaves its sha256 with
+    ``slidekit.fingerprint``, so the run's identity need not read it again.
+    """
     if not path.is_file():
         raise ConfigError(f"data file {str(path)!r} does not exist")
+    digest = hashlib.sha256()
     with path.open("rb") as f:  # bytes, so that a decoding error names its line
+        before = os.fstat(f.fileno())
         for n, raw in enumerate(f, 1):
+            digest.update(raw)
             try:
                 line = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # a BOM may open the file
             except UnicodeDecodeError as exc:
                 raise ConfigError(f"{path}:{n}: not UTF-8 text ({exc.reason}); {_JSONL}") from None
             if line.strip():
                 yield n, line
+        remember_sha256(path, before, os.fstat(f.fileno()), digest.hexdigest())
 
 
 def _kind(value: object) -> str:
@@ -61,10 +85,14 @@ def _parse(path: Path, n: int, line: str) -> dict[str, Any]:
     return record
 
 
-def detect_format(path: str | Path, format: str = "auto") -> str:
+def detect_format(path: str | os.PathLike[str], format: str = "auto") -> str:
     """The record format of ``path``: ``format`` itself unless "auto", else read off the first record."""
-    path = Path(path)
-    first = next(_lines(path), None)
+    path = Path(path).expanduser()
+    return _first_format(path, next(_lines(path), None), format)
+
+
+def _first_format(path: Path, first: tuple[int, str] | None, format: str) -> str:
+    """The format the first non-blank line of ``path`` (None: there is none) says the file holds."""
     if first is None:
         raise ConfigError(f"data file {str(path)!r} is empty; {_JSONL}")
     n, line = first
@@ -130,12 +158,30 @@ def _validate(record: dict[str, Any], fmt: str, where: str) -> Any:
     return messages
 
 
-def iter_records(path: str | Path, format: str = "auto") -> Iterator[tuple[str, Any]]:
+def read_records(path: str | os.PathLike[str], format: str = "auto") -> tuple[str, Iterator[tuple[str, Any]]]:
+    """The file's format (``detect_format``) and its records, ``("file:line", payload)`` each checked
+    against it, from one pass over the file (its first line is read here)."""
+    path = Path(path).expanduser()
+    lines = _lines(path)
+    try:
+        first = next(lines, None)
+        fmt = _first_format(path, first, format)
+    except BaseException:
+        lines.close()  # the file, open since the first line
+        raise
+    assert first is not None
+
+    def records() -> Iterator[tuple[str, Any]]:
+        for n, line in itertools.chain([first], lines):
+            yield f"{path}:{n}", _validate(_parse(path, n, line), fmt, f"{path}:{n}")
+
+    return fmt, records()
+
+
+def iter_records(path: str | os.PathLike[str], format: str = "auto") -> Iterator[tuple[str, Any]]:
     """``("file:line", payload)`` for every record, each checked against the file's format."""
-    path = Path(path)
-    fmt = detect_format(path, format)
-    for n, line in _lines(path):
-        yield f"{path}:{n}", _validate(_parse(path, n, line), fmt, f"{path}:{n}")
+    _fmt, records = read_records(path, format)
+    yield from records
 
 
 def read_texts(path: Path) -> list[str]:
