@@ -22,6 +22,7 @@ _STALE_UNLOCKED_S = 60.0  # a .tmp-* dir without a lock file is a writer's only 
 _DELETING, _REPLACED = ".tmp-delete-", ".tmp-replaced-"
 _DOOMED = (_DELETING, _REPLACED)
 
+
 def _cleanup_tmp(directory: Path) -> list[Path]:
     """Remove ``.tmp-*`` directories that no live writer owns (left by crashes, kills or failed saves).
 
@@ -45,7 +46,8 @@ def _cleanup_tmp(directory: Path) -> list[Path]:
 
 
 def _remove_checkpoint(path: Path) -> None:
-    aside = rename_aside(path, _DELETING)  # a crash from here on leaves a .tmp-* dir, never a half-deleted step-*
+    # A crash from here on leaves a .tmp-* dir, never a half-deleted step-*.
+    aside = rename_aside(path, _DELETING)
     shutil.rmtree(aside, ignore_errors=True)
 
 
@@ -147,9 +149,18 @@ def _space_hint(nbytes: int, directory: Path, keep: int | None) -> str:
         free = shutil.disk_usage(directory if directory.is_dir() else directory.parent).free
     have = "" if free is None else f", {free / 2**30:.2f} GiB are free there"
     hint = f"free space where {directory} lives (a checkpoint takes {nbytes / 2**30:.2f} GiB{have})"
-    if keep is None:
-        return f"{hint}, or bound the checkpoints kept (keep=None keeps every one)"
-    if keep > 1:
-        return f"{hint}, or keep fewer checkpoints (keep={keep} now)"
-    # keep=1 cannot go lower: the newest is deleted only after the next one is committed
+    fewer = fewer_checkpoints(keep, "keep")
+    if fewer is not None:
+        return f"{hint}, or {fewer}"
     return f"{hint}, or put the run directory on a larger disk (keep=1 still needs room for 2 checkpoints)"
+
+
+def fewer_checkpoints(keep: int | None, option: str) -> str | None:
+    """What the retention setting ``option`` (now ``keep``) can do for a run directory short of room:
+    "keep fewer checkpoints (run.keep=3 now)"; None with ``keep=1``, which cannot go lower (the newest
+    is deleted only after the next one is committed)."""
+    if keep is None:
+        return f"bound the checkpoints kept ({option}=None keeps every one)"
+    if keep > 1:
+        return f"keep fewer checkpoints ({option}={keep} now)"
+    return None
