@@ -18,8 +18,6 @@ Test: ``pytest tests/test_config.py``.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,6 +25,7 @@ from typing import Any
 
 from slidekit.errors import ConfigError
 from slidekit.lr_schedule import SCHEDULES
+from slidekit.models.overrides import check_values as check_overrides
 from slidekit.typecheck import check_types
 
 #: Learning rates used when ``OptimConfig.lr`` is None.
@@ -53,44 +52,12 @@ __all__ = [
 ]
 
 _DTYPES = ("auto", "float32", "bfloat16")
-#: ``model.overrides`` keys that size the model: positive integers (None lets the config derive it).
-_SIZE_KEYS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "vocab_size",
-    "max_position_embeddings",
-)
-_DERIVABLE = ("head_dim", "num_key_value_heads")
-_POSITIVE_FLOAT_KEYS = ("rms_norm_eps", "rope_theta")
 _SEED_LIMIT = 2**32  # seeds are in [0, 2**32), the range every generator accepts
 
 
 def _seed(owner: str, name: str, value: int) -> None:
     if not 0 <= value < _SEED_LIMIT:
         raise ConfigError(f"{owner}.{name} must be an integer in [0, 2**32), got {value!r}")
-
-
-def _check_overrides(overrides: Mapping[str, Any]) -> None:
-    """Refuse overrides that cannot make a model: sizes that are not positive integers, and so on."""
-    for key, value in overrides.items():
-        if key in _SIZE_KEYS:
-            if value is None and key in _DERIVABLE:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(
-                    f"model.overrides.{key} must be a positive integer (it sets the model's size), got {value!r}"
-                )
-        elif key in _POSITIVE_FLOAT_KEYS and (
-            isinstance(value, bool)
-            or not isinstance(value, numbers.Real)
-            or not math.isfinite(value)
-            or value <= 0
-        ):
-            raise ConfigError(f"model.overrides.{key} must be a positive finite number, got {value!r}")
 
 
 def _positive(owner: str, name: str, value: float, *, allow_zero: bool = False) -> None:
@@ -114,7 +81,7 @@ class ModelConfig:
         if not self.source:
             raise ConfigError("model.source is empty; give a model directory or 'demo'")
         _seed("model", "init_seed", self.init_seed)
-        _check_overrides(self.overrides)
+        check_overrides(self.overrides)  # what needs no model; the rest when it loads
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

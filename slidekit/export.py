@@ -18,14 +18,15 @@ is refused, with or without ``overwrite``; so is OUT when it is a file, lies
 below a file, or is or contains a guarded path (the current directory, the run
 directory, the source model, the data, ...: ``export_guards``).
 
-How it is written: into a sibling ``.OUT.slidekit-export-*`` directory (flock-ed
-while an export writes it), every file fsynced, then put in place in one
-rename where possible: a rename for a new or empty OUT, an atomic exchange
-(Linux ``renameat2``) for a previous export holding only its own files.
+How it is written: into ``model/`` of a sibling ``.OUT.slidekit-export-<pid>-*``
+directory (``slidekit.owned``: its ``.owner`` is locked while the export
+lives), every file fsynced, then put in place in one rename where possible:
+a rename for a new or empty OUT, an atomic exchange (Linux ``renameat2``) for
+a previous export holding only its own files.
 Otherwise (OUT holds a user's file, or is a mount point) files are moved one
 by one under a manifest that lists the old and the new files, so OUT is a
 recognisable export at every moment. ``remove_leftovers`` deletes the staging
-directories of exports that died (no process holds their flock); every export
+directories of exports that died (no process holds their lock); every export
 calls it first.
 
 Test: ``pytest tests/test_export.py``.
@@ -35,13 +36,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import fcntl
 import glob
 import json
 import os
 import shutil
 import sys
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,7 +49,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from slidekit.atomic import write_text_atomically
+from slidekit import owned
+from slidekit.atomic import fsync_path, fsync_tree, write_text_atomically
 from slidekit.config import EXPORT_DTYPES
 from slidekit.errors import ConfigError, SlidekitError
 from slidekit.paths import describe, directory_path, encloses
@@ -72,8 +72,10 @@ __all__ = [
 
 MANIFEST = "slidekit-export.json"
 _FORMAT = "slidekit-export"
-# Staging directories: ".OUT.slidekit-export-*" beside OUT, or ".slidekit-export-*" inside a mount point.
+# Staging: an owned directory ".OUT.slidekit-export-<pid>-*" beside OUT (or ".slidekit-export-<pid>-*"
+# inside OUT when it is a mount point), holding the export being assembled in its subdirectory _STAGED.
 _STAGING = ".slidekit-export-"
+_STAGED = "model"
 _DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPES}
 
 
@@ -92,16 +94,18 @@ class Guard:
 
 @dataclass(frozen=True, slots=True)
 class Target:
-    """A checked export target: where, and the manifest of the previous export there (None: none)."""
+    """A checked export (``check_target``): where, the manifest of the previous export there (None:
+    none), and the dtype to write."""
 
     path: Path
     previous: dict[str, Any] | None
+    dtype: str = "bfloat16"
 
 
 def export_guards(config: TrainConfig, model_dir: Path | None) -> list[Guard]:
     """The paths a run's export may not replace: the current directory, the run directory (and its own
     entries, which it may not go inside either), the source model, the data, the offload directory, the trace."""
-    from slidekit.models.loading import demo_dir
+    from slidekit.data import data_file
     from slidekit.run import RUN_ENTRIES
 
     rc = config.run
@@ -112,8 +116,7 @@ def export_guards(config: TrainConfig, model_dir: Path | None) -> list[Guard]:
         guards += [Guard(f"the run directory's {name}", run / name, inside=True) for name in RUN_ENTRIES]
     if model_dir is not None:
         guards.append(Guard("the source model", model_dir))
-    data = config.data.path
-    guards.append(Guard("the data file", Path(data).expanduser() if data else demo_dir() / "corpus.jsonl"))
+    guards.append(Guard("the data file", data_file(config.data.path)))
     if config.engine.offload_dir:
         guards.append(Guard("the offload directory", Path(config.engine.offload_dir).expanduser()))
     if rc.trace:
@@ -128,9 +131,15 @@ def check_dtype(dtype: str) -> None:
 
 
 def check_target(
-    out: str | os.PathLike[str], *, overwrite: bool = False, guards: Sequence[Guard] = ()
+    out: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    guards: Sequence[Guard] = (),
+    dtype: str = "bfloat16",
 ) -> Target:
-    """``out`` as an export target, or ConfigError naming what it would destroy and what to do instead."""
+    """``out`` as an export target for weights in ``dtype`` (``check_dtype``), or ConfigError naming what
+    it would destroy (or the bad dtype) and what to do instead."""
+    check_dtype(dtype)
     path = Path(os.path.realpath(Path(out).expanduser()))
     for g in guards:
         guarded = Path(os.path.realpath(g.path))
@@ -147,10 +156,10 @@ def check_target(
             )
     directory_path(path, role="export target", option="run.export_dir, CLI: --export")
     if not path.is_dir():
-        return Target(path, None)
+        return Target(path, None, dtype)
     entries = [e for e in os.listdir(path) if not e.startswith(_STAGING)]
     if not entries:
-        return Target(path, None)
+        return Target(path, None, dtype)
     previous, problem = _read_manifest(path)
     if problem:
         raise ConfigError(
@@ -169,7 +178,7 @@ def check_target(
             "(run.overwrite, CLI: --overwrite) to replace it (only the files its manifest lists), or export "
             "into a new directory"
         )
-    return Target(path, previous)
+    return Target(path, previous, dtype)
 
 
 def _read_manifest(directory: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -219,12 +228,12 @@ def _shard_names(state: Mapping[str, torch.Tensor], dtype: torch.dtype, limit: i
 
 
 def export_model(
-    out: str | os.PathLike[str],
+    out: str | os.PathLike[str] | Target,
     *,
     hf_config: Any,
     state: Mapping[str, torch.Tensor],
     tokenizer: Any | None,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
     shard_bytes: int = 5 << 30,
     overwrite: bool = False,
     guards: Sequence[Guard] = (),
@@ -233,35 +242,50 @@ def export_model(
 ) -> Path:
     """Write ``state`` (Hugging Face names -> FP32 tensors) with ``hf_config`` and ``tokenizer`` to ``out``.
 
-    ``out`` is checked with ``check_target`` (``overwrite``, ``guards``); ``info`` goes into the manifest
-    (the trainer records the step, the configured steps and the source model). Returns the directory.
-    ``progress(stage, detail)`` is called with ``("written", staging_dir)`` when every file is written
-    and synced, ``("install", target)`` just before it is put in place and, when files are moved one by
-    one, ``("moved", name)`` after each; an exception it raises fails the export exactly as an I/O error
-    would (tests inject crashes this way).
+    ``out`` is a path, checked here with ``check_target`` (``overwrite``, ``guards``, ``dtype``: default
+    bfloat16), after which the staging directories dead exports left there are removed
+    (``remove_leftovers``); or the ``Target`` that ``check_target`` returned, when the caller has made
+    both steps already (the trainer, to refuse a target before it saves a checkpoint): nothing is
+    checked or removed again, and ``dtype`` may only repeat the target's. ``info`` goes into the
+    manifest (the trainer records the step, the configured steps and the source model). Returns the
+    directory. ``progress(stage, detail)`` is called with ``("written", staging_dir)`` when every file
+    is written and synced, ``("install", target)`` just before it is put in place and, when files are
+    moved one by one, ``("moved", name)`` after each; an exception it raises fails the export exactly
+    as an I/O error would (tests inject crashes this way).
     """
     stage = progress or (lambda _stage, _detail: None)
-    check_dtype(dtype)
-    target = check_target(out, overwrite=overwrite, guards=guards)
-    remove_leftovers(target.path)
+    if isinstance(out, Target):
+        if dtype is not None and dtype != out.dtype:
+            raise ValueError(
+                f"export_model got dtype={dtype!r} for a target checked for {out.dtype!r}; "
+                "pass the dtype to check_target"
+            )
+        target = out
+    else:
+        target = check_target(out, overwrite=overwrite, guards=guards, dtype=dtype or "bfloat16")
+        remove_leftovers(target.path)
     target.path.parent.mkdir(parents=True, exist_ok=True)
-    staging, held = _staging_dir(target.path)
+    staging, owner = _staging_dir(target.path)
     exchanged = False
     try:
-        files = _write_model(staging, hf_config, state, tokenizer, dtype, shard_bytes)
-        manifest = {"format": _FORMAT, "version": 1, "dtype": dtype, **(info or {}), "files": files}
+        files = _write_model(staging, hf_config, state, tokenizer, target.dtype, shard_bytes)
+        manifest = {"format": _FORMAT, "version": 1, "dtype": target.dtype, **(info or {}), "files": files}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
-        _sync_tree(staging)
+        fsync_tree(staging)
         stage("written", str(staging))
         stage("install", str(target.path))
         exchanged = _install(staging, target, manifest, stage)
     finally:
-        os.close(held)
-        if exchanged:  # the staging directory now holds the previous export: remove what it listed
+        # Exchanged: the staging directory holds the previous export; remove what it listed (files it
+        # did not list stay, in an owned directory the next start removes). Otherwise it is gone after
+        # a rename, or holds what this export wrote.
+        left = False
+        if exchanged:
             assert target.previous is not None
-            _remove_old_export(staging, target.previous["files"])
-        else:  # gone after a rename; otherwise what this export wrote
-            shutil.rmtree(staging, ignore_errors=True)
+            left = not _remove_old_export(staging, target.previous["files"])
+        if not left:
+            shutil.rmtree(owner.path, ignore_errors=True)
+        owner.release()  # after the files are gone: a locked directory is never mistaken for a leftover
     return target.path
 
 
@@ -298,65 +322,56 @@ def _write_model(
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
 
 
-def _staging_dir(target: Path) -> tuple[Path, int]:
-    """A new staging directory and the descriptor holding its flock (released when the export ends).
+def _staging_dir(target: Path) -> tuple[Path, owned.OwnedDir]:
+    """A new staging directory ``<owned dir>/model`` and the owned directory around it (``slidekit.owned``:
+    its ``.owner`` is locked while the export lives; remove the owned directory, then release it).
 
-    Beside ``target``, so the finished export is renamed into place; inside it when ``target`` is a mount
-    point (a rename cannot cross file systems).
+    Beside ``target``, so the finished export is renamed into place and leaves the ``.owner`` behind;
+    inside it when ``target`` is a mount point (a rename cannot cross file systems).
     """
     if target.is_dir() and os.stat(target).st_dev != os.stat(target.parent).st_dev:
-        staging = Path(tempfile.mkdtemp(prefix=_STAGING, dir=target))
+        owner = owned.OwnedDir.create(target, _STAGING)
     else:
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}{_STAGING}", dir=target.parent))
-    fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    return staging, fd
+        owner = owned.OwnedDir.create(target.parent, f".{target.name}{_STAGING}")
+    staging = Path(owner.path) / _STAGED
+    try:
+        staging.mkdir()
+    except BaseException:
+        shutil.rmtree(owner.path, ignore_errors=True)
+        owner.release()
+        raise
+    return staging, owner
 
 
 def remove_leftovers(target: str | os.PathLike[str]) -> list[Path]:
     """Remove the staging directories that exports to ``target`` left when they died; return them.
 
-    Only slidekit's own staging directories, and only those no live export holds (their flock is free).
+    ``target`` as ``check_target`` reads it (``~`` expanded, symlinks resolved: staging directories lie
+    beside the real target). Only slidekit's own staging directories, and only those no live export
+    holds (``owned.reclaim``: their owner's lock is free).
     """
-    target = Path(target)
-    candidates = list(target.parent.glob(f".{glob.escape(target.name)}{_STAGING}*"))
+    target = Path(os.path.realpath(Path(target).expanduser()))
+    places = [(target.parent, f".{target.name}{_STAGING}")]
     if target.is_dir():
-        candidates += target.glob(f"{_STAGING}*")
+        places.append((target, _STAGING))
     removed = []
-    for entry in candidates:
-        if entry.is_symlink() or not entry.is_dir():
-            continue
-        try:
-            fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # a live export is writing it
-        finally:
-            os.close(fd)
-        shutil.rmtree(entry, ignore_errors=True)
-        removed.append(entry)
+    for parent, prefix in places:
+        gone, _kept = owned.reclaim(parent, prefix)
+        removed += [item.path for item in gone] + _remove_unowned(parent, prefix)
     return removed
 
 
-def _sync_tree(root: Path) -> None:
-    """fsync every file and directory under ``root`` (so a crash after the rename finds whole files)."""
-    for path in [*sorted(root.rglob("*"), key=lambda p: -len(p.parts)), root]:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _remove_unowned(parent: Path, prefix: str) -> list[Path]:
+    """Staging directories of exports from before owner records (a random name, the directory itself
+    flock-ed while its export lived): removed when that lock is free."""
+    removed = []
+    for entry in parent.glob(f"{glob.escape(prefix)}*"):
+        if owned.pid_of(entry.name, prefix) is not None or entry.is_symlink() or not entry.is_dir():
+            continue
+        if owned.lock_free(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
 
 
 # ---------------------------------------------------------------------- installing
@@ -369,16 +384,16 @@ def _install(
 
     Returns True when the previous export was exchanged into ``staging``."""
     path, previous = target.path, target.previous
-    beside = staging.parent == path.parent
+    beside = staging.parent.parent == path.parent  # the owned directory around it
     if beside and previous is None:
         try:
             os.replace(staging, path)  # atomic onto a new or an empty directory
-            _sync_dir(path.parent)
+            fsync_path(path.parent, directory=True)
             return False
         except OSError:
             pass  # the target was filled meanwhile: file by file, which refuses to replace others' files
     if beside and previous is not None and _holds_only(path, previous["files"]) and _exchange(staging, path):
-        _sync_dir(path.parent)
+        fsync_path(path.parent, directory=True)
         return True
     _install_files(staging, path, previous, manifest, stage)
     return False
@@ -408,8 +423,9 @@ def _exchange(a: Path, b: Path) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
-def _remove_old_export(directory: Path, files: Sequence[str]) -> None:
-    """Remove the files a previous export listed, then its (now empty) directories; anything else stays."""
+def _remove_old_export(directory: Path, files: Sequence[str]) -> bool:
+    """Remove the files a previous export listed, then its (now empty) directories; anything else stays.
+    Whether ``directory`` is gone."""
     for name in [*files, MANIFEST]:
         (directory / name).unlink(missing_ok=True)
     for sub in sorted((p for p in directory.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
@@ -423,6 +439,8 @@ def _remove_old_export(directory: Path, files: Sequence[str]) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+        return False
+    return True
 
 
 def _install_files(
@@ -456,4 +474,4 @@ def _install_files(
     for name in sorted(old - set(new)):
         (path / name).unlink(missing_ok=True)
     write_text_atomically(path / MANIFEST, json.dumps(manifest, indent=1) + "\n")
-    _sync_dir(path)
+    fsync_path(path, directory=True)

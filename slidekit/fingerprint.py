@@ -12,8 +12,10 @@ tensor. It reads no mtime, so a model directory copied or moved elsewhere keeps 
 Random initial weights fingerprint as their seed.
 
 Tokenizer and data (``files_fingerprint``, ``file_sha256``): every byte, hashed (tokenizer files are
-small; the training data file is read in full anyway when it is tokenized). Results are cached per
-file path, size and mtime within a process.
+small; the training data file is read in full anyway when it is tokenized, and the data reader
+hashes it on the way: ``remember_sha256``). Results are cached per file path, size and mtime within
+a process, so a file is read for its hash at most once, and not at all once the data reader has
+read it.
 
 Test: ``pytest tests/test_identity.py``.
 """
@@ -25,12 +27,21 @@ import hashlib
 import json
 import os
 import struct
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from slidekit.errors import ModelLoadError
 
-__all__ = ["SAMPLE_BYTES", "TOKENIZER_FILES", "file_sha256", "files_fingerprint", "weights_fingerprint"]
+__all__ = [
+    "SAMPLE_BYTES",
+    "TOKENIZER_FILES",
+    "file_sha256",
+    "files_fingerprint",
+    "remember_sha256",
+    "weights_fingerprint",
+]
 
 #: Bytes read from the start, the middle and the end of each tensor for the weights fingerprint.
 SAMPLE_BYTES = 4096
@@ -49,9 +60,29 @@ TOKENIZER_FILES = (
 )
 
 
-def _key(path: Path) -> tuple[str, int, int]:
-    st = path.stat()
+def _key(path: Path, st: os.stat_result | None = None) -> tuple[str, int, int]:
+    st = st or path.stat()
     return str(path.resolve()), st.st_size, st.st_mtime_ns
+
+
+#: sha256 digests of files that were read whole for another purpose (``remember_sha256``), by key.
+_READ: OrderedDict[tuple[str, int, int], str] = OrderedDict()
+_READ_LOCK = threading.Lock()
+_READ_MAX = 64
+
+
+def remember_sha256(path: Path, before: os.stat_result, after: os.stat_result, hexdigest: str) -> None:
+    """Note the sha256 of ``path``'s bytes, hashed by whoever read them all (the data reader), so
+    ``file_sha256`` need not read the file again. ``before`` and ``after`` are the file's stat when the
+    read began and ended (``os.fstat``); a file that changed meanwhile is not noted."""
+    key = _key(path, before)
+    if key != _key(path, after) or (before.st_dev, before.st_ino) != (after.st_dev, after.st_ino):
+        return
+    with _READ_LOCK:
+        _READ[key] = hexdigest
+        _READ.move_to_end(key)
+        while len(_READ) > _READ_MAX:
+            _READ.popitem(last=False)
 
 
 @functools.lru_cache(maxsize=64)
@@ -61,8 +92,11 @@ def _sha256_cached(path: str, _size: int, _mtime_ns: int) -> str:
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
-    """``sha256:<hex>`` of every byte of ``path``."""
-    return "sha256:" + _sha256_cached(*_key(Path(path)))
+    """``sha256:<hex>`` of every byte of ``path`` (read once per size and mtime in a process)."""
+    key = _key(Path(path))
+    with _READ_LOCK:
+        known = _READ.get(key)
+    return "sha256:" + (known if known is not None else _sha256_cached(*key))
 
 
 def files_fingerprint(

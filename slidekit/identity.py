@@ -169,15 +169,23 @@ def identity(
     return out
 
 
-def run_identity(config: TrainConfig, spec: ArchSpec, model_dir: Path) -> dict[str, Any]:
-    """The identity of a run of ``config`` on model ``spec`` from ``model_dir``, fingerprints included."""
+def run_identity(
+    config: TrainConfig, spec: ArchSpec, model_dir: Path, files: Mapping[str, Path] | None = None
+) -> dict[str, Any]:
+    """The identity of a run of ``config`` on model ``spec`` from ``model_dir``, fingerprints included.
+
+    ``files`` are the weights the run loads (``models.loading.weight_files``), when the caller has them
+    already; by default they are looked up here. The data file's hash is the one the data reader took
+    if it has read the file (``fingerprint.remember_sha256``), else the file is read for it."""
+    from slidekit.data import data_file
     from slidekit.fingerprint import file_sha256, files_fingerprint, weights_fingerprint
     from slidekit.models.loading import DEMO_MODEL, demo_dir, weight_files
 
-    mc, dc = config.model, config.data
+    mc = config.model
     demo = mc.source == DEMO_MODEL
-    files = {} if mc.random_init or demo else weight_files(model_dir)
-    data = Path(dc.path).expanduser() if dc.path else demo_dir() / "corpus.jsonl"
+    if files is None:
+        files = {} if mc.random_init or demo else weight_files(model_dir)
+    data = data_file(config.data.path)
     return identity(
         config.to_dict(),
         model=architecture(spec),

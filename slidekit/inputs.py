@@ -6,6 +6,8 @@ Micro-batches of one step may differ in B and in T (per-batch dynamic
 padding gives exactly that); the step equals one step on all their rows
 padded to the longest, with label -100 on the padding. ``check_pair`` is the
 shape and dtype check that ``slidekit.Batch`` runs when it is built;
+``seq_len_refusal`` says why a configured ``data.seq_len`` is beyond the
+model's positions, before anything is built (the planner, the trainer);
 ``check_step`` is the engine's check of a whole step against the model
 (vocabulary, positions), run before any transfer or kernel so that bad input
 fails with its cause rather than inside a kernel (on CUDA an out-of-range id
@@ -21,13 +23,24 @@ from typing import Any
 
 import torch
 
-__all__ = ["IGNORE_INDEX", "TOKEN_DTYPES", "check_pair", "check_step"]
+__all__ = ["IGNORE_INDEX", "TOKEN_DTYPES", "check_pair", "check_step", "seq_len_refusal"]
 
 #: The label of a position that carries no loss (as in ``torch.nn.functional.cross_entropy``).
 IGNORE_INDEX = -100
 
 #: The dtypes token ids and labels may have.
 TOKEN_DTYPES = (torch.int64, torch.int32)
+
+
+def seq_len_refusal(seq_len: int, max_positions: int) -> str | None:
+    """Why ``data.seq_len`` cannot train this model (it exceeds ``max_positions``), or None when it can:
+    a model limit, which no memory placement changes."""
+    if seq_len <= max_positions:
+        return None
+    return (
+        f"data.seq_len {seq_len} exceeds the model's max_position_embeddings {max_positions}; "
+        f"use a seq_len of at most {max_positions} (CLI: --seq-len)"
+    )
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:

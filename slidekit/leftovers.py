@@ -53,8 +53,8 @@ class Reclaimed:
 
 def reclaim_export(out: str | os.PathLike[str]) -> list[str]:
     """Remove the staging directories dead exports to ``out`` left beside it (``export.remove_leftovers``:
-    only those no live export holds); say what went."""
-    gone = remove_leftovers(Path(out).expanduser())
+    beside the real target, symlinks resolved; only those no live export holds); say what went."""
+    gone = remove_leftovers(out)
     return [f"a half-written export beside {out} ({', '.join(p.name for p in gone)})"] if gone else []
 
 

@@ -5,7 +5,7 @@
       metrics.jsonl    one JSON object per step: step, loss, tokens/s, grad norm, lane timings, ...
       checkpoints/     step-NNNNNNNN/ directories (slidekit.checkpoint), the newest ``keep`` of them;
                        damaged-step-* / superseded-step-*: ones a resume moved aside (slidekit.resume)
-      run.lock         the pid and host of the process running in it (flock-ed while it runs)
+      run.lock         the owner record (pid, host, start) of the process running in it (flock-ed while it runs)
 
 A checkpoint holds the engine's masters and optimizer state (see
 ``slidekit.engine.snapshot``) and, in ``meta.json``, the step counters, the
@@ -15,9 +15,9 @@ resuming from it continues bitwise as if the run had never stopped.
 Ownership (docs/runs.md): a run directory is new, empty, or holds a slidekit
 run (a ``config.json`` that is a slidekit configuration); anything else, a
 model directory for one, is refused before anything is written. A fresh run
-(no ``run.resume``) in a directory that holds a previous run's checkpoints or
+(``run.resume_target()`` is None) in a directory that holds a previous run's checkpoints or
 metrics is refused unless ``run.overwrite``, which removes exactly those.
-One process at a time: ``run.lock`` is held with ``fcntl.flock`` for the
+One process at a time: ``run.lock`` is held with an flock (``slidekit.owned``) for the
 run's life, so a second run is refused with the first one's pid, and the OS
 drops the lock when its holder dies (a SIGKILL never leaves it stuck).
 
@@ -27,19 +27,17 @@ Test: ``pytest tests/test_run_dir.py tests/test_resume.py``.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
-import secrets
 import shutil
-import socket
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slidekit import checkpoint as ck
-from slidekit.atomic import write_text_atomically
+from slidekit import owned
+from slidekit.atomic import rename_aside, write_text_atomically
 from slidekit.engine import snapshot
 from slidekit.errors import ConfigError, PipelineStalled
 from slidekit.paths import describe, directory_path
@@ -91,7 +89,7 @@ class RunDirectory:
         self._lock: int | None = _lock(self.path)
         try:
             _remove_discarded(self.path)
-            if not rc.resume:
+            if rc.resume_target() is None:  # a fresh run (``resume=0`` resumes step 0)
                 self._start_fresh(rc.overwrite)
             try:
                 write_text_atomically(self.path / "config.json", json.dumps(config.to_dict(), indent=1) + "\n")
@@ -303,9 +301,7 @@ def _remove_entries(path: Path, names: tuple[str, ...]) -> None:
     for name in names:
         entry = path / name
         if entry.is_dir() and not entry.is_symlink():
-            aside = path / f"{_DISCARDED}{name}-{secrets.token_hex(4)}"
-            os.rename(entry, aside)
-            shutil.rmtree(aside)
+            shutil.rmtree(rename_aside(entry, _DISCARDED))
         elif entry.exists() or entry.is_symlink():
             entry.unlink()
 
@@ -345,7 +341,7 @@ def discard_run(path: str | os.PathLike[str], *, checkpoints: bool, keep_dir: bo
 
 
 def _lock(path: Path) -> int:
-    """Take ``path/run.lock`` (flock, exclusive, never waiting) and write our pid in it; the descriptor."""
+    """Take ``path/run.lock`` (``owned.try_lock``: never waiting) and record us in it; the descriptor."""
     lock = path / RUN_LOCK
     for _attempt in range(3):
         try:
@@ -353,32 +349,24 @@ def _lock(path: Path) -> int:
         except OSError as exc:
             raise ConfigError(f"cannot lock the run directory {str(path)!r}: {exc}") from exc
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _holder(fd)
+            taken = owned.try_lock(fd)
+        except OSError as exc:
+            os.close(fd)
+            raise ConfigError(f"cannot lock the run directory {str(path)!r}: {exc}") from exc
+        if not taken:
+            holder = owned.holder(fd) or "pid unknown"
             os.close(fd)
             raise RunDirectoryBusy(
                 f"the run directory {str(path)!r} is in use by another slidekit run ({holder}); two runs in "
                 "one directory would mix their checkpoints: wait for that run to end (or stop it), or give "
                 "this run another run.dir (CLI: --run-dir)"
-            ) from None
-        except OSError as exc:
-            os.close(fd)
-            raise ConfigError(f"cannot lock the run directory {str(path)!r}: {exc}") from exc
+            )
         try:
             current = os.stat(lock).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             current = False
         if current:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+            owned.record(fd)
             return fd
         os.close(fd)  # the holder removed the directory's lock file as we took it: take the new one
     raise RunDirectoryBusy(f"the run directory {str(path)!r} is being removed by another process")
-
-
-def _holder(fd: int) -> str:
-    words = os.pread(fd, 256, 0).decode(errors="replace").split()
-    if not words or not words[0].isdigit():
-        return "pid unknown"
-    return f"pid {words[0]}" + (f" on host {words[1]}" if len(words) > 1 else "")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slidekit.atomic import write_text_atomically
+from slidekit.atomic import fsync_tree, rename_aside, write_synced, write_text_atomically
 
 
 def test_replaces_the_file_whole(tmp_path):
@@ -23,3 +23,14 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
         write_text_atomically(path, 123)  # type: ignore[arg-type]
     assert path.read_text() == "kept\n"
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]
+
+
+def test_a_tree_renamed_aside_keeps_its_content_under_a_recognisable_name(tmp_path):
+    tree = tmp_path / "step-00000001"
+    (tree / "arrays").mkdir(parents=True)
+    write_synced(tree / "arrays" / "a.bin", b"\x00\x01")
+    fsync_tree(tree)
+    aside = rename_aside(tree, ".tmp-delete-")
+    assert not tree.exists() and aside.parent == tmp_path
+    assert aside.name.startswith(".tmp-delete-step-00000001-") and len(aside.name) == len(".tmp-delete-") + 22
+    assert (aside / "arrays" / "a.bin").read_bytes() == b"\x00\x01"

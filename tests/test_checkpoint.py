@@ -365,6 +365,13 @@ def test_disk_full_error_names_the_fix(make_writer, tmp_path, keep, fix):
     assert tmp_dirs(tmp_path / "ckpt") == [] and ck.latest(tmp_path / "ckpt") is None
 
 
+def test_the_retention_fix_is_worded_once_for_every_setting_that_names_it():
+    """The save's full-disk error and the planner's refusal word the keep fix the same way."""
+    assert ck.fewer_checkpoints(3, "run.keep") == "keep fewer checkpoints (run.keep=3 now)"
+    assert ck.fewer_checkpoints(None, "keep") == "bound the checkpoints kept (keep=None keeps every one)"
+    assert ck.fewer_checkpoints(1, "run.keep") is None  # the newest goes only after the next commits
+
+
 def test_real_file_size_limit_error_surfaces_through_the_handle(make_writer, tmp_path):
     """RLIMIT_FSIZE makes the kernel fail tensorstore's chunk write with EFBIG, like a full disk."""
     w = make_writer(chunk_bytes=1 << 20)

@@ -460,3 +460,39 @@ def test_packed_data_too_small_to_fill_one_row_is_refused(tmp_path, tok):
     assert len(train) == 1
     train, _ = build_datasets(DataSpec(path=path, seq_len=128, packing=False), tok)  # padded by design
     assert len(train) == 2
+
+
+# ---------------------------------------------------------------------------------------- reading once
+
+
+def test_the_data_file_is_hashed_while_it_is_read(tmp_path, tok):
+    """Building the datasets reads the file once and leaves its sha256 for the run's identity: after
+    the bytes change under the same size and mtime, ``file_sha256`` still gives the bytes that were
+    read, so it read nothing itself."""
+    import hashlib
+    import os
+
+    from slidekit.fingerprint import file_sha256
+
+    path = write(tmp_path, [{"text": t} for t in TEXTS])
+    original = path.read_bytes()
+    train, _ = build_datasets(DataSpec(path=path, seq_len=16), tok)
+    assert len(train)
+    st = path.stat()
+    path.write_bytes(original.replace(b"Document", b"Dokument"))  # same size, other bytes
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert file_sha256(path) == "sha256:" + hashlib.sha256(original).hexdigest()
+    path.write_bytes(original + b"\n")  # another size: hashed anew
+    assert file_sha256(path) == "sha256:" + hashlib.sha256(original + b"\n").hexdigest()
+
+
+def test_data_paths_expand_the_home_directory(tmp_path, tok, monkeypatch):
+    from slidekit.data import data_file, detect_format, iter_records
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    write(tmp_path, [{"prompt": "a", "completion": "b"}])
+    assert data_file("~/d.jsonl") == tmp_path / "d.jsonl" and data_file(None).name == "corpus.jsonl"
+    assert detect_format("~/d.jsonl") == "prompt_completion"
+    assert [where for where, _ in iter_records("~/d.jsonl")] == [f"{tmp_path / 'd.jsonl'}:1"]
+    train, _ = build_datasets(DataSpec(path="~/d.jsonl", seq_len=3), tok)
+    assert len(train) == 1

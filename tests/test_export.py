@@ -332,6 +332,24 @@ def test_leftovers_of_a_dead_export_are_removed_and_a_live_ones_kept(parts, tmp_
     assert remove_leftovers(out) == [live]
 
 
+def test_a_checked_target_is_exported_without_checking_it_again(parts, tmp_path):
+    """``check_target`` checks the dtype with the target; ``export_model`` given its Target repeats
+    neither the check nor the removal of leftovers (the caller's: ``leftovers.reclaim_export``)."""
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=r"export dtype must be one of .*got 'int8'"):
+        check_target(out, dtype="int8")
+    target = check_target(out, dtype="float32")
+    assert (target.path, target.previous, target.dtype) == (out, None, "float32")
+    dead = tmp_path / ".out.slidekit-export-dead"  # an export from before owner records, dead: lock free
+    dead.mkdir()
+    with pytest.raises(ValueError, match="dtype='bfloat16' for a target checked for 'float32'"):
+        _export(parts, target, dtype="bfloat16")
+    assert _export(parts, target) == out
+    assert json.loads((out / MANIFEST).read_text())["dtype"] == "float32" and dead.is_dir()
+    _export(parts, out, overwrite=True)  # a path: checked, and its leftovers removed, here
+    assert json.loads((out / MANIFEST).read_text())["dtype"] == "bfloat16" and not dead.exists()
+
+
 @pytest.mark.parametrize("with_run_dir", [True, False])
 def test_a_failed_export_says_where_the_weights_are(tiny_model, tmp_path, with_run_dir):
     def disk_full(lane: str) -> None:

@@ -21,7 +21,7 @@ from slidekit import (
 )
 from slidekit import checkpoint as ck
 from slidekit.fingerprint import SAMPLE_BYTES, file_sha256, files_fingerprint, weights_fingerprint
-from slidekit.identity import FIXED, architecture, changed_settings, differences, identity
+from slidekit.identity import FIXED, architecture, changed_settings, differences, identity, run_identity
 from slidekit.models.loading import demo_dir, weight_files
 from slidekit.testing.models import random_batches, save_tiny_model, tiny_config
 
@@ -173,6 +173,23 @@ def test_data_and_tokenizer_fingerprints_hash_every_byte(tmp_path):
     tok = files_fingerprint(demo_dir() / "tokenizer")
     assert tok is not None and tok.startswith("sha256:")
     assert files_fingerprint(tmp_path) is None  # no tokenizer files
+
+
+def test_run_identity_takes_the_weight_files_it_is_given_and_expands_the_data_path(tmp_path, monkeypatch):
+    """The caller that loads the weights passes their files (looked up once per start); ``~`` in
+    data.path names the same file as its expansion."""
+    model = save_tiny_model("llama", tmp_path / "model")
+    files = weight_files(model)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "d.jsonl").write_text('{"text": "a"}\n')
+    cfg = dataclasses.replace(BASE, model=ModelConfig(source=str(model)), data=DataConfig(path="~/d.jsonl"))
+    spec = _spec()
+    looked_up = run_identity(cfg, spec, model)
+    elsewhere = tmp_path / "no-weights"  # where a lookup would find none: the files given are used
+    elsewhere.mkdir()
+    given = run_identity(cfg, spec, elsewhere, files)
+    assert given["model.weights"] == looked_up["model.weights"] == weights_fingerprint(files)
+    assert looked_up["data.file"] == file_sha256(tmp_path / "d.jsonl")
 
 
 # --------------------------------------------------------------------------- through the trainer

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from slidekit import Batch, EngineConfig, ModelConfig, OptimConfig, TrainConfig, Trainer
-from slidekit.inputs import check_pair, check_step
+from slidekit.inputs import check_pair, check_step, seq_len_refusal
 from slidekit.testing.asserts import assert_states_equal
 from slidekit.testing.models import random_batches
 
@@ -118,3 +118,11 @@ def test_the_engine_refuses_before_it_moves_anything(tiny_model):
         got = t.fit(int32).losses, t.state_dict()  # int32 token ids train exactly as int64 ones
     assert got[0] == want[0]
     assert_states_equal(got[1], want[1])
+
+
+def test_a_seq_len_beyond_the_models_positions_is_refused_in_one_wording():
+    assert seq_len_refusal(POSITIONS, POSITIONS) is None
+    assert seq_len_refusal(POSITIONS + 1, POSITIONS) == (
+        f"data.seq_len {POSITIONS + 1} exceeds the model's max_position_embeddings {POSITIONS}; "
+        f"use a seq_len of at most {POSITIONS} (CLI: --seq-len)"
+    )

@@ -156,7 +156,7 @@ def test_a_killed_export_and_checkpoint_deletion_go_when_the_next_run_starts(tmp
     out, run = tmp_path / "exports" / "model", tmp_path / "run"
     _killed(_KILLED_EXPORT, str(out))
     (left,) = out.parent.glob(f".{out.name}.slidekit-export-*")
-    live, held = export._staging_dir(out)  # an export in progress elsewhere: its flock is held
+    live, held = export._staging_dir(out)  # an export in progress elsewhere: its lock is held
     doomed = run / "checkpoints" / ".tmp-delete-step-00000001-0123abcd"  # retention, killed mid-delete
     doomed.mkdir(parents=True)
     (doomed / "manifest.json").write_text("{}")
@@ -166,10 +166,26 @@ def test_a_killed_export_and_checkpoint_deletion_go_when_the_next_run_starts(tmp
         text = "; ".join(got.removed)
         assert f"a half-written export beside {out}" in text and doomed.name in text
     finally:
-        os.close(held)
+        held.release()
     export.remove_leftovers(out)  # released now: a later export removes it
     # A finished export carries no trace of its staging.
     state = {"model.embed_tokens.weight": torch.zeros(2, 2)}
     path = export_model(out, hf_config=tiny_config("llama"), state=state, tokenizer=None)
     assert not (path / ".owner").exists() and (path / "model.safetensors").is_file()
     assert [p.name for p in out.parent.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_dead_export_behind_a_symlinked_target_is_reclaimed(tmp_path):
+    """Staging lies beside the real target (``check_target`` resolves symlinks), so the leftovers of an
+    export killed there are found through the link as well."""
+    real = tmp_path / "exports" / "model"
+    real.parent.mkdir()
+    link = tmp_path / "model-link"
+    link.symlink_to(real, target_is_directory=True)
+    staging, held = export._staging_dir(export.check_target(link).path)
+    (staging / "model.safetensors").write_bytes(b"partial")
+    held.release()  # what a kill leaves: the owner record, its lock free
+    assert staging.parent.parent == real.parent
+    (note,) = leftovers.reclaim_export(link)
+    assert f"a half-written export beside {link}" in note and staging.parent.name in note
+    assert not staging.parent.exists() and os.listdir(real.parent) == []

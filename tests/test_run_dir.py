@@ -160,3 +160,18 @@ def test_discarding_a_run_removes_only_its_own_files(tmp_path):
     foreign.mkdir()
     (foreign / "config.json").write_text("{}")
     assert not discard_run(foreign, checkpoints=True) and (foreign / "config.json").exists()
+
+
+def test_resume_step_0_with_overwrite_never_removes_the_previous_run(tmp_path):
+    """``--resume 0`` asks for step 0 (``resume_target() == 0``): a resume, not a fresh run, even with
+    ``--overwrite``, so the run's checkpoints and metrics stay whatever the resume then finds."""
+    run = tmp_path / "run"
+    RunDirectory(TrainConfig(run=RunConfig(dir=str(run)))).close()
+    (run / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    for resume in (0, "0"):
+        config = TrainConfig(run=RunConfig(dir=str(run), resume=resume, overwrite=True))
+        assert config.run.resume_target() == 0
+        RunDirectory(config).close()
+        assert (run / "checkpoints" / "step-00000002").is_dir()
+        assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'

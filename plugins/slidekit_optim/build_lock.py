@@ -8,7 +8,8 @@ every later ``cpp_extension.load`` of that directory then sleeps forever in
 ``FileBaton.wait()``, printing nothing.
 
 ``exclusive_build(directory)`` takes slidekit's own lock first: an exclusive
-``fcntl.flock`` on the file ``<directory>.lock`` beside the build directory.
+``fcntl.flock`` on the file ``<directory>.lock`` beside the build directory
+(``slidekit.owned``: the lock and owner record every slidekit lock uses).
 The OS drops a flock when the holder's file descriptor closes, which happens
 when the process ends however it ends, so a held lock always has a live
 holder (the descriptor is not inheritable: a compiler the build starts does
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -50,10 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-try:
-    import fcntl
-except ImportError:  # not POSIX (Windows): exclusive_build says so when called
-    fcntl = None  # type: ignore[assignment]
+from slidekit import owned
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -135,33 +132,18 @@ def _say(message: str) -> None:
 
 def _holder(fd: int) -> str:
     """Who holds the lock, as its holder recorded it ("pid 123 on host h"), or a sentence saying it is unknown."""
-    try:
-        text = os.pread(fd, 200, 0).decode("utf-8", "replace").split()
-    except OSError:
-        text = []
-    if len(text) >= 2 and text[0].isdigit():
-        return f"pid {text[0]} on host {text[1]}"
-    return "a process that has not recorded its pid yet"
-
-
-def _try_lock(fd: int) -> bool:
-    assert fcntl is not None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:  # EWOULDBLOCK / EAGAIN: another open file description holds it
-        return False
-    return True
+    return owned.holder(fd) or "a process that has not recorded its pid yet"
 
 
 def _acquire(fd: int, path: Path, what: str, deadline: _Deadline, say: Callable[[str], None]) -> None:
     """Take the flock on ``fd``, waiting for its holder until ``deadline``."""
-    if _try_lock(fd):
+    if owned.try_lock(fd):
         return
     say(
         f"waiting for {_holder(fd)} to finish building {what} (lock {path}); "
         f"giving up after {deadline.limit:g} s ({ENV_TIMEOUT})"
     )
-    while not _try_lock(fd):
+    while not owned.try_lock(fd):
         if deadline.passed():
             raise BuildLockTimeout(
                 f"gave up after {deadline.elapsed():.1f} s waiting for the build lock {path} of {what}, "
@@ -273,8 +255,7 @@ def exclusive_build(
     ``OSError`` when the lock file cannot be made or locked (or there is no
     ``fcntl`` here).
     """
-    if fcntl is None:
-        raise OSError(f"the build lock needs POSIX file locks (fcntl), which {sys.platform} lacks")
+    owned.require_flock()
     directory = Path(directory)
     limit = build_timeout() if timeout is None else timeout
     if not limit >= 0:
@@ -285,8 +266,7 @@ def exclusive_build(
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inheritable (PEP 446): children never hold it
     try:
         _acquire(fd, path, what, deadline, say)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        owned.record(fd)
         directory.mkdir(parents=True, exist_ok=True)
         stale = _clear_torch_lock(directory, what, deadline, say)
         held = HeldLock(path=path, waited_s=deadline.elapsed(), stale=stale)

@@ -7,7 +7,8 @@ the torch extensions directory (``TORCH_EXTENSIONS_DIR`` moves it) under
 ``slidekit/<name>``, where the name hashes the source, the headers beside it,
 the flags, torch's and Python's versions: a change to any of them builds anew.
 A process builds or loads each source at most once (``load_kernel``); a failed
-build is remembered with its reason and not retried in that process.
+build is remembered with its reason and not retried in that process. The ninja
+probe and the hash of the source are taken once per process too.
 
 Every build runs under ``build_lock.exclusive_build``: an OS file lock beside
 the build directory that dies with its holder. A build killed halfway (which
@@ -16,7 +17,9 @@ that directory would wait forever) is taken over: the stale file is removed
 and the kernel built again. While another live process builds the same
 kernel, the caller says so on stderr (the lock, the holder's pid) and waits
 at most ``SLIDEKIT_BUILD_TIMEOUT`` seconds (default 300), then gives up with
-an error naming the lock and the fix. A failed or abandoned build behaves as
+an error naming the lock and the fix. Threads of one process wait on that file
+lock too, each within its own bound: no process-wide lock is held while one
+waits, so status checks and other kernels go on. A failed or abandoned build behaves as
 any unavailable kernel: ``impl="auto"`` runs the pure-torch path with one
 logged warning giving the reason, ``impl="cpp"`` raises ``KernelUnavailable``.
 
@@ -29,6 +32,7 @@ Test: ``pytest tests/plugins/test_build_lock.py tests/plugins/test_kernel_build.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -95,32 +99,54 @@ def _cpu_capability() -> str:
     return str(torch.backends.cpu.get_cpu_capability())
 
 
-def _missing_tool() -> str | None:
-    """Why the kernel cannot be compiled here (no compiler, no ninja), or None."""
+@functools.cache
+def _ninja_available() -> bool:
+    """Whether ninja runs here: probed once per process (torch starts ``ninja --version`` to tell)."""
     from torch.utils import cpp_extension
 
+    return bool(cpp_extension.is_ninja_available())
+
+
+def _missing_tool() -> str | None:
+    """Why the kernel cannot be compiled here (no compiler, no ninja), or None."""
     cxx = os.environ.get("CXX", "c++")  # what torch.utils.cpp_extension compiles with
     if shutil.which(cxx) is None:
         return f"no C++ compiler: {cxx!r} not found; install g++ or set CXX"
-    if not cpp_extension.is_ninja_available():
+    if not _ninja_available():
         return "ninja not found; pip install ninja"
     return None
 
 
+def _flags(capability: str) -> tuple[str, ...]:
+    return _CFLAGS + _ISA_FLAGS.get(capability, ())
+
+
+@functools.lru_cache(maxsize=32)
+def _kernel_name(files: tuple[tuple[str, int, int], ...], capability: str) -> str:
+    """The build's name: a hash of the source and headers (``files``: path, size, mtime, so an edit
+    reads them anew), the flags, torch's and Python's versions. Read and hashed once per process."""
+    text = b"\0".join(Path(f).read_bytes() for f, _size, _mtime in files)
+    key = b"\0".join(
+        [text, " ".join(_flags(capability)).encode(), torch.__version__.encode(), sys.version.encode()]
+    )
+    return f"slidekit_fused_adam_{capability.lower()}_{hashlib.sha256(key).hexdigest()[:12]}"
+
+
 def _build_spec(source: Path) -> _BuildSpec:
     try:  # the source and the headers beside it (it includes them by path): a change to either rebuilds
-        text = b"\0".join(f.read_bytes() for f in [source, *sorted(source.parent.glob("*.h"))])
+        files = tuple(
+            (str(f), (st := f.stat()).st_size, st.st_mtime_ns)
+            for f in [source, *sorted(source.parent.glob("*.h"))]
+        )
+        cap = _cpu_capability()
+        name = _kernel_name(files, cap)
     except OSError as e:
         raise KernelUnavailable(f"cannot read the kernel source {source}: {e}") from e
-    cap = _cpu_capability()
-    flags = _CFLAGS + _ISA_FLAGS.get(cap, ())
-    key = b"\0".join([text, " ".join(flags).encode(), torch.__version__.encode(), sys.version.encode()])
-    name = f"slidekit_fused_adam_{cap.lower()}_{hashlib.sha256(key).hexdigest()[:12]}"
     from torch.utils import cpp_extension
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     directory = Path(root) / "slidekit" / name
-    return _BuildSpec(source=source, name=name, directory=directory, flags=flags, capability=cap)
+    return _BuildSpec(source=source, name=name, directory=directory, flags=_flags(cap), capability=cap)
 
 
 def _error_summary(err: BaseException) -> str:
@@ -145,7 +171,12 @@ def _build(source: Path, timeout: float) -> ModuleType | str:
 
     what = f"the fused CPU kernel {spec.name} ({source.name})"
     try:
+        # The build lock is a file lock, which also keeps two threads of this process apart (each opens
+        # it anew), each within its own timeout; no process-wide lock is held while one waits.
         with exclusive_build(spec.directory, what=what, timeout=timeout):
+            done = _recorded(source)
+            if isinstance(done, ModuleType):
+                return done  # another thread of this process built it while this one waited
             if not spec.library.exists():
                 print(
                     f"slidekit: building the fused CPU Adam kernel (first use, takes ~{_BUILD_SECONDS} s) "
@@ -168,13 +199,27 @@ def _build(source: Path, timeout: float) -> ModuleType | str:
 
 _KERNELS: dict[Path, ModuleType | str] = {}  # per source: the module, or why it cannot be built
 _FELL_BACK: set[Path] = set()  # sources whose fallback to pure torch has been logged
-_KERNELS_LOCK = threading.Lock()
+_KERNELS_LOCK = threading.Lock()  # guards the two above, held only to read or write them
+
+
+def _recorded(source: Path) -> ModuleType | str | None:
+    with _KERNELS_LOCK:
+        return _KERNELS.get(source)
+
+
+def _record(source: Path, outcome: ModuleType | str) -> None:
+    """Remember a build's outcome: the first one, unless a module comes after a reason (a thread that
+    waited longer built it after another gave up)."""
+    with _KERNELS_LOCK:
+        known = _KERNELS.get(source)
+        if known is None or (isinstance(outcome, ModuleType) and not isinstance(known, ModuleType)):
+            _KERNELS[source] = outcome
 
 
 def load_kernel(source: Path | str = KERNEL_SOURCE, *, timeout: float | None = None) -> ModuleType:
     """The fused kernel built from ``source``: built once per process (and cached on disk).
 
-    ``timeout``: seconds to wait for another process building the same kernel
+    ``timeout``: seconds to wait for another process (or thread) building the same kernel
     (None: ``SLIDEKIT_BUILD_TIMEOUT``, default 300). Raises ``KernelUnavailable``
     with the reason when it cannot be built; the reason is remembered, so a
     failed build is tried once per process. ``ValueError`` for a malformed
@@ -182,10 +227,10 @@ def load_kernel(source: Path | str = KERNEL_SOURCE, *, timeout: float | None = N
     """
     key = Path(source).resolve()
     limit = build_timeout() if timeout is None else timeout
-    with _KERNELS_LOCK:
-        kernel = _KERNELS.get(key)
-        if kernel is None:
-            kernel = _KERNELS[key] = _build(key, limit)
+    kernel = _recorded(key)
+    if kernel is None:
+        kernel = _build(key, limit)
+        _record(key, kernel)
     if isinstance(kernel, str):
         raise KernelUnavailable(kernel)
     return kernel
@@ -227,8 +272,7 @@ def load_or_fallback(source: Path, requested: str, owner: str) -> ModuleType | N
 def kernel_status(source: Path = KERNEL_SOURCE) -> str:
     """Which path ``impl="auto"`` takes, and why, without compiling anything."""
     key = Path(source).resolve()
-    with _KERNELS_LOCK:
-        kernel = _KERNELS.get(key)
+    kernel = _recorded(key)
     if isinstance(kernel, ModuleType):
         return "fused C++ kernel (loaded)"
     if isinstance(kernel, str):

@@ -69,7 +69,14 @@ Test: ``pytest tests/test_checkpoint.py`` (about 15 s on a 2-core CPU).
 
 from __future__ import annotations
 
-from slidekit.checkpoint._disk import quarantine, remove_leftovers, set_aside, step_dir, step_dirs
+from slidekit.checkpoint._disk import (
+    fewer_checkpoints,
+    quarantine,
+    remove_leftovers,
+    set_aside,
+    step_dir,
+    step_dirs,
+)
 from slidekit.checkpoint._format import (
     DEFAULT_CHUNK_BYTES,
     FORMAT_VERSION,
@@ -109,6 +116,7 @@ __all__ = [
     "array_dir_name",
     "decode_tensor",
     "encode_tensor",
+    "fewer_checkpoints",
     "latest",
     "load_meta",
     "problems",

@@ -1,4 +1,4 @@
-"""Checkpoint directories on disk: fsync helpers, writer locks, temporary directories, retention.
+"""Checkpoint directories on disk: writer locks, temporary directories, retention, full-disk errors.
 
 See ``slidekit.checkpoint`` for the commit protocol these implement.
 """
@@ -7,56 +7,20 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import os
 import secrets
 import shutil
 import time
 from pathlib import Path
 
+from slidekit import owned
+from slidekit.atomic import fsync_path, rename_aside, write_synced
 from slidekit.checkpoint._format import _LOCK, _STEP_DIR, CheckpointError, _step_name
 
 _STALE_UNLOCKED_S = 60.0  # a .tmp-* dir without a lock file is a writer's only before its first instant
-_DOOMED = (".tmp-delete-", ".tmp-replaced-")  # checkpoints renamed aside to be deleted (retention, overwrite)
-
-# --------------------------------------------------------------------------- small file-system helpers
-
-
-def _fsync_path(path: Path, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dirs(root: Path) -> None:
-    """fsync every directory under ``root`` (files are synced by their writers: tensorstore's
-    ``file_io_sync`` for zarr files, ``_write_synced`` for ours), deepest first, so entries are durable."""
-    for dirpath, _dirs, _files in os.walk(root, topdown=False):
-        _fsync_path(Path(dirpath), directory=True)
-
-
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _lock_held(tmp: Path) -> bool | None:
-    """Whether a live writer holds ``tmp``'s lock (None: there is no lock file)."""
-    try:
-        fd = os.open(tmp / _LOCK, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)  # closing our own descriptor drops only our flock, never the writer's
-    return False
+# Checkpoints renamed aside (``atomic.rename_aside``) to be deleted: by retention, and when a save replaces one.
+_DELETING, _REPLACED = ".tmp-delete-", ".tmp-replaced-"
+_DOOMED = (_DELETING, _REPLACED)
 
 
 def _cleanup_tmp(directory: Path) -> list[Path]:
@@ -72,8 +36,8 @@ def _cleanup_tmp(directory: Path) -> list[Path]:
         if not entry.is_dir():
             continue
         if not entry.name.startswith(_DOOMED):
-            held = _lock_held(entry)
-            if held or (held is None and time.time() - entry.stat().st_mtime < _STALE_UNLOCKED_S):
+            free = owned.lock_free(entry / _LOCK)  # None: no lock file (yet)
+            if free is False or (free is None and time.time() - entry.stat().st_mtime < _STALE_UNLOCKED_S):
                 continue
         shutil.rmtree(entry, ignore_errors=True)
         if not entry.exists():
@@ -82,8 +46,8 @@ def _cleanup_tmp(directory: Path) -> list[Path]:
 
 
 def _remove_checkpoint(path: Path) -> None:
-    aside = path.with_name(f"{_DOOMED[0]}{path.name}-{secrets.token_hex(4)}")
-    os.rename(path, aside)  # a crash from here on leaves a .tmp-* dir, never a half-deleted step-*
+    # A crash from here on leaves a .tmp-* dir, never a half-deleted step-*.
+    aside = rename_aside(path, _DELETING)
     shutil.rmtree(aside, ignore_errors=True)
 
 
@@ -107,7 +71,11 @@ def _make_tmp(directory: Path, step: int) -> tuple[Path, int]:
         except FileExistsError:
             continue
     fd = os.open(tmp / _LOCK, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # tells _cleanup_tmp (any process) that this directory is alive
+    # Held, with our owner record, for the write: tells _cleanup_tmp (any process) this directory is alive.
+    if not owned.try_lock(fd):  # a file in a directory this process just made: nobody else holds it
+        os.close(fd)
+        raise OSError(f"cannot lock {tmp / _LOCK}: another process holds a file it has just created")
+    owned.record(fd)
     return tmp, fd
 
 
@@ -139,10 +107,10 @@ def set_aside(path: str | os.PathLike[str], kind: str, reason: str) -> Path:
     while aside.exists():
         aside = path.with_name(f"{kind}-{path.name}-{stamp}-{secrets.token_hex(2)}")
     os.rename(path, aside)
-    _fsync_path(path.parent, directory=True)
+    fsync_path(path.parent, directory=True)
     with contextlib.suppress(OSError):  # the note is a courtesy: a damaged directory may refuse it
         note = f"set aside by slidekit at {stamp}: {reason}\nDelete this directory once inspected.\n"
-        _write_synced(aside / f"{kind.upper()}.txt", note.encode())
+        write_synced(aside / f"{kind.upper()}.txt", note.encode())
     return aside
 
 
@@ -181,9 +149,18 @@ def _space_hint(nbytes: int, directory: Path, keep: int | None) -> str:
         free = shutil.disk_usage(directory if directory.is_dir() else directory.parent).free
     have = "" if free is None else f", {free / 2**30:.2f} GiB are free there"
     hint = f"free space where {directory} lives (a checkpoint takes {nbytes / 2**30:.2f} GiB{have})"
-    if keep is None:
-        return f"{hint}, or bound the checkpoints kept (keep=None keeps every one)"
-    if keep > 1:
-        return f"{hint}, or keep fewer checkpoints (keep={keep} now)"
-    # keep=1 cannot go lower: the newest is deleted only after the next one is committed
+    fewer = fewer_checkpoints(keep, "keep")
+    if fewer is not None:
+        return f"{hint}, or {fewer}"
     return f"{hint}, or put the run directory on a larger disk (keep=1 still needs room for 2 checkpoints)"
+
+
+def fewer_checkpoints(keep: int | None, option: str) -> str | None:
+    """What the retention setting ``option`` (now ``keep``) can do for a run directory short of room:
+    "keep fewer checkpoints (run.keep=3 now)"; None with ``keep=1``, which cannot go lower (the newest
+    is deleted only after the next one is committed)."""
+    if keep is None:
+        return f"bound the checkpoints kept ({option}=None keeps every one)"
+    if keep > 1:
+        return f"keep fewer checkpoints ({option}={keep} now)"
+    return None

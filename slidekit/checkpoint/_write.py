@@ -10,7 +10,6 @@ import hashlib
 import json
 import math
 import os
-import secrets
 import shutil
 import sys
 import threading
@@ -26,14 +25,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from slidekit.atomic import fsync_path, fsync_tree, rename_aside, write_synced
 from slidekit.checkpoint._disk import (
+    _REPLACED,
     _cleanup_tmp,
-    _fsync_dirs,
-    _fsync_path,
     _make_tmp,
     _remove_checkpoint,
     _step_dirs,
-    _write_synced,
     save_error,
 )
 from slidekit.checkpoint._format import (
@@ -333,17 +331,17 @@ class CheckpointWriter:
             job.where = "creating the temporary directory"
             if not self.directory.is_dir():
                 self.directory.mkdir(parents=True, exist_ok=True)
-                _fsync_path(self.directory.parent, directory=True)
+                fsync_path(self.directory.parent, directory=True)
             tmp, lock_fd = _make_tmp(self.directory, job.step)
             job.where = f"writing {_META}"
-            _write_synced(tmp / _META, job.meta)
+            write_synced(tmp / _META, job.meta)
             (tmp / "arrays").mkdir()
             arrays = self._write_arrays(job, tmp)
             job.where = f"writing {_MANIFEST}"
-            _write_synced(tmp / _MANIFEST, self._manifest(job, arrays))
+            write_synced(tmp / _MANIFEST, self._manifest(job, arrays))
             self._stage("manifest", str(tmp))
             job.where = "syncing files"
-            _fsync_dirs(tmp)
+            fsync_tree(tmp, files=False)  # files synced by their writers (tensorstore, write_synced)
             self._stage("commit", str(tmp))
             job.where = "renaming into place"
             final = self._commit(job, tmp)
@@ -459,10 +457,9 @@ class CheckpointWriter:
         if final.exists():
             if not job.overwrite:
                 raise CheckpointError(f"{final} appeared while saving; not replacing it (overwrite=False)")
-            aside = final.with_name(f".tmp-replaced-{final.name}-{secrets.token_hex(4)}")
-            os.rename(final, aside)
+            aside = rename_aside(final, _REPLACED)
         os.rename(tmp, final)  # the commit point
-        _fsync_path(self.directory, directory=True)
+        fsync_path(self.directory, directory=True)
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
         return final

@@ -15,7 +15,6 @@ per unit, so it does not depend on order or threads.
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +24,9 @@ from typing import Any
 
 import torch
 
-from slidekit.errors import ConfigError, ModelLoadError
+from slidekit.errors import ModelLoadError
 from slidekit.models.base import ArchSpec, UnitLayout
+from slidekit.models.overrides import apply as apply_overrides
 
 __all__ = [
     "DEMO_MODEL",
@@ -63,48 +63,8 @@ def load_hf_config(source: str, overrides: Mapping[str, Any] | None = None) -> t
     except Exception as exc:
         raise ModelLoadError(f"cannot read {directory / 'config.json'}: {exc}") from exc
     if overrides:
-        config = _override(config, dict(overrides))
+        config = apply_overrides(config, overrides)
     return config, directory
-
-
-def _override(config: Any, overrides: dict[str, Any]) -> Any:
-    values = config.to_dict()
-    unknown = [k for k in overrides if k not in values]
-    if unknown:
-        raise ModelLoadError(f"cannot override {unknown}: {config.model_type} configs have no such fields")
-    for key, value in overrides.items():
-        _check_override(key, values[key], value)
-    values.update(overrides)
-    if "num_hidden_layers" in overrides:
-        values.pop("layer_types", None)  # derived from the layer count; let the config rebuild it
-    try:
-        return type(config)(**values)
-    except Exception as exc:  # transformers validates the whole config: report it as ours
-        raise ConfigError(
-            f"model.overrides {overrides} make no valid {config.model_type} config: {exc}"
-        ) from exc
-
-
-def _check_override(key: str, current: Any, value: Any) -> None:
-    """An override has the type of the value it replaces (an int may replace a float; None is not checked)."""
-    if current is None or value is None:
-        return
-    if isinstance(current, bool):
-        ok, kind = isinstance(value, bool), "true or false"
-    elif isinstance(current, int):
-        ok, kind = isinstance(value, int) and not isinstance(value, bool), "an integer"
-    elif isinstance(current, float):
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        kind = "a finite number"
-    elif isinstance(current, str):
-        ok, kind = isinstance(value, str), "a string"
-    else:
-        return
-    if not ok:
-        raise ConfigError(
-            f"model.overrides.{key} must be {kind}, like the model's own value {current!r}; "
-            f"got {value!r} ({type(value).__name__})"
-        )
 
 
 def weight_files(directory: Path) -> dict[str, Path]:

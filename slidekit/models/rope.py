@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from slidekit.errors import ModelLoadError
+from slidekit.models.support import refuse
 
 __all__ = ["SUPPORTED_ROPE_TYPES", "rope_init", "rope_type"]
 
@@ -35,20 +36,16 @@ _WHY_NOT = {
 }
 
 
-def _refuse(config: Any, field: str, value: Any, why: str, fix: str) -> ModelLoadError:
-    return ModelLoadError(f"{config.model_type}: {field}={value!r} is not supported: {why}; {fix}")
-
-
 def _parameters(config: Any) -> dict[str, Any]:
     """The config's single, global set of RoPE parameters (validated shape, not values)."""
     params = getattr(config, "rope_parameters", None)
     if params is None:
         params = {}
     if not isinstance(params, Mapping):
-        raise _refuse(config, "rope_parameters", params, "it is not a mapping", "write it as a JSON object")
+        raise refuse(config, "rope_parameters", params, "it is not a mapping", "write it as a JSON object")
     layer_types = set(getattr(config, "layer_types", None) or ())
     if params and all(isinstance(v, Mapping) or v is None for v in params.values()):
-        raise _refuse(
+        raise refuse(
             config,
             "rope_parameters",
             dict(params),
@@ -57,7 +54,7 @@ def _parameters(config: Any) -> dict[str, Any]:
             "write a single set, e.g. {'rope_type': 'default', 'rope_theta': 10000.0}",
         )
     if layer_types & set(params):
-        raise _refuse(
+        raise refuse(
             config,
             "rope_parameters",
             dict(params),
@@ -81,7 +78,7 @@ def _check(config: Any, params: dict[str, Any]) -> str:
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in SUPPORTED_ROPE_TYPES:
         why = _WHY_NOT.get(str(kind), "slidekit does not compute this RoPE variant")
-        raise _refuse(
+        raise refuse(
             config,
             "rope_parameters.rope_type",
             kind,
@@ -90,7 +87,7 @@ def _check(config: Any, params: dict[str, Any]) -> str:
         )
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
     if partial is not None and float(partial) != 1.0:
-        raise _refuse(
+        raise refuse(
             config,
             "partial_rotary_factor",
             partial,
@@ -100,7 +97,7 @@ def _check(config: Any, params: dict[str, Any]) -> str:
         )
     theta = params.get("rope_theta")
     if not isinstance(theta, int | float) or isinstance(theta, bool) or theta <= 0:
-        raise _refuse(
+        raise refuse(
             config, "rope_parameters.rope_theta", theta, "RoPE needs a positive base", "set it, e.g. 10000.0"
         )
     return str(kind)

@@ -22,7 +22,7 @@ from typing import Any
 
 from slidekit.errors import ModelLoadError
 
-__all__ = ["FOREIGN_FIELDS", "SILU_ACTIVATIONS", "attention_window", "check_math", "padding_index"]
+__all__ = ["FOREIGN_FIELDS", "SILU_ACTIVATIONS", "attention_window", "check_math", "padding_index", "refuse"]
 
 #: ``hidden_act`` values that are SiLU in transformers' ACT2FN (the only activation the kernels gate with).
 SILU_ACTIVATIONS = ("silu", "swish")
@@ -54,7 +54,8 @@ _FIXED: dict[str, dict[str, tuple[Any, ...]]] = {
 }
 
 
-def _refuse(config: Any, field: str, value: Any, why: str, fix: str) -> ModelLoadError:
+def refuse(config: Any, field: str, value: Any, why: str, fix: str) -> ModelLoadError:
+    """The error refusing ``config``'s ``field=value``: ``<model_type>: field=value is not supported: why; fix``."""
     return ModelLoadError(f"{config.model_type}: {field}={value!r} is not supported: {why}; {fix}")
 
 
@@ -66,7 +67,7 @@ def check_math(config: Any, family: str) -> None:
     """Refuse the fields of ``config`` whose math the ``family`` decoder layer does not compute."""
     act = getattr(config, "hidden_act", "silu")
     if act not in SILU_ACTIVATIONS:
-        raise _refuse(
+        raise refuse(
             config,
             "hidden_act",
             act,
@@ -75,7 +76,7 @@ def check_math(config: Any, family: str) -> None:
         )
     dropout = getattr(config, "attention_dropout", 0.0)
     if dropout is not None and float(dropout) != 0.0:
-        raise _refuse(
+        raise refuse(
             config,
             "attention_dropout",
             dropout,
@@ -87,7 +88,7 @@ def check_math(config: Any, family: str) -> None:
         value = getattr(config, field, None)
         if not _is(value, allowed):
             fine = " or ".join("null" if a is None else repr(a) for a in allowed)
-            raise _refuse(
+            raise refuse(
                 config,
                 field,
                 value,
@@ -99,7 +100,7 @@ def check_math(config: Any, family: str) -> None:
 
 def _positive_window(config: Any, window: Any) -> int:
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise _refuse(
+        raise refuse(
             config,
             "sliding_window",
             window,
@@ -125,7 +126,7 @@ def attention_window(config: Any, family: str) -> int | None:
     """
     kinds = _kinds(config)
     if set(kinds) - {"full_attention", "sliding_attention"}:
-        raise _refuse(
+        raise refuse(
             config,
             "layer_types",
             sorted(kinds),
@@ -135,7 +136,7 @@ def attention_window(config: Any, family: str) -> int | None:
     window = getattr(config, "sliding_window", None)
     if family in ("qwen2", "qwen3"):
         if len(kinds) > 1:
-            raise _refuse(
+            raise refuse(
                 config,
                 "layer_types",
                 list(config.layer_types),
@@ -150,7 +151,7 @@ def attention_window(config: Any, family: str) -> int | None:
         if "sliding_attention" not in kinds:
             return None
         if window is None:
-            raise _refuse(
+            raise refuse(
                 config,
                 "sliding_window",
                 None,
@@ -159,7 +160,7 @@ def attention_window(config: Any, family: str) -> int | None:
             )
         return _positive_window(config, window)
     if family == "llama" and window is not None:
-        raise _refuse(
+        raise refuse(
             config,
             "sliding_window",
             window,
@@ -168,7 +169,7 @@ def attention_window(config: Any, family: str) -> int | None:
         )
     expected = "full_attention" if window is None else "sliding_attention"
     if kinds and set(kinds) != {expected}:
-        raise _refuse(
+        raise refuse(
             config,
             "layer_types",
             sorted(kinds),
@@ -186,7 +187,7 @@ def padding_index(config: Any) -> int | None:
         return None
     vocab = config.vocab_size
     if isinstance(pad, bool) or not isinstance(pad, int) or not -vocab <= pad < vocab:
-        raise _refuse(
+        raise refuse(
             config,
             "pad_token_id",
             pad,

@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -299,6 +300,72 @@ def test_a_live_builder_makes_the_optimizer_wait_then_fall_back(
         assert f"waiting for pid {proc.pid}" in capsys.readouterr().err
         with pytest.raises(KernelUnavailable, match=r"impl='cpp'.*build lock"):
             LayerAdam(HYPER, impl="cpp", kernel_source=source)
+
+
+def test_the_ninja_probe_and_the_source_hash_are_taken_once_per_process(tmp_path, monkeypatch):
+    from torch.utils import cpp_extension
+
+    probes: list[bool] = []
+    real = cpp_extension.is_ninja_available
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: probes.append(real()) or probes[-1])
+    kernel_build._ninja_available.cache_clear()
+    source = _source_copy(tmp_path)
+    try:
+        for _ in range(3):
+            kernel_status(source)
+    finally:
+        kernel_build._ninja_available.cache_clear()  # the next probe is the real one again
+    compiler_here = shutil.which(os.environ.get("CXX", "c++")) is not None  # else no probe is needed
+    assert len(probes) == (1 if compiler_here else 0)
+
+    name = kernel_build._build_spec(source).name
+    st = source.stat()
+    text = source.read_bytes()
+    source.write_bytes(text.replace(b"#include", b"#INCLUDE", 1))  # same size and mtime: not read again
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert kernel_build._build_spec(source).name == name
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # an edit: read and hashed anew
+    assert kernel_build._build_spec(source).name != name
+
+
+def _wait_for_output(capsys, text: str, bound: float = 120.0) -> str:
+    """What was written to stderr until ``text`` appeared in it; fails after ``bound`` seconds without it."""
+    seen, deadline = "", time.monotonic() + bound
+    while text not in seen:
+        assert time.monotonic() < deadline, f"{text!r} never appeared on stderr: {seen!r}"
+        time.sleep(0.05)
+        seen += capsys.readouterr().err
+    return seen
+
+
+def test_a_thread_waiting_for_a_build_holds_up_no_other_thread(compiler, tmp_path, monkeypatch, capsys):
+    """While one thread waits (within its bound) for another process's build, a status check answers
+    at once and another thread gives up on its own, shorter bound: no process-wide lock is held."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    source = _source_copy(tmp_path)
+    directory = kernel_build._build_spec(source).directory
+    outcome: list[BaseException | None] = []
+
+    def patient() -> None:
+        try:
+            kernel_build.load_kernel(source, timeout=DEFAULT_TIMEOUT_S)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    with _holding(directory) as proc:
+        waiter = threading.Thread(target=patient, name="patient-build", daemon=True)
+        waiter.start()
+        _wait_for_output(capsys, f"waiting for pid {proc.pid}")
+        assert kernel_status(source) == "fused C++ kernel (built on first use)"
+        with pytest.raises(KernelUnavailable, match=r"gave up after .* held by pid"):
+            kernel_build.load_kernel(source, timeout=0.2)
+        assert waiter.is_alive()  # still waiting, within its own bound
+        monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))  # its build, once it may, fails fast
+        _release(proc)
+        waiter.join(300)
+    assert not waiter.is_alive() and len(outcome) == 1
+    assert isinstance(outcome[0], KernelUnavailable), outcome
 
 
 _BUILD = (
