@@ -26,7 +26,7 @@ import torch
 
 from slidekit import leftovers, owned
 from slidekit.config import TrainConfig
-from slidekit.data import Batch, DataSpec, PackedDataset, build_datasets, load_tokenizer
+from slidekit.data import Batch, DataSpec, PackedDataset, build_datasets, data_file, load_tokenizer
 from slidekit.devices import device_family
 from slidekit.engine import Engine
 from slidekit.engine.build import EngineParts, build_engine
@@ -34,6 +34,7 @@ from slidekit.errors import ConfigError, ModelLoadError
 from slidekit.export import ExportError, check_dtype, check_target, export_guards, export_model
 from slidekit.graceful import GracefulStop
 from slidekit.identity import changed_settings, effective_lr, run_identity
+from slidekit.inputs import seq_len_refusal
 from slidekit.interfaces import StorageTier, TierContext
 from slidekit.lr_schedule import lr_factor
 from slidekit.models.loading import (
@@ -115,12 +116,15 @@ class Trainer:
         self._consumed = 0  # batches taken from the configured data (restored on resume)
         self._identity: dict[str, Any] | None = None
         self._kept_leftovers: list[Leftover] = []  # other runs' offload files, named if space runs short
+        self._guards: list[Any] | None = None  # what an export may not replace (export_guards), once
+        self._files: dict[str, Path] | None = None  # the model's weight files (weight_files), looked up once
         try:
             if config.run.export_dir:  # a target the export would refuse is refused before any training
                 check_target(
                     config.run.export_dir,
                     overwrite=config.run.overwrite,
-                    guards=export_guards(config, self.model_dir),
+                    guards=self._export_guards(),
+                    dtype=config.run.export_dtype,
                 )
             if config.run.dir:  # claimed (locked) before the engine is built: a second run is refused at once
                 hook = self._fault_hook
@@ -223,11 +227,24 @@ class Trainer:
             planner, layout, self.machine(), seq_len_refusal=self._check_seq_len, disk_notes=extra
         )
 
+    def _weight_files(self) -> dict[str, Path]:
+        """The model's safetensors files by tensor name, looked up once ({} for random or demo weights)."""
+        if self._files is None:
+            mc = self.config.model
+            fresh = mc.random_init or mc.source == DEMO_MODEL
+            self._files = {} if fresh else weight_files(self.model_dir)
+        return self._files
+
+    def _export_guards(self) -> list[Any]:
+        if self._guards is None:
+            self._guards = export_guards(self.config, self.model_dir)
+        return self._guards
+
     def _load_weights(self) -> None:
         mc = self.config.model
         assert self._engine is not None
         fresh = mc.random_init or mc.source == DEMO_MODEL
-        files = {} if fresh else weight_files(self.model_dir)
+        files = self._weight_files()
         if not files and not fresh:
             raise ModelLoadError(
                 f"{str(self.model_dir)!r} has no model.safetensors or model.safetensors.index.json; "
@@ -247,7 +264,7 @@ class Trainer:
             if tokenizer is None:
                 raise ConfigError(f"{self.model_dir} has no tokenizer; add one, or pass batches to fit()")
             spec = DataSpec(
-                path=Path(dc.path) if dc.path else demo_dir() / "corpus.jsonl",
+                path=data_file(dc.path),
                 format=dc.format,
                 seq_len=dc.seq_len,
                 completion_only=dc.completion_only,
@@ -266,12 +283,9 @@ class Trainer:
         return self._datasets
 
     def _check_seq_len(self) -> None:
-        seq_len, positions = self.config.data.seq_len, self.spec.max_positions
-        if seq_len > positions:
-            raise ConfigError(
-                f"data.seq_len {seq_len} exceeds the model's max_position_embeddings {positions}; "
-                f"use a seq_len of at most {positions}"
-            )
+        why = seq_len_refusal(self.config.data.seq_len, self.spec.max_positions)
+        if why:
+            raise ConfigError(why)
 
     def default_batches(self) -> Iterator[Batch]:
         """Endless shuffled training batches from ``config.data`` (the sample corpus when no path is set)."""
@@ -391,7 +405,7 @@ class Trainer:
     def identity(self) -> dict[str, Any]:
         """What a resume of this run may not change (``slidekit.identity``), computed once."""
         if self._identity is None:
-            self._identity = run_identity(self.config, self.spec, self.model_dir)
+            self._identity = run_identity(self.config, self.spec, self.model_dir, self._weight_files())
         return self._identity
 
     def _step(self, engine: Engine, step: int, micro: list[Batch], result: FitResult) -> dict[str, float]:
@@ -486,22 +500,18 @@ class Trainer:
             )
         else:
             where = "the trained weights are still in this Trainer: fix the problem and call export() again"
-        guards = export_guards(self.config, self.model_dir)
         hook = self._fault_hook
         on_stage = (lambda stage, _detail: hook(f"export:{stage}")) if hook else None
         try:
-            check_target(out, overwrite=overwrite, guards=guards)
+            target = check_target(out, overwrite=overwrite, guards=self._export_guards(), dtype=dtype)
         except ConfigError as exc:
             raise ConfigError(f"{exc}; {where}" if saved is not None else str(exc)) from None
         try:
             return export_model(
-                out,
+                target,
                 hf_config=copy.deepcopy(self.hf_config),
                 state=engine.master_state(),
                 tokenizer=self.tokenizer(),
-                dtype=dtype,
-                overwrite=overwrite,
-                guards=guards,
                 info={
                     "step": engine.steps_done,
                     "steps": self.config.steps,

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from slidekit.inputs import seq_len_refusal
 from slidekit.planning.estimate import Estimate
 from slidekit.planning.layout import Placement
 from slidekit.planning.machine import Machine
@@ -79,11 +80,9 @@ def plan_run(
         f"{setup.selections['kernels'].name}"
     )
     refusals = []
-    if dc.seq_len > spec.max_positions:  # a model limit, not a memory one: no placement changes it
-        refusals.append(
-            f"data.seq_len {dc.seq_len} exceeds the model's max_position_embeddings {spec.max_positions}; "
-            f"use a --seq-len of at most {spec.max_positions}"
-        )
+    why = seq_len_refusal(dc.seq_len, spec.max_positions)
+    if why:  # a model limit, not a memory one: no placement changes it
+        refusals.append(why)
     return PlanReport(
         summary=summary,
         machine=machine,

@@ -66,8 +66,9 @@ def run_dir_need(size: int, keep: int | None, writes: int, existing: int) -> tup
     if not copies:
         return {}, ""
     fix = "free space there, or put run.dir (--run-dir) on a larger disk"
-    if keep is None:
-        fix += ", or bound the checkpoints kept (run.keep)"
-    elif keep > 1:
-        fix += f", or keep fewer checkpoints (run.keep={keep} now)"
+    from slidekit.checkpoint import fewer_checkpoints  # the wording checkpoint saves use too
+
+    fewer = fewer_checkpoints(keep, "run.keep")
+    if fewer:
+        fix += f", or {fewer}"
     return {f"checkpoints ({copies} x {size / 2**30:.2f} GiB)": copies * size}, fix
