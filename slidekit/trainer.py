@@ -26,7 +26,8 @@ import torch
 
 from slidekit import leftovers, owned
 from slidekit.config import TrainConfig
-from slidekit.data import Batch, DataSpec, PackedDataset, build_datasets, data_file, load_tokenizer
+from slidekit.data import Batch, PackedDataset
+from slidekit.data.configured import configured_datasets, model_tokenizer
 from slidekit.devices import device_family
 from slidekit.engine import Engine
 from slidekit.engine.build import EngineParts, build_engine
@@ -258,28 +259,10 @@ class Trainer:
     def datasets(self) -> tuple[PackedDataset, PackedDataset | None]:
         """The training set and the held-out set (None without ``eval_fraction``) of ``config.data``."""
         if self._datasets is None:
-            dc = self.config.data
             self._check_seq_len()
-            tokenizer = self.tokenizer()
-            if tokenizer is None:
-                raise ConfigError(f"{self.model_dir} has no tokenizer; add one, or pass batches to fit()")
-            spec = DataSpec(
-                path=data_file(dc.path),
-                format=dc.format,
-                seq_len=dc.seq_len,
-                completion_only=dc.completion_only,
-                packing=dc.packing,
-                eval_fraction=dc.eval_fraction,
-                seed=dc.seed,
+            self._datasets = configured_datasets(
+                self.config, self.tokenizer(), vocab_size=self.spec.vocab_size, model_dir=self.model_dir
             )
-            train, held_out = build_datasets(spec, tokenizer)
-            too_big = max(ds.max_token_id() for ds in (train, held_out) if ds is not None)
-            if too_big >= self.spec.vocab_size:
-                raise ConfigError(
-                    f"the tokenizer produced id {too_big}, but the model's vocabulary has {self.spec.vocab_size} "
-                    "entries; use the tokenizer that belongs to the model"
-                )
-            self._datasets = (train, held_out)
         return self._datasets
 
     def _check_seq_len(self) -> None:
@@ -468,10 +451,7 @@ class Trainer:
     def tokenizer(self) -> Any | None:
         """The model's tokenizer (the demo's for the demo model), or None when the directory has none."""
         directory = demo_dir() / "tokenizer" if self.config.model.source == DEMO_MODEL else self.model_dir
-        try:
-            return load_tokenizer(directory)
-        except ConfigError:
-            return None
+        return model_tokenizer(directory)
 
     def export(self, out: str, *, dtype: str = "bfloat16", overwrite: bool = False) -> Path:
         """Write the current weights as a Hugging Face model directory (see ``slidekit.export``).
