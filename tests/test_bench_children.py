@@ -116,3 +116,24 @@ def test_reset_peak_rss_says_so_where_it_cannot(monkeypatch):
 
     monkeypatch.setattr(telemetry, "open", refuse, raising=False)  # the module's own open()
     assert telemetry.reset_peak_rss() is False
+
+
+def test_builds_run_side_by_side_and_say_how_they_went(tmp_path, capsys):
+    from slidekit.tools.bench.runner import run_builds
+
+    commands = {
+        "good": ([sys.executable, "-c", "import os; print(os.environ['WHO'])"], {"WHO": "built"}),
+        "bad": (
+            [sys.executable, "-c", "import sys; print('error: no compiler', file=sys.stderr); sys.exit(2)"],
+            {},
+        ),
+    }
+    out = run_builds(["good", "bad"], tmp_path, commands)
+    assert out["good"]["ok"] is True and out["good"]["failure"] is None
+    assert out["bad"] == {
+        "ok": False,
+        "wall_s": out["bad"]["wall_s"],
+        "failure": "exit code 2: error: no compiler",
+    }
+    assert "built" in (tmp_path / "build_good.log").read_text()  # the variables reach the build
+    assert "build bad: exit code 2: error: no compiler" in capsys.readouterr().err

@@ -28,10 +28,11 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from slidekit.tools.bench.costs import BUILD_S
 from slidekit.tools.bench.suites import BASELINE_PACKAGE, RunSpec, Suite
 from slidekit.tools.bench.timeplan import Plan, format_plan
 from slidekit.tools.children import ChildRun, MemoryWatchdog, last_error, stream_child
@@ -52,7 +53,9 @@ BUILD_COMMANDS: dict[str, tuple[list[str], dict[str, str]]] = {
         {"DS_ACCELERATOR": "cuda", "DS_SKIP_CUDA_CHECK": "1"},
     ),
 }
-_BUILD_TIMEOUT_S = 300.0
+#: A build may take this many times its prediction (``costs.BUILD_S``) before it is stopped: a stuck
+#: compiler must not eat the suite's budget (a run whose build failed says so itself).
+_BUILD_SLACK = 3.0
 
 
 class Recorder:
@@ -116,13 +119,19 @@ def _log_path(logs: Path | None, name: str) -> Path | None:
     return logs / (re.sub(r"[^A-Za-z0-9.-]+", "_", name).strip("_") + ".log") if logs else None
 
 
-def run_builds(names: Sequence[str], logs: Path | None) -> dict[str, dict[str, Any]]:
-    """Run the builds ``names`` side by side; per build: ok, seconds, and why not."""
+def run_builds(
+    names: Sequence[str],
+    logs: Path | None,
+    commands: Mapping[str, tuple[list[str], dict[str, str]]] = BUILD_COMMANDS,
+) -> dict[str, dict[str, Any]]:
+    """Run the builds ``names`` (of ``commands``) side by side, each for at most ``_BUILD_SLACK`` x its
+    prediction; per build: ok, seconds, and why not."""
     out: dict[str, dict[str, Any]] = {}
 
     def one(name: str) -> None:
-        cmd, env = BUILD_COMMANDS[name]
-        run = stream_child(cmd, timeout=_BUILD_TIMEOUT_S, log=_log_path(logs, f"build_{name}"), env=env)
+        cmd, env = commands[name]
+        limit = _BUILD_SLACK * BUILD_S.get(name, 60.0)
+        run = stream_child(cmd, timeout=limit, log=_log_path(logs, f"build_{name}"), env=env)
         out[name] = {"ok": run.failure is None, "wall_s": run.wall_s, "failure": run.failure}
 
     threads = [threading.Thread(target=one, args=(n,), name=f"build-{n}") for n in names]
