@@ -59,11 +59,11 @@ def test_a_suite_is_every_mode_and_alternative_crossed_with_recipes_and_repeats_
         ("slidekit (resident none)", None, 1),
         ("HF + Liger (GC)", None, 1),
     ]
-    # The rule: partial share 1, a repeat +1.2, clipping +1.5 (slidekit), +3 (an offload alternative).
+    # The rule: partial share 1, a repeat +1.2, clipping +1 (slidekit), +3 (an offload alternative).
     by = {(r.label, r.clip, r.repeat): r for r in runs}
     assert by[("slidekit (resident 0.25)", None, 1)].importance == 1.0
     assert by[("slidekit (resident all)", None, 2)].importance == pytest.approx(1.2)
-    assert by[("slidekit (resident all)", 1.0, 1)].importance == 1.5
+    assert by[("slidekit (resident all)", 1.0, 1)].importance == 1.0
     partial = by[("DeepSpeed ZeRO-3 partial offload (ratio 0.75)", 1.0, 2)]
     assert partial.importance == pytest.approx(3.5 + 3.0 + 1.2)
     # DeepSpeed's partial offload keeps on the GPU the share slidekit keeps resident.
