@@ -392,10 +392,12 @@ SUITES: dict[str, Suite] = {
             # RAM; adamw_8bit's block-quantized moments (~6 B/param) fit. layer_adam with half of its
             # state on the 64 GiB disk would stream ~120 GB a step (~60 s at 2 GB/s): not in one call.
             Mode(resident="none", optimizer="adamw_8bit", batches=(8,), importance=0.5),
-            Mode(resident="all", batches=(8,), importance=1.0, clips=(None,)),  # the planner's refusal
+            Mode(resident="all", batches=(8,), importance=0.5, clips=(None,)),  # the planner's refusal
         ),
         alternatives=(
-            Alt(name="liger_gc", batches=(8,), importance=1.0, clips=(None,)),
+            Alt(
+                name="liger_gc", batches=(8,), importance=0.5, clips=(None,)
+            ),  # no-offload: its measured cause
             Alt(name="torchao", batches=(8,), clips=(None,)),
             Alt(name="deepspeed", batches=(8,), clips=(None,)),
             Alt(name="deepspeed_partial", batches=(8,)),
