@@ -178,3 +178,14 @@ def test_suite_flags_and_their_errors():
     assert [m.resident for m in adhoc.modes] == ["all", "0.3"] and [a.name for a in adhoc.alternatives] == [
         "liger"
     ]
+
+
+def test_state_on_disk_reaches_the_slidekit_runs():
+    parse = build_parser().parse_args
+    argv = ["bench", "--model", "qwen2.5-14b", "--resident", "none", "--baselines", ""]
+    suite = build_suite(parse([*argv, "--state-offload-tier", "posix", "--state-offload-fraction", "0.5"]))
+    (run, *_) = expand(suite)
+    assert run.label == "slidekit (resident none, 0.5 of state on posix)"
+    assert run.flags[-4:] == ("--state-offload-tier", "posix", "--state-offload-fraction", "0.5")
+    with pytest.raises(ConfigError, match="needs --state-offload-tier"):
+        build_suite(parse([*argv, "--state-offload-fraction", "0.5"]))

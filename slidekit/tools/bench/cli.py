@@ -175,7 +175,19 @@ def build_suite(args: argparse.Namespace) -> Suite:
         steps=args.steps if args.steps is not None else 10,
         warmup=args.warmup if args.warmup is not None else 2,
         optimizer=args.optimizer,
+        state_offload=_state_offload(args),
     )
+
+
+def _state_offload(args: argparse.Namespace) -> tuple[str, float] | None:
+    """(tier, fraction) of ``--state-offload-tier`` / ``--state-offload-fraction``, or None."""
+    if not args.state_offload_fraction:
+        return None
+    if not args.state_offload_tier:
+        raise ConfigError(
+            "--state-offload-fraction needs --state-offload-tier (e.g. posix, with --offload-dir)"
+        )
+    return (args.state_offload_tier, args.state_offload_fraction)
 
 
 def _commit(given: str | None) -> str:

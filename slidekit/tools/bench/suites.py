@@ -277,6 +277,7 @@ def adhoc_suite(
     steps: int,
     warmup: int,
     optimizer: str = "layer_adam",
+    state_offload: tuple[str, float] | None = None,
 ) -> Suite:
     """The suite of a ``slidekit bench`` without ``--suite``: its flags, crossed."""
     unknown = [b for b in baselines if b not in BASELINES]
@@ -287,7 +288,7 @@ def adhoc_suite(
         name=model,
         model=model,
         batches=batches,
-        modes=tuple(Mode(resident=r, optimizer=optimizer) for r in residents),
+        modes=tuple(Mode(resident=r, optimizer=optimizer, state_offload=state_offload) for r in residents),
         alternatives=tuple(Alt(name=b) for b in baselines),
         seq=seq,
         steps=steps,

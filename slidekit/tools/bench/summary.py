@@ -262,6 +262,10 @@ def suite_markdown(header: dict[str, Any], rows: Sequence[dict[str, Any]], *, re
     lines += ["", markdown_table(runs), "", "### slidekit's pipeline (medians over the repeats)", ""]
     lines += [pipeline_table(runs), "", "### The time plan against what each run took", ""]
     budget = f"{header['budget_s']:.0f} s" if header.get("budget_s") else "none"
-    lines += [f"Budget: {budget}; builds before the runs: {header.get('builds') or 'none'}.", ""]
+    builds = ", ".join(
+        f"{name} {'ok' if b.get('ok') else 'failed (' + str(b.get('failure')) + ')'} in {b.get('wall_s')} s"
+        for name, b in (header.get("builds") or {}).items()
+    )
+    lines += [f"Budget: {budget}; built before the runs: {builds or 'nothing'}.", ""]
     lines += [plan_table(runs), ""]
     return "\n".join(lines)
