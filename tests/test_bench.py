@@ -240,8 +240,9 @@ def _fake_systems(directory: Path) -> None:
 def _fake_machine(floor_mib: int = 200) -> MemoryWatchdog:
     """A machine with 1 GiB free before the child: it is "exhausted" once the child holds ``floor_mib``."""
     total = 1 << 30
+    floor = total - floor_mib * 2**20
     return MemoryWatchdog(
-        floor_bytes=total - floor_mib * 2**20, poll_s=0.05, available=lambda rss: total - rss
+        floor_bytes=floor, poll_s=0.05, available=lambda rss: total - rss, settle_bytes=floor
     )
 
 
@@ -298,6 +299,8 @@ def test_a_suite_on_stand_ins_repeats_recipes_budget_watchdog_and_table(tmp_path
         ), killed["reason"]
         assert killed["process_peak_rss_gib"] >= 0.19 and killed["process_wall_s"] < 60
     assert not (scripts / "torchao-ended").exists()
+    # Each run started once the (fake) machine's memory was back: what was available is in its rows.
+    assert {r.get("mem_available_at_start_gib") for r in rows if r["status"] != "not run"} == {1.0}
     # Every row says what ran and on which commit.
     assert {r["commit"] for r in rows} == {"c0ffee"} and all(
         r["run_name"] and r["predicted_s"] > 0 for r in rows

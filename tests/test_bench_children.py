@@ -23,8 +23,9 @@ from slidekit.tools.children import MemoryWatchdog, run_child, stream_child
 def _fake_machine(floor_mib: int = 200) -> MemoryWatchdog:
     """A machine with 1 GiB free before the child: it is "exhausted" once the child holds ``floor_mib``."""
     total = 1 << 30
+    floor = total - floor_mib * 2**20
     return MemoryWatchdog(
-        floor_bytes=total - floor_mib * 2**20, poll_s=0.05, available=lambda rss: total - rss
+        floor_bytes=floor, poll_s=0.05, available=lambda rss: total - rss, settle_bytes=floor
     )
 
 
@@ -77,6 +78,16 @@ def test_the_memory_watchdog_kills_a_child_that_allocates_until_killed(tmp_path)
         [sys.executable, "-c", 'print(\'{"status": "ok"}\')'], timeout=60, watchdog=_fake_machine()
     )
     assert quiet.failure is None and quiet.killed_by is None and quiet.records == [{"status": "ok"}]
+
+
+def test_the_watchdog_waits_for_memory_to_come_back_before_the_next_child():
+    seen = iter([1 << 30, 2 << 30, 7 << 30, 0])  # bytes available at each look
+
+    dog = MemoryWatchdog(floor_bytes=3 << 30, poll_s=0.01, available=lambda rss: next(seen))
+    assert dog.settle(timeout_s=60) == 7 << 30  # the first look at twice the floor or more
+    gone = MemoryWatchdog(floor_bytes=3 << 30, poll_s=0.01, available=lambda rss: 1 << 30)
+    assert gone.settle(timeout_s=0.05) == 1 << 30  # never back: it gives up at its timeout, not forever
+    assert MemoryWatchdog(available=lambda rss: None).settle() is None  # nothing to read: no wait
 
 
 def test_the_watchdog_s_verdict_by_hand():

@@ -129,6 +129,7 @@ class MemoryWatchdog:
     floor_bytes: int = 3 * 2**30  # kill once available memory falls under this
     poll_s: float = 0.5  # seconds between two looks
     available: Callable[[int], int | None] = mem_available_bytes
+    settle_bytes: int | None = None  # what ``settle`` waits for before a child starts (None: twice the floor)
 
     def __post_init__(self) -> None:
         if self.floor_bytes < 0 or not self.poll_s > 0:
@@ -145,6 +146,18 @@ class MemoryWatchdog:
             f"(killed by the bench's memory watchdog: {available / _GIB:.1f} GiB available, under its "
             f"{self.floor_bytes / _GIB:.1f} GiB floor)"
         )
+
+    def settle(self, timeout_s: float = 60.0) -> int | None:
+        """Wait until the available memory is back at ``settle_bytes``, ``timeout_s`` at most (after a
+        killed child, the kernel takes a while to give its pinned pages back: the next child must not
+        be blamed for them); the bytes available then (None where that cannot be read)."""
+        want = self.settle_bytes if self.settle_bytes is not None else 2 * self.floor_bytes
+        deadline = time.monotonic() + timeout_s
+        while True:
+            available = self.available(0)
+            if available is None or available >= want or time.monotonic() >= deadline:
+                return available
+            time.sleep(min(self.poll_s, 1.0))
 
     def watch(self, proc: subprocess.Popen[str]) -> _Watch:
         """Watch ``proc``'s process group from a thread until ``_Watch.stop`` (or until it kills it)."""

@@ -209,6 +209,12 @@ def _one_run(
     batch it printed nothing for, saying why."""
     done: dict[int, dict[str, Any]] = {}
     general: list[dict[str, Any]] = []  # records naming no batch speak for every batch
+    if watchdog is not None:  # a child killed before may still be giving its memory back
+        available = watchdog.settle()
+        base = {
+            **base,
+            "mem_available_at_start_gib": None if available is None else round(available / 2**30, 1),
+        }
     t0 = time.perf_counter()
 
     def row(batch: int, fields: dict[str, Any]) -> dict[str, Any]:
