@@ -182,6 +182,9 @@ def run_suite(
             for batch in run.batches:
                 recorder.add({**base, "batch": batch, "status": "not run", "reason": why})
             continue
+        if watchdog is not None:  # a child killed before may still be giving its memory back
+            available = watchdog.settle(timeout_s=min(60.0, max(left() - planned.predicted_s, 0.0)))
+            base["mem_available_at_start_gib"] = None if available is None else round(available / 2**30, 1)
         if plan.budget_s is not None:
             limit = min(left(), 2 * planned.predicted_s + 30)
         else:
@@ -209,12 +212,6 @@ def _one_run(
     batch it printed nothing for, saying why."""
     done: dict[int, dict[str, Any]] = {}
     general: list[dict[str, Any]] = []  # records naming no batch speak for every batch
-    if watchdog is not None:  # a child killed before may still be giving its memory back
-        available = watchdog.settle()
-        base = {
-            **base,
-            "mem_available_at_start_gib": None if available is None else round(available / 2**30, 1),
-        }
     t0 = time.perf_counter()
 
     def row(batch: int, fields: dict[str, Any]) -> dict[str, Any]:
