@@ -93,7 +93,7 @@ case "${1:-tests}" in
     python3 benchmarks/host_bandwidth.py --gib 1 --repeat 5 | tee "$OUT/host_bandwidth.json"
     ;;
   suite)  # one suite of `slidekit bench` (issue 15): bash benchmarks/run_h200.sh suite NAME COMMIT
-    # NAME: a preset of slidekit.tools.bench.suites.SUITES; it builds its kernels itself, then runs what
+    # NAME: a preset of slidekit.tools.bench.suite_presets.SUITES; it builds its kernels itself, then runs what
     # its time plan keeps within what is left of the call (docs/benchmarking.md has the bare command).
     shift; NAME=${1:?suite name}; COMMIT=${2:-unknown}
     python3 -m slidekit.cli bench --suite "$NAME" --commit "$COMMIT" --time-budget $((575 - SECONDS)) \

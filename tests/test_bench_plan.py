@@ -27,7 +27,8 @@ from slidekit.tools.bench.costs import (
     costs_from_records,
     predict,
 )
-from slidekit.tools.bench.suites import SUITES, Alt, Mode, Suite, expand, importance
+from slidekit.tools.bench.suite_presets import SUITES
+from slidekit.tools.bench.suites import Alt, Mode, Suite, expand, importance
 from slidekit.tools.bench.timeplan import format_plan, make_plan
 
 #: What one device call leaves the suite: ``--time-budget $((575 - SECONDS))`` after a ~20 s install

@@ -34,7 +34,8 @@ from slidekit.tools.bench.records import (
     versions,
 )
 from slidekit.tools.bench.slidekit_run import main, measure_slidekit, slidekit_parser
-from slidekit.tools.bench.suites import BASELINE_PACKAGE, BASELINES, SUITES
+from slidekit.tools.bench.suite_presets import SUITES
+from slidekit.tools.bench.suites import BASELINE_PACKAGE, BASELINES
 from slidekit.tools.bench.summary import add_ratios, cells, markdown_table, suite_markdown
 from slidekit.tools.children import ChildRun, MemoryWatchdog, run_child, stream_child
 from slidekit.tools.presets import PRESETS, arch_spec, hf_config, write_config

@@ -27,7 +27,8 @@ from slidekit.tools.bench.costs import costs_from_records
 from slidekit.tools.bench.records import FLOPS_FORMULA, versions
 from slidekit.tools.bench.runner import Recorder, run_suite
 from slidekit.tools.bench.slidekit_run import engine_arguments
-from slidekit.tools.bench.suites import BASELINES, SUITES, Suite, adhoc_suite, expand, suite, with_overrides
+from slidekit.tools.bench.suite_presets import SUITES, suite
+from slidekit.tools.bench.suites import BASELINES, Suite, adhoc_suite, expand, with_overrides
 from slidekit.tools.bench.summary import suite_markdown
 from slidekit.tools.bench.timeplan import Plan, format_plan, make_plan
 from slidekit.tools.children import MemoryWatchdog
