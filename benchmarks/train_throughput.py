@@ -1,18 +1,20 @@
-"""Training throughput of slidekit on random-weight models shaped like real ones (one run, one JSON line).
+"""Training throughput of slidekit on random-weight models shaped like real ones (one process, a JSON line per batch).
 
-    python benchmarks/train_throughput.py --model qwen2.5-1.5b --batch 8 --seq 1024 --steps 6
-    python benchmarks/train_throughput.py --model tiny --device cpu      # a smoke run anywhere
+    python benchmarks/train_throughput.py --model qwen2.5-1.5b --batch 8,32 --seq 1024 --resident none
+    python benchmarks/train_throughput.py --model tiny --device cpu --steps 2      # a smoke run anywhere
 
 A thin wrapper: the presets (``slidekit.tools.presets.PRESETS``), the run and its
-record live in ``slidekit.tools.bench`` (this is ``python -m slidekit.tools.bench``), which
-``slidekit bench`` also uses to compare slidekit with the alternatives in
-slidekit/tools/baselines. The record: tokens/s and model TFLOPS of the median timed
-step (``slidekit.telemetry.model_flops``, PaLM convention, recompute not
-counted: 6 * params * tokens + 12 * layers * (heads * head_dim) * seq_len *
-tokens), peak GPU memory, peak host RSS, the median seconds each pipeline lane
-spent per step (fwd/head/bwd compute, h2d, d2h, update, stall = main thread
-waiting), per-unit T_fwd/T_bwd/T_d2h/T_update, eta and the GPU busy fraction.
-Synthetic uniform-random tokens; the first --warmup steps are not timed.
+record live in ``slidekit.tools.bench`` (this is ``python -m slidekit.tools.bench``,
+``slidekit.tools.bench.slidekit_run``), which ``slidekit bench`` runs once per mode,
+recipe and repeat of a suite. Per batch: a fresh Trainer, ``--warmup`` + ``--steps``
+steps in one fit, and the record of the timed ones: tokens/s and model TFLOPS
+over their period (whole steps, start to start, the last ending with every
+update applied; ``slidekit.telemetry.model_flops``: 6 x matmul params x tokens
++ 12 x layers x heads x head_dim x seq x tokens, the embedding lookup counting
+zero), every step's seconds, peak GPU memory, peak host RSS, the median seconds
+each pipeline lane spent per step, per-unit T_fwd/T_bwd/T_d2h/T_update, eta and
+the GPU busy fractions. Synthetic uniform-random tokens. The method:
+docs/benchmarking.md.
 """
 
 from __future__ import annotations

@@ -4,14 +4,17 @@
 so library use stays quiet and the CLI shows it. Each step it shows the
 loss, tokens/s, model TFLOPS, peak GPU memory (on CUDA) and host RSS.
 
-``model_flops`` is the one FLOP count slidekit reports (PaLM convention,
-recompute not counted) for a step of ``tokens`` tokens in rows of
-``seq_len``::
+``model_flops`` is the one FLOP count slidekit reports (``FLOPS_FORMULA``;
+PaLM convention, recompute not counted) for a step of ``tokens`` tokens in
+rows of ``seq_len``::
 
-    6 * params * tokens  +  12 * layers * (heads * head_dim) * seq_len * tokens
+    6 * matmul_params * tokens  +  12 * layers * (heads * head_dim) * seq_len * tokens
 
 The first term is the weights (2 forward + 4 backward FLOPs per parameter
-and token), the second the attention scores and their weighted sum.
+and token); ``matmul_params`` is every parameter except the input
+embedding's, which is a table lookup, not a matmul (a tied LM head keeps the
+matrix: its matmul counts once). The second term is the attention scores
+and their weighted sum.
 
 ``Timeline`` records the time every pipeline lane spent per unit, from which
 the engine reports per-step totals and the hiding factor
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKWARD_WINDOW",
+    "FLOPS_FORMULA",
     "GIB",
     "Progress",
     "Span",
@@ -48,6 +52,7 @@ __all__ = [
     "d2h_seconds",
     "hiding_factor",
     "host_rss_bytes",
+    "matmul_params",
     "memory_metrics",
     "model_flops",
     "peak_rss_bytes",
@@ -58,12 +63,30 @@ __all__ = [
 GIB = float(2**30)
 
 
-def model_flops(spec: ArchSpec, tokens: int, seq_len: int) -> float:
-    """Model FLOPs of one training step over ``tokens`` tokens in rows of ``seq_len`` (recompute not counted).
+#: The formula of ``model_flops``, as the benchmark records and docs/benchmarking.md state it.
+FLOPS_FORMULA = (
+    "6 x matmul_params x tokens + 12 x layers x heads x head_dim x seq x tokens per step, where "
+    "matmul_params = params - vocab x hidden for an untied input embedding (a lookup, not a matmul; "
+    "a tied LM head's matrix counts once, for its matmul); recompute not counted"
+)
 
-    6 * params * tokens + 12 * layers * (heads * head_dim) * seq_len * tokens.
+
+def matmul_params(spec: ArchSpec) -> int:
+    """Parameters that take part in a matmul: all but an untied input embedding (a table lookup).
+
+    A tied embedding is the LM head's weight too, and the head's matmul counts: it stays.
     """
-    weights = 6 * spec.num_params * tokens
+    lookup = 0 if spec.tie_embeddings else spec.vocab_size * spec.hidden_size
+    return spec.num_params - lookup
+
+
+def model_flops(spec: ArchSpec, tokens: int, seq_len: int) -> float:
+    """Model FLOPs of one training step over ``tokens`` tokens in rows of ``seq_len`` (``FLOPS_FORMULA``).
+
+    6 * matmul_params * tokens + 12 * layers * (heads * head_dim) * seq_len * tokens; the input
+    embedding lookup counts zero, recompute is not counted.
+    """
+    weights = 6 * matmul_params(spec) * tokens
     attention = 12 * spec.num_layers * spec.num_heads * spec.head_dim * seq_len * tokens
     return float(weights + attention)
 

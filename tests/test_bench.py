@@ -1,25 +1,25 @@
-"""`slidekit bench`: runs in subprocesses, records and ratios, unavailable alternatives, FLOPs, presets.
+"""`slidekit bench`: suites run in subprocesses, records, repeats, recipes, the budget, the watchdog, the table.
 
-The end-to-end test runs the tiny preset on the CPU through the command line:
-slidekit and the no-offload baseline for real (2 timed steps each), torchao
-and DeepSpeed as alternatives that cannot run here (not installed, or no
-CUDA) and must say so instead of failing. A baseline script measures several
-batch sizes on one model (run in this process on the CPU), the host-RAM guard
-refuses a model too big for the (patched) free RAM with both numbers and
-without building anything, and ``bench`` keeps the lines a baseline printed
-before it crashed or was killed (fake scripts through ``--baselines-dir``).
-The rest checks the pieces with hand computations: model FLOPs, parameter
-counts of every preset against the published sizes (from the ArchSpec, no
-weights), lane metrics, run failures, the peak-RSS reset.
+The slow end-to-end test runs the tiny preset on the CPU through the command line: slidekit
+all-resident and forced full offload and plain HF for real, HF + Liger, torchao and DeepSpeed as
+alternatives that cannot run here (not installed, or no CUDA) and must say so instead of failing.
+The fake-suite test runs the whole machinery on scripts standing in for every system (through
+``--baselines-dir``): two repeats and two recipes, a time budget on a stopped clock, a baseline that
+crashes after one batch, one that allocates host memory until the memory watchdog kills it (on a
+fake machine whose available memory is computed from the child's real RSS), and checks the table's
+medians, [min-max], offload efficiency and ratios by hand. The rest checks the pieces: the figures
+of a record, model FLOPs of a preset, parameter counts of every preset against the published sizes,
+lane metrics, cells and ratios, the pinned options. The child processes, the watchdog on its own and
+the baseline scripts have their own files (test_bench_children.py, test_bench_baselines.py).
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import math
 import re
-import runpy
 import sys
 import textwrap
 from pathlib import Path
@@ -32,20 +32,21 @@ from hypothesis import strategies as st
 from slidekit import telemetry
 from slidekit.cli import build_parser, main
 from slidekit.models.base import ArchSpec
-from slidekit.tools import bench as bench_module
 from slidekit.tools.bench import (
     PRESETS,
+    MemoryWatchdog,
     add_ratios,
     arch_spec,
     bench,
+    cells,
     hf_config,
     lane_metrics,
     markdown_table,
-    peak_rss_gib,
-    run_child,
-    stream_child,
     throughput,
 )
+from slidekit.tools.bench.cli import build_suite
+from slidekit.tools.bench.suites import expand
+from slidekit.tools.bench.timeplan import make_plan
 
 #: Published parameter counts (model cards), billions.
 PUBLISHED_B = {
@@ -57,8 +58,9 @@ PUBLISHED_B = {
     "mistral-small-24b": 23.57,
 }
 
-RECORD_KEYS = {"system", "status", "model", "batch", "seq", "params", "median_step_s", "tokens_per_s"}
+RECORD_KEYS = {"system", "status", "model", "batch", "seq", "params", "period_s", "tokens_per_s"}
 RECORD_KEYS |= {"model_tflops", "peak_gpu_gib", "peak_host_rss_gib", "wall_s", "losses", "step_seconds"}
+RECORD_KEYS |= {"commit", "date", "versions", "repeat", "max_grad_norm", "label", "run_name", "predicted_s"}
 SLIDEKIT_KEYS = {
     "t_fwd_s",
     "t_bwd_s",
@@ -71,17 +73,39 @@ SLIDEKIT_KEYS = {
 }
 
 
-def test_tiny_on_cpu_slidekit_against_the_alternatives(tmp_path, capsys):
-    out, table = tmp_path / "bench.jsonl", tmp_path / "bench.md"
-    argv = ["bench", "--model", "tiny", "--device", "cpu", "--batch", "2", "--seq", "32", "--steps", "2"]
-    argv += ["--warmup", "0", "--resident", "none", "--baselines", "none,torchao,deepspeed"]
-    argv += ["--out", str(out), "--markdown", str(table), "--timeout", "300"]
-    assert main(argv) == 0
-    rows = {r["system"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert list(rows) == ["slidekit", "no_offload", "torchao", "deepspeed"]
+def _rows(path: Path) -> list[dict]:
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("record") == "run"]
 
-    for system in ("slidekit", "no_offload"):
-        r = rows[system]
+
+def _assert_figures_of_its_steps(record: dict, batch: int, seq: int, *, steps: int) -> None:
+    """The record's figures are ``throughput`` of the step times it recorded: exact, whatever they were."""
+    assert len(record["step_seconds"]) == steps and all(s > 0 for s in record["step_seconds"])
+    figures = throughput(arch_spec(record["model"], seq), batch, seq, record["step_seconds"])
+    assert {k: record[k] for k in figures} == figures
+    assert record["tokens_per_s"] == round(steps * batch * seq / sum(record["step_seconds"]), 1)
+
+
+@pytest.mark.slow
+def test_tiny_on_cpu_slidekit_against_the_alternatives(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["bench", "--model", "tiny", "--device", "cpu", "--batch", "2", "--seq", "32", "--steps", "2"]
+    argv += [
+        "--warmup",
+        "1",
+        "--resident",
+        "all,none",
+        "--repeats",
+        "1",
+        "--commit",
+        "abc123",
+        "--ram-floor-gib",
+        "0",
+    ]
+    argv += ["--baselines", "none,liger,torchao,deepspeed", "--out", str(out), "--timeout", "300"]
+    assert main(argv) == 0
+    rows = {r["label"]: r for r in _rows(out / "suite-tiny.jsonl")}
+    sk_all, sk_none, hf = rows["slidekit (resident all)"], rows["slidekit (resident none)"], rows["HF (GC)"]
+    for r in (sk_all, sk_none, hf):
         assert r["status"] == "ok", r
         assert set(r) >= RECORD_KEYS, RECORD_KEYS - set(r)
         assert (r["model"], r["batch"], r["seq"], r["params"]) == (
@@ -90,86 +114,277 @@ def test_tiny_on_cpu_slidekit_against_the_alternatives(tmp_path, capsys):
             32,
             arch_spec("tiny").num_params,
         )
-        for key in ("median_step_s", "tokens_per_s", "model_tflops", "peak_host_rss_gib", "wall_s"):
-            assert r[key] > 0, (system, key)
+        assert (r["commit"], r["repeat"], r["max_grad_norm"]) == ("abc123", 1, None)
+        assert r["versions"]["torch"] == torch.__version__
         _assert_figures_of_its_steps(r, 2, 32, steps=2)
         assert len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"])
         assert r["peak_gpu_gib"] is None  # CPU run
-
-    sk = rows["slidekit"]
-    assert set(sk) >= SLIDEKIT_KEYS
-    assert sk["resident_units"] == "0/6"  # forced full offload: every unit slides
+        # cross-entropy of random weights on random tokens
+        assert r["losses"][0] == pytest.approx(math.log(PRESETS["tiny"]["vocab_size"]), abs=0.2)
+    assert set(sk_none) >= SLIDEKIT_KEYS
+    assert (sk_all["resident_units"], sk_none["resident_units"]) == ("6/6", "0/6")
     for key in ("t_fwd_s", "t_bwd_s", "t_d2h_s", "t_update_s", "eta", "gpu_busy"):
-        assert sk[key] > 0, key
-    # 4 layers; both are roundings of the same median (lanes_s to 1e-4 s, t_bwd_s to 1e-6 s), so they
-    # differ by at most 5e-5 / 4 + 5e-7 s, whatever the timings were.
-    assert sk["t_bwd_s"] == pytest.approx(sk["lanes_s"]["bwd"] / 4, abs=2e-5)
-    for system in ("slidekit", "no_offload"):  # cross-entropy of random weights on random tokens
-        assert rows[system]["losses"][0] == pytest.approx(math.log(PRESETS["tiny"]["vocab_size"]), abs=0.2)
+        assert sk_none[key] > 0, key
+    assert sk_all["eta"] is None  # nothing offloaded
+    assert rows["HF + Liger (no GC)"]["reason"].startswith(
+        "liger-kernel not installed"
+        if importlib.util.find_spec("liger_kernel") is None
+        else "Liger Kernel's Triton"
+    )
+    for label in (
+        "torchao CPUOffloadOptimizer",
+        "DeepSpeed ZeRO-2 Offload",
+    ):  # not installed, or no CUDA here
+        assert rows[label]["status"] == "unavailable"
+        assert re.search(r"not installed|cannot be imported|needs a CUDA device", rows[label]["reason"])
 
-    # The ratio of the two recorded throughputs, rounded as add_ratios rounds it: exact, however fast each ran.
-    assert sk["vs_no_offload"] == round(sk["tokens_per_s"] / rows["no_offload"]["tokens_per_s"], 3)
-    assert sk["vs_torchao"] is None and sk["vs_deepspeed"] is None
-    for system in ("torchao", "deepspeed"):  # why: not installed, or no CUDA in a --device cpu run
-        assert rows[system]["status"] == "unavailable"
-        assert re.search(r"not installed|cannot be imported|needs a CUDA device", rows[system]["reason"])
+    text = (out / "suite-tiny.md").read_text()
+    assert text in capsys.readouterr().out and "Commit `abc123`" in text
+    efficiency = round(sk_none["tokens_per_s"] / sk_all["tokens_per_s"], 3)
+    line = next(ln for ln in text.splitlines() if ln.startswith("| slidekit (resident none) | 2 |"))
+    assert f"| {efficiency:.2f} |" in line
+    assert f"{round(sk_none['tokens_per_s'] / hf['tokens_per_s'], 3):.2f}x (HF (GC))" in line
+    assert "| HF + Liger (no GC) | all | unavailable: " + rows["HF + Liger (no GC)"]["reason"] in text
 
-    text = table.read_text()
+
+# ---------------------------------------------------------------------------- a whole suite on stand-ins
+
+_FAKE_RECORD = '''
+import argparse, json, os, sys, time
+p = argparse.ArgumentParser()
+for flag in ("--model", "--batch", "--seq", "--steps", "--warmup", "--seed", "--device", "--clip", "--resident",
+             "--optimizer", "--kernels", "--activations", "--window", "--state-tier", "--offload-ratio"):
+    p.add_argument(flag)
+p.add_argument("--gradient-checkpointing", action="store_true")
+args, _ = p.parse_known_args()
+batches = [int(b) for b in args.batch.split(",")]
+clip = 0.9 if args.clip else 1.0
+
+def repeat(key):
+    """0 on this kind of run's first start, 1 on its second (a file beside the script counts)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "count-" + key)
+    n = int(open(path).read()) if os.path.exists(path) else 0
+    open(path, "w").write(str(n + 1))
+    return n
+
+def ok(system, batch, tokens, **extra):
+    steps = int(args.steps)
+    step = batch * int(args.seq) / tokens
+    tokens = round(tokens, 1)  # as real records round it
+    record = {"system": system, "status": "ok", "batch": batch, "tokens_per_s": tokens, "model_tflops": 1.0,
+              "step_seconds": [step] * steps, "period_s": step * steps, "mean_step_s": step, "params": 1000,
+              "peak_gpu_gib": None, "peak_host_rss_gib": 0.1, "setup_s": 1.0, **extra}
+    print(json.dumps(record), flush=True)
+'''
+
+
+def _fake(directory: Path, name: str, body: str) -> None:
+    (directory / name).write_text(_FAKE_RECORD + textwrap.dedent(body))
+
+
+def _fake_systems(directory: Path) -> None:
+    _fake(
+        directory,
+        "slidekit.py",
+        """
+        base = {"all": 1000, "none": 800, "0.5": 900}[args.resident]
+        k = repeat(args.resident + str(args.clip))
+        for b in batches:
+            ok("slidekit", b, base * b * (1 + 0.1 * k) * clip, resident_units="x/6", t_fwd_s=0.001, t_bwd_s=0.002,
+               t_d2h_s=0.0, t_update_s=0.0, eta=None, gpu_busy=0.9, gpu_busy_bwd=0.95)
+        """,
+    )
+    _fake(
+        directory,
+        "liger.py",
+        """
+        for b in batches:
+            if args.gradient_checkpointing:
+                ok("liger_gc", b, 600 * b)
+            elif b == 3:
+                reason = "does not fit in GPU memory: tried to allocate 4.00 GiB with 1.00 GiB free of 80.00 GiB"
+                print(json.dumps({"system": "liger", "status": "unavailable", "batch": b, "reason": reason}))
+            else:
+                ok("liger", b, 700 * b)
+        """,
+    )
+    _fake(directory, "no_offload.py", "for b in batches:\n    ok('no_offload', b, 500 * b)\n")
+    _fake(
+        directory,
+        "deepspeed_offload.py",
+        """
+        if args.offload_ratio:
+            for b in batches:
+                ok("deepspeed_partial", b, 500 * b)
+        else:
+            ok("deepspeed", batches[0], 300 * batches[0])
+            print("RuntimeError: boom", file=sys.stderr)
+            sys.exit(3)
+        """,
+    )
+    # Host memory grows until the watchdog kills the process (900 MiB at most, then it waits to be killed).
+    _fake(
+        directory,
+        "torchao_offload.py",
+        """
+        blocks = []
+        while len(blocks) < 112:
+            blocks.append(bytearray(b"x" * (8 << 20)))
+            time.sleep(0.01)
+        time.sleep(120)
+        open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchao-ended"), "w").close()
+        """,
+    )
+
+
+def _fake_machine(floor_mib: int = 200) -> MemoryWatchdog:
+    """A machine with 1 GiB free before the child: it is "exhausted" once the child holds ``floor_mib``."""
+    total = 1 << 30
+    floor = total - floor_mib * 2**20
+    return MemoryWatchdog(
+        floor_bytes=floor, poll_s=0.05, available=lambda rss: total - rss, settle_bytes=floor
+    )
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the watchdog reads /proc")
+def test_a_suite_on_stand_ins_repeats_recipes_budget_watchdog_and_table(tmp_path, capsys):
+    scripts, out = tmp_path / "scripts", tmp_path / "out"
+    scripts.mkdir()
+    _fake_systems(scripts)
+    argv = ["bench", "--model", "tiny", "--batch", "2,3", "--seq", "16", "--steps", "4", "--warmup", "1"]
+    argv += ["--resident", "all,none,0.5", "--clip", "none,1.0", "--repeats", "2", "--commit", "c0ffee"]
+    argv += ["--baselines", "liger_gc,liger,none,torchao,deepspeed,deepspeed_partial"]
+    argv += ["--baselines-dir", str(scripts), "--out", str(out), "--timeout", "60"]
+    args = build_parser().parse_args(argv)
+    # The budget: every run of importance up to 4.2, on a stopped clock (the plan alone decides).
+    the_suite = build_suite(args)
+    plan = make_plan(the_suite, expand(the_suite), budget_s=None, prebuild=False)
+    budget = sum(p.predicted_s for p in plan.runs if p.run.importance <= 4.2 + 1e-9) + 2.0
+    assert min(p.predicted_s for p in plan.runs if p.run.importance > 4.2 + 1e-9) > 2.0
+    args = build_parser().parse_args([*argv, "--time-budget", str(budget)])
+    rows = bench(args, watchdog=_fake_machine(), clock=lambda: 0.0)
+
+    assert rows == _rows(out / "suite-tiny.jsonl")
+    by = {(r["label"], r["max_grad_norm"], r["repeat"], r["batch"]): r for r in rows}
+    assert len(by) == len(rows) == 9 * 2 * 2 * 2  # every run, recipe, repeat and batch once
+    # Left out by the budget: the clipped offload alternatives and plain HF, DeepSpeed partial's repeat.
+    skipped = {(r["label"], r["max_grad_norm"], r["repeat"]) for r in rows if r["status"] == "not run"}
+    assert skipped == {
+        ("HF (GC)", None, 2),
+        ("DeepSpeed ZeRO-3 partial offload (ratio 0.5)", None, 2),
+        *((label, 1.0, k) for k in (1, 2) for label in ("HF (GC)", "torchao CPUOffloadOptimizer")),
+        *(
+            (label, 1.0, k)
+            for k in (1, 2)
+            for label in ("DeepSpeed ZeRO-2 Offload", "DeepSpeed ZeRO-3 partial offload (ratio 0.5)")
+        ),
+    }
+    assert all(
+        r["reason"].startswith("not run: time budget (predicted") for r in rows if r["status"] == "not run"
+    )
+    # The crash after batch 2: its line is kept, batch 3 says why.
+    assert by[("DeepSpeed ZeRO-2 Offload", None, 1, 2)]["tokens_per_s"] == 600
+    assert (
+        by[("DeepSpeed ZeRO-2 Offload", None, 1, 3)]["reason"]
+        == "no line for batch 3; exit code 3: RuntimeError: boom"
+    )
+    # Host RAM exhausted: killed by the watchdog, with the child's memory, long before its 120 s sleep.
+    for k in (1, 2):
+        killed = by[("torchao CPUOffloadOptimizer", None, k, 2)]
+        assert killed["status"] == "unavailable"
+        assert re.fullmatch(
+            r"host RAM exhausted: child RSS [\d.]+ GiB, peak [\d.]+ GiB \(killed by the bench's memory watchdog: "
+            r"[\d.]+ GiB available, under its 0\.8 GiB floor\)",
+            killed["reason"],
+        ), killed["reason"]
+        assert killed["process_peak_rss_gib"] >= 0.19 and killed["process_wall_s"] < 60
+    assert not (scripts / "torchao-ended").exists()
+    # Each run started once the (fake) machine's memory was back: what was available is in its rows.
+    assert {r.get("mem_available_at_start_gib") for r in rows if r["status"] != "not run"} == {1.0}
+    # Every row says what ran and on which commit.
+    assert {r["commit"] for r in rows} == {"c0ffee"} and all(
+        r["run_name"] and r["predicted_s"] > 0 for r in rows
+    )
+
+    found = {(c.label, c.clip, c.batch): c for c in cells(rows)}
+    sk = found[("slidekit (resident none)", None, 2)]
+    assert sk.tokens == [1600.0, 1760.0]  # the two repeats, each its own process
+    # offload efficiency: median 1680 / all-resident's median 2100; vs best no-offload: HF + Liger (no GC) 1400.
+    assert sk.efficiency == 0.8 and sk.vs_best == (1.2, "HF + Liger (no GC)")
+    assert sk.vs == {"torchao": None, "deepspeed": round(1680 / 600, 3), "deepspeed_partial": 1.68}
+    # At batch 3 Liger without checkpointing does not fit: the best is HF + Liger (GC) at 1800.
+    assert found[("slidekit (resident all)", None, 3)].vs_best == (1.75, "HF + Liger (GC)")
+    assert (
+        found[("slidekit (resident 0.5)", 1.0, 2)].efficiency == 0.9
+    )  # clipped: (1620, 1782) / (1800, 1980)
+
+    text = (out / "suite-tiny.md").read_text()
     assert text in capsys.readouterr().out
-    slidekit_line = next(line for line in text.splitlines() if line.startswith("| slidekit"))
-    assert f"{sk['vs_no_offload']:.2f}x" in slidekit_line
-    assert "unavailable: " + rows["torchao"]["reason"] in text
+    assert "| slidekit (resident none) | 2 | 1,680 [1,600-1,760] (2) |" in text
+    assert "| 0.80 | 1.20x (HF + Liger (no GC)) | - | 2.80x | 1.68x |" in text
+    assert "| HF (GC) | 2 | 1,000 [1,000-1,000] (1); not run: time budget" in text
+    assert (
+        "| HF + Liger (no GC) | 3 | unavailable: does not fit in GPU memory: tried to allocate 4.00 GiB"
+        in text
+    )
+    assert "| torchao CPUOffloadOptimizer | all | unavailable: host RAM exhausted: child RSS" in text
+    assert "### Recipe: max_grad_norm 1" in text and "Commit `c0ffee`" in text
 
 
-def _assert_figures_of_its_steps(record: dict, batch: int, seq: int, *, steps: int) -> None:
-    """The record's figures are ``throughput`` of the step times it recorded: exact, whatever they were."""
-    assert len(record["step_seconds"]) == steps and all(s > 0 for s in record["step_seconds"])
-    figures = throughput(arch_spec(record["model"], seq), batch, seq, record["step_seconds"])
-    assert {k: record[k] for k in figures} == figures
+def test_a_missing_replacement_script_is_that_run_s_reason(tmp_path):
+    argv = [
+        "bench",
+        "--model",
+        "tiny",
+        "--batch",
+        "2",
+        "--resident",
+        "all",
+        "--repeats",
+        "1",
+        "--baselines",
+        "torchao",
+    ]
+    argv += ["--baselines-dir", str(tmp_path), "--ram-floor-gib", "0"]
+    (tmp_path / "slidekit.py").write_text(_FAKE_RECORD + "for b in batches:\n    ok('slidekit', b, 100.0)\n")
+    rows = bench(build_parser().parse_args(argv), watchdog=None)
+    assert [(r["label"], r["status"]) for r in rows] == [
+        ("slidekit (resident all)", "ok"),
+        ("torchao CPUOffloadOptimizer", "unavailable"),
+    ]
+    assert (
+        rows[1]["reason"]
+        == f"script {tmp_path / 'torchao_offload.py'} not found (pass --baselines-dir with it, or leave --baselines-dir out)"
+    )
 
 
-def _hanging_child(marker: Path, *, prints: str = "") -> list[str]:
-    """A child that prints the line ``prints`` (if any) at once, then sleeps 120 s, then creates ``marker``.
-
-    A shell, so the line comes out as soon as the process starts (no interpreter start-up before it).
-    ``marker`` missing after a run proves the child was killed before it could end by itself, with no
-    assumption on how soon after its deadline the kill came (``wall_s`` depends on the machine's load).
-    """
-    script = '[ -z "$1" ] || printf "%s\\n" "$1"; sleep 120; touch "$2"'
-    return ["/bin/sh", "-c", script, "sh", prints, str(marker)]
-
-
-def test_a_run_that_fails_or_hangs_becomes_unavailable_with_its_reason(tmp_path):
-    crash = [sys.executable, "-c", "import sys; print('ValueError: bad shape', file=sys.stderr); sys.exit(3)"]
-    record = run_child(crash, timeout=60, log=tmp_path / "crash.log")
-    assert record["status"] == "unavailable"
-    assert record["reason"] == "exit code 3: ValueError: bad shape"
-    assert "bad shape" in (tmp_path / "crash.log").read_text()
-    record = run_child(_hanging_child(tmp_path / "ended"), timeout=1)
-    assert record["status"] == "unavailable" and record["reason"].startswith("timed out after 1 s")
-    assert record["wall_s"] >= 1.0  # it had its second
-    assert not (tmp_path / "ended").exists()  # and was killed, not waited for
+# ---------------------------------------------------------------------------- figures, FLOPs, presets, causes
 
 
 def test_unknown_baseline_is_one_clear_line(capsys):
     assert main(["bench", "--model", "tiny", "--baselines", "none,megatron"]) == 2
     err = capsys.readouterr().err
-    assert "megatron" in err and "none, torchao, deepspeed" in err
+    assert "megatron" in err and "none, liger_gc, liger, torchao, deepspeed, deepspeed_partial" in err
 
 
 def test_model_flops_of_a_preset_by_hand():
-    """Qwen2.5-3B: parameters from its published shapes, FLOPs = 6 N T + 12 L H D S T."""
+    """Qwen2.5-3B (tied): parameters from its published shapes; FLOPs = 6 N T + 12 L H D S T, whole steps."""
     h, f, layers, heads, kv, d, vocab = 2048, 11008, 36, 16, 2, 128, 151936
     per_layer = 2 * h + (h * heads * d + heads * d) + 2 * (h * kv * d + kv * d) + heads * d * h + 3 * h * f
-    params = vocab * h + layers * per_layer + h  # tied LM head, final norm
+    params = (
+        vocab * h + layers * per_layer + h
+    )  # tied LM head (its matmul counts; the lookup is free), final norm
     spec = arch_spec("qwen2.5-3b")
-    assert spec.num_params == params
-    batch, seq, step_s = 8, 1024, 2.0
+    assert spec.num_params == params and telemetry.matmul_params(spec) == params
+    batch, seq = 8, 1024
     tokens = batch * seq
     flops = 6 * params * tokens + 12 * layers * heads * d * seq * tokens
-    got = throughput(spec, batch, seq, [3.0, step_s, 1.0])  # the median step
-    assert got["tokens_per_s"] == pytest.approx(tokens / step_s)
-    assert got["model_tflops"] == pytest.approx(flops / step_s / 1e12, rel=1e-3)
+    got = throughput(spec, batch, seq, [3.0, 2.0, 1.0])  # the period: 6 s for 3 steps
+    assert got["tokens_per_s"] == pytest.approx(3 * tokens / 6.0) and got["mean_step_s"] == 2.0
+    assert got["model_tflops"] == pytest.approx(3 * flops / 6.0 / 1e12, rel=1e-3)
+    # Qwen2.5-7B is untied: its 152064 x 3584 input embedding is a lookup, ~7% of its parameters.
+    spec7 = arch_spec("qwen2.5-7b")
+    assert telemetry.matmul_params(spec7) == spec7.num_params - 152064 * 3584
 
 
 @functools.cache
@@ -177,9 +392,9 @@ def _tiny_spec() -> ArchSpec:
     return arch_spec("tiny")
 
 
-@example(seconds=[0.031765, 0.031765], batch=3, seq=16)  # 1511.1 tokens/s, but 48 / 0.0318 = 1509.4
+@example(seconds=[0.031765, 0.031765], batch=3, seq=16)
 @given(
-    seconds=st.lists(st.floats(1e-4, 1e4), min_size=1, max_size=7),
+    seconds=st.lists(st.floats(1e-4, 1e4), min_size=1, max_size=12),
     batch=st.integers(1, 64),
     seq=st.integers(1, 4096),
 )
@@ -226,19 +441,41 @@ def test_lane_metrics_per_unit_eta_and_busy():
     assert resident["eta"] is None and resident["gpu_busy"] == pytest.approx(0.5)
 
 
-def test_ratios_only_between_runs_of_the_same_batch():
+def _row(label, system, batch, tokens, repeat=1, clip=None, **kw):
+    row = {
+        "record": "run",
+        "label": label,
+        "system": system,
+        "batch": batch,
+        "repeat": repeat,
+        "run_name": label,
+    }
+    row |= {"max_grad_norm": clip, "status": "ok" if tokens else "unavailable", "tokens_per_s": tokens, **kw}
+    return row
+
+
+def test_ratios_and_cells_only_between_runs_of_the_same_batch_and_recipe():
     rows = [
-        {"system": "slidekit", "label": "slidekit", "batch": 8, "status": "ok", "tokens_per_s": 300.0},
-        {"system": "no_offload", "label": "no_offload", "batch": 8, "status": "ok", "tokens_per_s": 200.0},
-        {"system": "torchao", "label": "torchao", "batch": 8, "status": "unavailable", "reason": "no CUDA"},
-        {"system": "slidekit", "label": "slidekit", "batch": 16, "status": "ok", "tokens_per_s": 500.0},
-        {"system": "no_offload", "label": "no_offload", "batch": 16, "status": "ok", "tokens_per_s": 100.0},
+        _row("slidekit (resident all)", "slidekit", 8, 300.0),
+        _row("HF (GC)", "no_offload", 8, 200.0),
+        _row("torchao", "torchao", 8, None, reason="no CUDA"),
+        _row("slidekit (resident all)", "slidekit", 16, 500.0),
+        _row("HF (GC)", "no_offload", 16, 100.0),
+        _row("slidekit (resident all)", "slidekit", 8, 900.0, clip=1.0),
     ]
     add_ratios(rows)
     assert (rows[0]["vs_no_offload"], rows[0]["vs_torchao"]) == (1.5, None)
     assert rows[3]["vs_no_offload"] == 5.0 and "vs_torchao" not in rows[3]
+    assert "vs_no_offload" not in rows[5]  # no HF run with clipping
+    found = {(c.label, c.clip, c.batch): c for c in cells(rows)}
+    assert found[("slidekit (resident all)", None, 8)].vs_best == (1.5, "HF (GC)")
+    assert found[("slidekit (resident all)", 1.0, 8)].vs_best is None
     table = markdown_table(rows)
-    assert "| unavailable: no CUDA |" in table and "1.50x" in table and "5.00x" in table
+    assert (
+        "| torchao | all | unavailable: no CUDA |" in table
+        and "1.50x (HF (GC))" in table
+        and "5.00x" in table
+    )
 
 
 def test_bench_options_are_pinned():
@@ -247,6 +484,7 @@ def test_bench_options_are_pinned():
     options = [o for a in sub.choices["bench"]._actions for o in a.option_strings if o.startswith("--")]
     assert options == [
         "--help",
+        "--suite",
         "--model",
         "--batch",
         "--seq",
@@ -254,6 +492,8 @@ def test_bench_options_are_pinned():
         "--warmup",
         "--seed",
         "--baselines",
+        "--clip",
+        "--repeats",
         "--device",
         "--kernels",
         "--optimizer",
@@ -261,238 +501,31 @@ def test_bench_options_are_pinned():
         "--window",
         "--resident",
         "--state-tier",
+        "--state-offload-tier",
+        "--state-offload-fraction",
         "--offload-dir",
         "--timeout",
         "--time-budget",
+        "--costs",
+        "--plan-only",
+        "--prebuild",
+        "--no-prebuild",
+        "--ram-floor-gib",
+        "--commit",
         "--out",
-        "--markdown",
         "--logs",
+        "--table",
         "--baselines-dir",
     ]
 
 
-# ---------------------------------------------------------------------------- baselines over several batches
-
-
-@pytest.fixture
-def baseline_script(monkeypatch):
-    """``run(script, *argv)``: run the bundled baseline slidekit.tools.baselines.<script> in this process,
-    as ``python -m`` does; its exit code."""
-
-    def run(script: str, *argv: str) -> int:
-        monkeypatch.setattr(sys, "argv", [script, *argv])
-        try:
-            runpy.run_module(f"slidekit.tools.baselines.{script.removesuffix('.py')}", run_name="__main__")
-        except SystemExit as exc:
-            return int(exc.code or 0)
-        return 0
-
-    yield run
-
-
-def _lines(text: str) -> list[dict]:
-    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-
-
-def test_a_baseline_builds_once_and_prints_a_record_per_batch(baseline_script, capsys):
-    argv = ["--model", "tiny", "--device", "cpu", "--batch", "2,3", "--seq", "16", "--steps", "2"]
-    assert baseline_script("no_offload.py", *argv, "--warmup", "1") == 0
-    records = _lines(capsys.readouterr().out)
-    assert [(r["system"], r["status"], r["batch"]) for r in records] == [
-        ("no_offload", "ok", 2),
-        ("no_offload", "ok", 3),
-    ]
-    assert records[0]["setup_s"] == records[1]["setup_s"] > 0  # one build, shared
-    for r in records:
-        assert r["setup_shared_by"] == [2, 3]
-        _assert_figures_of_its_steps(r, r["batch"], 16, steps=2)
-        assert len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"])
-        assert r["peak_rss_scope"] == ("batch" if sys.platform == "linux" else "process")
-        assert r["peak_host_rss_gib"] > 0 and r["wall_s"] > 0
-    # The first batch trains from the random init: cross-entropy of random weights on random tokens.
-    assert records[0]["losses"][0] == pytest.approx(math.log(PRESETS["tiny"]["vocab_size"]), abs=0.2)
-
-
-@pytest.mark.parametrize("stop", [None, "not run: the engine is mid-step"])
-def test_out_of_memory_at_one_batch_is_that_batch_s_result(baseline_script, capsys, stop):
-    from slidekit.tools.baselines import common
-
-    cleaned = []
-
-    def step(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if inputs.shape[0] == 3:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
-        return torch.tensor(1.0)
-
-    def after_oom(batch: int) -> str | None:
-        cleaned.append(batch)
-        return stop
-
-    args = common.parser("test").parse_args(
-        ["--batch", "2,3,4", "--seq", "8", "--steps", "1", "--warmup", "0"]
-    )
-    common.run_batches("fake", args, torch.device("cpu"), step, setup_s=1.5, after_oom=after_oom)
-    records = _lines(capsys.readouterr().out)
-    assert [(r["batch"], r["status"]) for r in records] == [
-        (2, "ok"),
-        (3, "unavailable"),
-        (4, "unavailable" if stop else "ok"),
-    ]
+def test_plan_only_prints_the_plan_and_runs_nothing(capsys, tmp_path):
     assert (
-        records[1]["reason"] == "does not fit in GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB)"
+        main(
+            ["bench", "--suite", "qwen2.5-7b", "--plan-only", "--time-budget", "540", "--out", str(tmp_path)]
+        )
+        == 0
     )
-    assert cleaned == [3]
-    if stop:
-        assert records[2]["reason"] == stop
-
-
-@pytest.mark.parametrize(
-    ("script", "need"),
-    [
-        ("torchao_offload.py", "~145 GiB of host RAM (20.2 B/param"),  # 7.616 G x 20.2 B = 143.3 GiB + 2
-        ("deepspeed_offload.py", "~165 GiB of host RAM (23 B/param"),  # 7.616 G x 23 B = 163.1 GiB + 2
-    ],
-)
-def test_the_host_ram_guard_refuses_a_model_too_big_for_free_ram(
-    baseline_script, monkeypatch, capsys, script, need
-):
-    from slidekit.tools.baselines import common
-
-    monkeypatch.setattr(common, "mem_available_bytes", lambda: 100 * 2**30)
-    monkeypatch.setattr(common, "build_model", lambda *a, **k: pytest.fail("built a model"))
-    argv = ["--model", "qwen2.5-7b", "--device", "cpu", "--batch", "8,16"]
-    assert baseline_script(script, *argv) == 0
-    records = _lines(capsys.readouterr().out)
-    assert [(r["status"], r["batch"]) for r in records] == [("unavailable", 8), ("unavailable", 16)]
-    for r in records:
-        assert need in r["reason"] and "but 100 GiB is available" in r["reason"], r["reason"]
-        assert "--force" in r["reason"]
-    # --force skips the guard: the run goes on to its next check (no torchao/deepspeed, or no CUDA).
-    assert baseline_script(script, *argv, "--force") == 0
-    forced = _lines(capsys.readouterr().out)
-    assert len(forced) == 2 and all("host RAM" not in r["reason"] for r in forced)
-
-
-def test_host_ram_estimate_and_its_limits(baseline_script):
-    from slidekit.tools.baselines import common
-
-    params = arch_spec("qwen2.5-3b").num_params
-    need = 20.2 * params / 2**30 + 2.0  # 60.1 GiB
-    assert common.host_ram_shortfall("torchao", "qwen2.5-3b", int((need + 0.5) * 2**30)) is None
-    reason = common.host_ram_shortfall("torchao", "qwen2.5-3b", int((need - 1) * 2**30))
-    assert (
-        reason is not None and f"~{need:.0f} GiB" in reason and f"{need - 1:.0f} GiB is available" in reason
-    )
-    assert common.host_ram_shortfall("torchao", "qwen2.5-3b", None) is None  # no /proc/meminfo: no guess
-    assert (
-        common.host_ram_shortfall("no_offload", "mistral-small-24b", 1) is None
-    )  # keeps nothing on the host
-
-
-# ---------------------------------------------------------------------------- bench over a baseline's lines
-
-
-def _fake_script(path: Path, body: str) -> None:
-    path.write_text("import json, sys, time\n" + textwrap.dedent(body))
-
-
-def _fake_record(system: str, batch: int, tokens_per_s: float) -> str:
-    record = {"system": system, "status": "ok", "batch": batch, "tokens_per_s": tokens_per_s}
-    record |= {"model_tflops": 1.0, "median_step_s": batch * 16 / tokens_per_s}
-    return json.dumps(record)
-
-
-def test_bench_keeps_the_lines_of_a_baseline_that_crashed_and_says_why_for_the_rest(
-    tmp_path, monkeypatch, capsys
-):
-    out = tmp_path / "bench.jsonl"
-    out.write_text('{"earlier": "run"}\n')
-    # slidekit: a fake run per batch, 1000 tokens/s x batch.
-    monkeypatch.setattr(
-        bench_module,
-        "_slidekit_cmd",
-        lambda args, batch, resident: [
-            sys.executable,
-            "-c",
-            f"print({_fake_record('slidekit', batch, 1000.0 * batch)!r})",
-        ],
-    )
-    _fake_script(
-        tmp_path / "no_offload.py",
-        f"""
-        print({_fake_record("no_offload", 2, 500.0)!r}, flush=True)
-        print({_fake_record("no_offload", 3, 600.0)!r}, flush=True)
-        """,
-    )
-    # torchao: batch 2's line, then (once bench has appended that row to --out) a crash. Should the row
-    # never be appended while the run goes on, bench kills it at --timeout and the reason says so.
-    _fake_script(
-        tmp_path / "torchao_offload.py",
-        f"""
-        print("starting up")
-        print({_fake_record("torchao", 2, 400.0)!r}, flush=True)
-        while '"system": "torchao"' not in open({str(out)!r}).read():
-            time.sleep(0.05)
-        print("RuntimeError: boom", file=sys.stderr)
-        sys.exit(3)
-        """,
-    )
-    argv = ["bench", "--model", "tiny", "--batch", "2,3", "--seq", "16", "--resident", "none"]
-    argv += ["--timeout", "60"]  # per batch: torchao's run is killed after 120 s at most
-    argv += ["--baselines", "none,torchao", "--baselines-dir", str(tmp_path), "--out", str(out)]
-    rows = bench(build_parser().parse_args(argv))
-
-    assert [(r["system"], r["batch"], r["status"]) for r in rows] == [
-        ("slidekit", 2, "ok"),
-        ("no_offload", 2, "ok"),
-        ("torchao", 2, "ok"),
-        ("slidekit", 3, "ok"),
-        ("no_offload", 3, "ok"),
-        ("torchao", 3, "unavailable"),
-    ]
-    assert rows[5]["reason"] == "no line for batch 3; exit code 3: RuntimeError: boom"
-    sk2, sk3 = rows[0], rows[3]
-    assert (sk2["vs_no_offload"], sk2["vs_torchao"]) == (4.0, 5.0)  # 2000 / 500, 2000 / 400
-    assert (sk3["vs_no_offload"], sk3["vs_torchao"]) == (5.0, None)  # 3000 / 600, no torchao result
-    lines = out.read_text().splitlines()
-    assert lines[0] == '{"earlier": "run"}'  # what was there stays; this run's rows appear once
-    assert [json.loads(line) for line in lines[1:]] == rows
-    progress = capsys.readouterr().err
-    assert "torchao batch 3: unavailable: no line for batch 3; exit code 3" in progress
-
-
-def test_a_killed_run_keeps_the_records_it_printed(tmp_path):
-    seen = []
-    child = _hanging_child(tmp_path / "ended", prints='{"status": "ok", "batch": 2}')
-    run = stream_child(child, timeout=2, on_record=seen.append)
-    assert run.returncode is None and run.failure.startswith("timed out after 2 s")
-    assert run.records == seen == [{"status": "ok", "batch": 2}]
-    assert run.wall_s >= 2.0 and not (tmp_path / "ended").exists()  # killed at its deadline, not waited for
-
-
-# ---------------------------------------------------------------------------- the peak-RSS reset
-
-
-def _vm_hwm() -> int:
-    text = Path("/proc/self/status").read_text()
-    return int(re.search(r"VmHWM:\s+(\d+) kB", text).group(1)) * 1024
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="VmHWM and /proc/self/clear_refs are Linux's")
-def test_reset_peak_rss_starts_the_peak_over():
-    assert telemetry.reset_peak_rss()
-    before = _vm_hwm()
-    block = b"\x01" * (200 * 2**20)  # written, so every page is resident
-    assert _vm_hwm() >= before + 190 * 2**20
-    del block
-    assert telemetry.reset_peak_rss()
-    assert _vm_hwm() < before + 50 * 2**20  # the 200 MB are no longer in the peak
-    assert peak_rss_gib() == pytest.approx(_vm_hwm() / 2**30, abs=0.01)  # the records read VmHWM
-
-
-def test_reset_peak_rss_says_so_where_it_cannot(monkeypatch):
-    def refuse(path, *args, **kwargs):
-        raise PermissionError(13, "Permission denied", path)
-
-    monkeypatch.setattr(telemetry, "open", refuse, raising=False)  # the module's own open()
-    assert telemetry.reset_peak_rss() is False
+    text = capsys.readouterr().out
+    assert "time plan of suite qwen2.5-7b" in text and "not run: time budget" in text
+    assert not list(tmp_path.iterdir())

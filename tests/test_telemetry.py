@@ -22,10 +22,12 @@ from slidekit.config import from_dict
 from slidekit.errors import ConfigError
 from slidekit.telemetry import (
     BACKWARD_WINDOW,
+    FLOPS_FORMULA,
     GIB,
     Progress,
     Timeline,
     host_rss_bytes,
+    matmul_params,
     memory_metrics,
     model_flops,
 )
@@ -36,14 +38,35 @@ from slidekit.trace import TraceWriter
 IN_STEP_LANES = ("fwd", "head", "bwd", "stall", "act_load", "h2d", "update_gpu")
 
 
-def test_model_flops_by_hand():
-    spec = Plugins().adapter_for("llama").descriptor.factory(tiny_config("llama", attention_bias=False))
+def _spec(**overrides):
+    return (
+        Plugins()
+        .adapter_for("llama")
+        .descriptor.factory(tiny_config("llama", attention_bias=False, **overrides))
+    )
+
+
+def test_model_flops_by_hand_the_embedding_lookup_counts_zero():
+    spec = _spec()
     # vocab 128, hidden 64, intermediate 96, 3 layers, 4 heads of 16 over 2 KV heads, untied head
     layer = 64 + 64 * 64 + 2 * (32 * 64) + 64 * 64 + 64 + 3 * (64 * 96)
     params = 128 * 64 + 3 * layer + 64 + 128 * 64
-    assert spec.num_params == params == 108992
+    assert spec.num_params == params == 108992 and not spec.tie_embeddings
+    # The input embedding (128 x 64) is a lookup: only the layers, the final norm and the LM head count.
+    assert matmul_params(spec) == 3 * layer + 64 + 128 * 64 == 100800
     tokens, seq = 2 * 16, 16
-    assert model_flops(spec, tokens, seq) == 6 * 108992 * 32 + 12 * 3 * (4 * 16) * 16 * 32 == 22106112
+    assert model_flops(spec, tokens, seq) == 6 * 100800 * 32 + 12 * 3 * (4 * 16) * 16 * 32 == 20533248
+
+
+def test_model_flops_by_hand_a_tied_head_keeps_its_matmul():
+    spec = _spec(tie_word_embeddings=True)
+    layer = 64 + 64 * 64 + 2 * (32 * 64) + 64 * 64 + 64 + 3 * (64 * 96)
+    # One 128 x 64 matrix, stored once: the lookup is free, the LM head's matmul with it is not.
+    assert spec.tie_embeddings and spec.num_params == 128 * 64 + 3 * layer + 64 == 100800
+    assert matmul_params(spec) == spec.num_params
+    tokens, seq = 3 * 8, 8
+    assert model_flops(spec, tokens, seq) == 6 * 100800 * 24 + 12 * 3 * (4 * 16) * 8 * 24 == 14957568
+    assert "lookup, not a matmul" in FLOPS_FORMULA  # the formula the records and docs state
 
 
 def test_host_rss_agrees_with_the_kernel():

@@ -7,6 +7,14 @@ with a ``status`` key, on a line of its own) to a callback as soon as it is
 printed, kills the whole group at its deadline and keeps what was printed
 before a kill or a crash. ``run_child`` is the one-record form.
 
+A ``MemoryWatchdog`` makes running out of host RAM a measured result instead
+of a dead machine: every ``poll_s`` it reads the child group's resident set
+(every process of the group, from /proc) and ``MemAvailable``; once available
+memory falls under its floor it kills the group and the run's ``failure`` says
+"host RAM exhausted: child RSS X GiB, peak Y GiB (killed by the bench's memory
+watchdog)". The child is also made the kernel OOM killer's first choice
+(``oom_score_adj`` 1000), should memory go faster than the watchdog looks.
+
 Test: ``pytest tests/test_bench.py`` (its child-process tests).
 """
 
@@ -25,7 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ChildRun", "last_error", "run_child", "stream_child"]
+__all__ = ["ChildRun", "MemoryWatchdog", "group_rss_bytes", "last_error", "run_child", "stream_child"]
+
+_GIB = float(2**30)
 
 
 def _parse_record(line: str) -> dict[str, Any] | None:
@@ -54,15 +64,138 @@ class ChildRun:
     timeout: float  # the seconds it was given
     stderr: str
     wall_s: float
+    killed_by: str | None = None  # the memory watchdog's reason, when it killed the run
+    peak_rss_gib: float | None = None  # the largest resident set the watchdog saw (None: not watched)
 
     @property
     def failure(self) -> str | None:
-        """Why it did not finish cleanly (a timeout, or an exit code and its last error line), or None."""
+        """Why it did not finish cleanly (host RAM exhausted, a timeout, or an exit code and its last
+        error line), or None."""
+        if self.killed_by is not None:
+            return self.killed_by
         if self.returncode is None:
             return f"timed out after {self.timeout:.0f} s (raise --timeout or --time-budget)"
         if self.returncode != 0:
             return f"exit code {self.returncode}: {last_error(self.stderr)}"
         return None
+
+
+def _status(pid: int) -> dict[str, int]:
+    from slidekit.telemetry import proc_sizes
+
+    return proc_sizes(f"/proc/{pid}/status")
+
+
+def group_rss_bytes(pgid: int) -> tuple[int, int]:
+    """(resident bytes now, the largest VmHWM) summed / taken over every process of group ``pgid``.
+
+    The group is found in /proc (``stat``'s fifth field), so a compiler or worker the child started
+    counts too; (0, 0) where there is no /proc.
+    """
+    rss = hwm = 0
+    try:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return 0, 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if len(fields) > 2 and fields[2] == str(pgid):
+            status = _status(pid)
+            rss += status.get("VmRSS", 0)
+            hwm = max(hwm, status.get("VmHWM", 0))
+    return rss, hwm
+
+
+def mem_available_bytes(_group_rss: int = 0) -> int | None:
+    """``MemAvailable`` of /proc/meminfo (None where there is none); the argument is the watched group's
+    RSS, which a stand-in for tests may use."""
+    from slidekit.telemetry import proc_sizes
+
+    return proc_sizes("/proc/meminfo").get("MemAvailable")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryWatchdog:
+    """Kills a child's process group when host RAM runs out, and says so with the child's memory.
+
+    ``available(group_rss)`` gives the bytes still available (``MemAvailable``; tests pass a stand-in
+    computed from the child's own RSS, so a small child can "exhaust" a fake machine deterministically).
+    """
+
+    floor_bytes: int = 3 * 2**30  # kill once available memory falls under this
+    poll_s: float = 0.5  # seconds between two looks
+    available: Callable[[int], int | None] = mem_available_bytes
+    settle_bytes: int | None = None  # what ``settle`` waits for before a child starts (None: twice the floor)
+
+    def __post_init__(self) -> None:
+        if self.floor_bytes < 0 or not self.poll_s > 0:
+            raise ValueError(
+                f"MemoryWatchdog needs floor_bytes >= 0 and poll_s > 0, got {self.floor_bytes}, {self.poll_s}"
+            )
+
+    def verdict(self, rss: int, peak: int, available: int | None) -> str | None:
+        """The kill reason when ``available`` bytes are under the floor, else None."""
+        if available is None or available >= self.floor_bytes:
+            return None
+        return (
+            f"host RAM exhausted: child RSS {rss / _GIB:.1f} GiB, peak {max(rss, peak) / _GIB:.1f} GiB "
+            f"(killed by the bench's memory watchdog: {available / _GIB:.1f} GiB available, under its "
+            f"{self.floor_bytes / _GIB:.1f} GiB floor)"
+        )
+
+    def settle(self, timeout_s: float = 60.0) -> int | None:
+        """Wait until the available memory is back at ``settle_bytes``, ``timeout_s`` at most (after a
+        killed child, the kernel takes a while to give its pinned pages back: the next child must not
+        be blamed for them); the bytes available then (None where that cannot be read)."""
+        want = self.settle_bytes if self.settle_bytes is not None else 2 * self.floor_bytes
+        deadline = time.monotonic() + timeout_s
+        while True:
+            available = self.available(0)
+            if available is None or available >= want or time.monotonic() >= deadline:
+                return available
+            time.sleep(min(self.poll_s, 1.0))
+
+    def watch(self, proc: subprocess.Popen[str]) -> _Watch:
+        """Watch ``proc``'s process group from a thread until ``_Watch.stop`` (or until it kills it)."""
+        with contextlib.suppress(OSError):  # the kernel's OOM killer takes this one first
+            Path(f"/proc/{proc.pid}/oom_score_adj").write_text("1000")
+        watch = _Watch()
+
+        def run() -> None:
+            while not watch.stopping.is_set():
+                rss, hwm = group_rss_bytes(proc.pid)
+                watch.peak = max(watch.peak, rss, hwm)
+                why = self.verdict(rss, watch.peak, self.available(rss))
+                if why is not None and proc.poll() is None:
+                    watch.reason = why
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    return
+                watch.stopping.wait(self.poll_s)
+
+        watch.thread = threading.Thread(target=run, name="bench-memory-watchdog", daemon=True)
+        watch.thread.start()
+        return watch
+
+
+class _Watch:
+    """One watched child: the kill reason (once there is one) and the peak group RSS seen, in bytes."""
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self.peak = 0
+        self.stopping = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def stop(self) -> None:
+        """Stop watching; returns once the watching thread has ended (its last look included)."""
+        self.stopping.set()
+        if self.thread is not None:
+            self.thread.join()
 
 
 def stream_child(
@@ -71,16 +204,26 @@ def stream_child(
     timeout: float,
     log: Path | None = None,
     on_record: Callable[[dict[str, Any]], None] | None = None,
+    watchdog: MemoryWatchdog | None = None,
+    env: dict[str, str] | None = None,
 ) -> ChildRun:
     """Run ``cmd`` in its own process group; each JSON record it prints goes to ``on_record`` at once.
 
     A run past ``timeout`` seconds is killed with everything it started; the records it printed
     before are kept. Two threads drain stdout and stderr, so neither pipe can fill up and stall it.
+    With a ``watchdog`` the group is also killed when host RAM runs out (``ChildRun.killed_by``).
+    ``env``: variables added to this process's environment for the child.
     """
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        list(cmd),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **env} if env else None,
     )
+    watch = watchdog.watch(proc) if watchdog else None
     lines: queue.Queue[str | None] = queue.Queue()  # stdout lines; None at its end
     err: list[str] = []
     pumps = [
@@ -120,6 +263,8 @@ def stream_child(
             proc.wait(timeout=max(deadline - time.perf_counter(), 0.1))
         except subprocess.TimeoutExpired:
             killed = True
+    if watch is not None:
+        watch.stop()  # before a timeout's kill: a group killed for its time is not blamed on memory
     if killed:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
@@ -138,6 +283,8 @@ def stream_child(
         timeout=timeout,
         stderr="".join(err),
         wall_s=round(time.perf_counter() - t0, 1),
+        killed_by=watch.reason if watch else None,
+        peak_rss_gib=round(watch.peak / _GIB, 3) if watch else None,
     )
     if log is not None:
         log.write_text(f"$ {' '.join(cmd)}\n--- stdout\n{''.join(out)}\n--- stderr\n{run.stderr}\n")
@@ -151,12 +298,15 @@ def _pump(stream: Any, put: Callable[[Any], None], mark_end: bool) -> None:
         put(None)
 
 
-def run_child(cmd: Sequence[str], *, timeout: float, log: Path | None = None) -> dict[str, Any]:
+def run_child(
+    cmd: Sequence[str], *, timeout: float, log: Path | None = None, watchdog: MemoryWatchdog | None = None
+) -> dict[str, Any]:
     """Run ``cmd`` (a run printing one JSON line) in its own process group; its record, or why there is none.
 
-    A run past ``timeout`` seconds is killed with everything it started.
+    A run past ``timeout`` seconds (or out of host RAM, with a ``watchdog``) is killed with everything
+    it started.
     """
-    run = stream_child(cmd, timeout=timeout, log=log)
+    run = stream_child(cmd, timeout=timeout, log=log, watchdog=watchdog)
     if run.returncode is not None and run.records:
         record = run.records[-1]
     else:

@@ -2,44 +2,44 @@
 
 Each baseline script is standalone::
 
-    python slidekit/tools/baselines/no_offload.py --model tiny --device cpu --batch 2,3 --seq 64
+    python -m slidekit.tools.baselines.no_offload --model tiny --device cpu --batch 2,3 --seq 64
 
-and ``slidekit bench`` runs it once per model with all its batch sizes. The flow of one run:
+and ``slidekit bench`` runs it once per (recipe, repeat) with all its batch sizes. The flow of one run:
 
-1. (torchao, DeepSpeed) the host-RAM guard, before their package is imported or anything is
-   built: they keep FP32 masters and Adam state in host RAM, ``HOST_BYTES_PER_PARAM`` x the
-   preset's parameter count + ``HOST_HEADROOM_GIB``; above ``MemAvailable`` of /proc/meminfo
-   every batch is reported "unavailable" with both numbers and the run exits 0 without
-   allocating (``--force`` skips it). A model that does not fit would otherwise take the whole
-   machine down with the OOM killer.
-2. The model (and optimizer) is built ONCE; its time is ``setup_s`` of every record, shared by
-   the batches listed in ``setup_shared_by``.
-3. For each ``--batch`` in order: free cached GPU memory (``gc.collect``, ``empty_cache``),
+1. The model (and optimizer) is built ONCE; its time is ``setup_s`` of every record, shared by
+   the batches listed in ``setup_shared_by``. Nothing guesses beforehand whether it fits: a model
+   that exhausts host RAM is killed by the bench's memory watchdog, and that is its result; one
+   that runs out of GPU memory while building reports "does not fit" for every batch.
+2. For each ``--batch`` in order: free cached GPU memory (``gc.collect``, ``empty_cache``),
    reset the peak GPU counter and the peak RSS (``slidekit.telemetry.reset_peak_rss``; where
-   that is impossible ``peak_rss_scope`` is "process" instead of "batch"), run ``--warmup``
-   untimed and ``--steps`` timed steps, and print that batch's JSON line at once (flushed), so a
-   run killed later keeps the batches it finished. Out of GPU memory at one batch prints that
-   batch's "does not fit in GPU memory" line, frees the memory and goes on with the next batch
-   (unless the script says its state cannot be reused, as DeepSpeed's does).
+   that is impossible ``peak_rss_scope`` is "process" instead of "batch"), run ``--warmup`` +
+   ``--steps`` steps back to back and time them as slidekit's are: whole steps, start to start
+   (``loss.item()`` each step, as a training loop logs it; a ``torch.cuda.synchronize`` inside the
+   last step's period, so every update is applied and every copy done when it ends); print that
+   batch's JSON line at once (flushed), so a run killed later keeps the batches it finished. Out
+   of GPU memory at one batch prints that batch's "does not fit in GPU memory: ..." line (the
+   failed allocation's size and the free memory, from torch's message), frees the memory and
+   goes on with the next batch (unless the script says its state cannot be reused, as
+   DeepSpeed's does).
 
 Every line is one record with ``system``, ``status`` and ``batch``:
 
-- ``status: "ok"`` with the metrics of ``slidekit.tools.bench.throughput`` (the timed steps' seconds,
-  their median, tokens/s, model TFLOPS with slidekit's parameter count of the same preset),
-  ``peak_gpu_gib`` and ``peak_host_rss_gib`` of this batch (``peak_rss_scope``), ``wall_s`` (this
-  batch's seconds, warm-up included), ``setup_s``; or
-- ``status: "unavailable"`` and a ``reason`` (a package missing, no CUDA, too little host RAM,
-  out of GPU memory).
+- ``status: "ok"`` with the figures of ``slidekit.tools.bench.records.throughput`` (every timed
+  step's seconds, the period, tokens/s, model TFLOPS with slidekit's parameter count of the same
+  preset), ``peak_gpu_gib`` and ``peak_host_rss_gib`` of this batch (``peak_rss_scope``),
+  ``wall_s`` (this batch's seconds, warm-up included), ``setup_s``, ``max_grad_norm``; or
+- ``status: "unavailable"`` and a ``reason`` (a package missing, no CUDA, out of GPU memory).
 
-The model is the preset's transformers model (``AutoModelForCausalLM.from_config``,
-random init on the target device, sdpa attention, gradient checkpointing,
-no KV cache). The tokens are ``slidekit.tools.bench.synthetic_tokens``, the same
-rows slidekit trains on (a fresh generator per batch, so each batch sees the
-rows a separate run would); the loss is transformers' own (full logits,
-upcast to FP32), with ``shift_labels`` so the targets are exactly slidekit's.
-Later batches go on training the weights the earlier ones updated, so only
-the first batch's losses start from the random init; the work per step, and
-so the throughput, does not depend on the weights' values.
+The model is the preset's transformers model (``AutoModelForCausalLM.from_config``, random init
+on the target device, sdpa attention, no KV cache; gradient checkpointing unless the script
+turns it off). The tokens are ``slidekit.tools.bench.records.synthetic_tokens``, the same rows
+slidekit trains on (a fresh generator per batch, so each batch sees the rows a separate run
+would); the loss is transformers' own (full logits, upcast to FP32) unless the script replaces
+it, with ``shift_labels`` so the targets are exactly slidekit's. ``--clip`` clips the global
+gradient norm before every update (``torch.nn.utils.clip_grad_norm_``, or the system's own way).
+Later batches go on training the weights the earlier ones updated, so only the first batch's
+losses start from the random init; the work per step, and so the throughput, does not depend on
+the weights' values.
 
 Test: ``pytest tests/test_bench.py``.
 """
@@ -50,75 +50,27 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NoReturn
 
 import torch
 
-from slidekit.telemetry import proc_sizes, reset_peak_rss
-from slidekit.tools.bench import (
-    PRESETS,
-    arch_spec,
-    hf_config,
+from slidekit.telemetry import reset_peak_rss
+from slidekit.tools.bench.records import (
+    does_not_fit,
     peak_gpu_gib,
     peak_rss_gib,
     run_header,
     synthetic_tokens,
     throughput,
 )
+from slidekit.tools.presets import PRESETS, arch_spec, hf_config
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (inputs, labels) -> loss
 AfterOOM = Callable[[int], str | None]  # (the batch) cleans up after an OOM; a reason stops the rest
-
-_GIB = float(2**30)
-
-# ---------------------------------------------------------------------------- the host-RAM guard
-
-#: Peak host RSS per parameter of the alternatives that keep the FP32 masters, the gradients' host
-#: copies and the Adam moments in host RAM: (bytes per parameter, where it was measured).
-HOST_BYTES_PER_PARAM: dict[str, tuple[float, str]] = {
-    # 58.0 GiB peak RSS for 3.09 B parameters, on the H200 machine (2026-11-29, batches 8-32, seq 1024):
-    # docs/benchmarks/raw/2026-11-29-s2/bench_3b.jsonl.
-    "torchao": (20.2, "measured at Qwen2.5-3B"),
-    # ZeRO-2 with the optimizer offloaded: 71 GB for 3.09 B parameters, the issue's reference figures
-    # for the H200 machine (not yet measured by this script).
-    "deepspeed": (23.0, "the reference figure at Qwen2.5-3B"),
-}
-#: Added to the estimate: the interpreter, torch, CUDA's host allocations, the tokens.
-HOST_HEADROOM_GIB = 2.0
-
-
-def mem_available_bytes() -> int | None:
-    """``MemAvailable`` of /proc/meminfo (None where there is no such file)."""
-    return proc_sizes("/proc/meminfo").get("MemAvailable")
-
-
-def host_ram_shortfall(system: str, model: str, available: int | None) -> str | None:
-    """Why ``system`` cannot train ``model`` in ``available`` bytes of host RAM, or None if it can (or if
-    nobody knows: no estimate for ``system``, or no MemAvailable)."""
-    if system not in HOST_BYTES_PER_PARAM or available is None:
-        return None
-    per_param, where = HOST_BYTES_PER_PARAM[system]
-    need_gib = per_param * arch_spec(model).num_params / _GIB + HOST_HEADROOM_GIB
-    have_gib = available / _GIB
-    if need_gib <= have_gib:
-        return None
-    return (
-        f"needs ~{need_gib:.0f} GiB of host RAM ({per_param:g} B/param, {where}) but {have_gib:.0f} GiB "
-        "is available; pass --force to run it anyway"
-    )
-
-
-def check_host_ram(system: str, args: argparse.Namespace) -> None:
-    """Report every batch "unavailable" and exit 0 if ``system`` would exhaust host RAM (not with --force)."""
-    if getattr(args, "force", False):
-        return
-    reason = host_ram_shortfall(system, args.model, mem_available_bytes())
-    if reason is not None:
-        unavailable(system, reason, args.batch)
-
 
 # ---------------------------------------------------------------------------- options and records
 
@@ -134,21 +86,29 @@ def batch_sizes(text: str) -> list[int]:
     return sizes
 
 
-def parser(description: str, *, host_ram_guard: bool = False) -> argparse.ArgumentParser:
-    """The options every baseline takes (``--force`` only where the host-RAM guard applies)."""
+def positive(text: str) -> float:
+    """``--clip``: a positive max_grad_norm."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give max_grad_norm as a number, e.g. 1.0") from None
+    if not value > 0 or not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r}: max_grad_norm must be a positive number, e.g. 1.0")
+    return value
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The options every baseline takes."""
     p = argparse.ArgumentParser(description=description.split("\n")[0])
     p.add_argument("--model", default="tiny", choices=sorted(PRESETS))
     p.add_argument("--batch", type=batch_sizes, default=[8], help="batch sizes, e.g. 8,16,32 (in this order)")
     p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=3, help="timed steps per batch (the median is reported)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps first, per batch")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per batch, after the warm-up")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first, per batch, back to back")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--lr", type=float, default=1e-5)
-    if host_ram_guard:
-        p.add_argument(
-            "--force", action="store_true", help="skip the host-RAM guard (the machine may run out of RAM)"
-        )
+    p.add_argument("--clip", type=positive, default=None, help="max_grad_norm (default: no clipping)")
     return p
 
 
@@ -176,24 +136,33 @@ def unavailable(system: str, reason: str, batches: Sequence[int]) -> NoReturn:
     sys.exit(0)
 
 
-def _oom_reason(exc: BaseException) -> str:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else "CUDA out of memory"
-    return f"does not fit in GPU memory ({first[:200]})"
+def oom_reason(exc: BaseException, args: argparse.Namespace, batch: int) -> str:
+    """A GPU out-of-memory error as the record's reason: size, free memory, and the cause it names."""
+    vocab = arch_spec(args.model, args.seq).vocab_size
+    return does_not_fit(str(exc), batch=batch, seq=args.seq, vocab=vocab)
 
 
 @contextlib.contextmanager
-def fits(system: str, batches: Sequence[int]) -> Iterator[None]:
+def fits(system: str, args: argparse.Namespace) -> Iterator[None]:
     """Out of GPU memory while building becomes the result "does not fit" for every batch."""
     try:
         yield
     except torch.OutOfMemoryError as exc:
-        unavailable(system, _oom_reason(exc), batches)
+        unavailable(system, "while building: " + oom_reason(exc, args, args.batch[0]), args.batch)
 
 
 # ---------------------------------------------------------------------------- model, steps, batches
 
 
-def build_model(name: str, seq: int, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Any:
+def build_model(
+    name: str,
+    seq: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+    *,
+    gradient_checkpointing: bool = True,
+) -> Any:
     """The preset as a transformers model on ``device`` in ``dtype``, random weights, ready to train."""
     from transformers import AutoModelForCausalLM
 
@@ -202,14 +171,21 @@ def build_model(name: str, seq: int, device: torch.device, dtype: torch.dtype, s
         model = AutoModelForCausalLM.from_config(
             hf_config(name, seq), dtype=dtype, attn_implementation="sdpa"
         )
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return model
 
 
 def loss_of(model: Any, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """transformers' causal-LM loss with slidekit's targets (``labels`` are already shifted)."""
+    """The model's causal-LM loss with slidekit's targets (``labels`` are already shifted)."""
     return model(input_ids=inputs, labels=labels, shift_labels=labels).loss
+
+
+def clip(params: Iterable[torch.Tensor], max_norm: float | None) -> None:
+    """Clip the global gradient norm of ``params`` to ``max_norm`` (nothing when None)."""
+    if max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(list(params), max_norm)
 
 
 def free_memory(device: torch.device) -> None:
@@ -220,30 +196,31 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def whole_steps(starts: Sequence[float], end: float) -> list[float]:
+    """Start-to-start seconds of each step: step i ends where step i+1 starts, the last at ``end``."""
+    return [b - a for a, b in zip(starts, [*starts[1:], end], strict=True)]
+
+
 def measure(
     system: str, args: argparse.Namespace, batch: int, device: torch.device, step: Step, **extra: Any
 ) -> dict[str, Any]:
-    """Run ``args.warmup`` untimed then ``args.steps`` timed steps of ``batch`` rows; the record.
+    """Run ``args.warmup`` + ``args.steps`` steps of ``batch`` rows back to back; the record of the timed ones.
 
-    The caller has reset the peaks; the record's peaks are those since then.
+    A step starts when its batch is on the device; it ends where the next one starts, the last after a
+    device synchronisation (every update applied, every copy done). The caller has reset the peaks.
     """
     t_batch = time.perf_counter()
     spec = arch_spec(args.model, args.seq)
     data = synthetic_tokens(spec.vocab_size, batch, args.seq, args.seed)
-    cuda = device.type == "cuda"
-    seconds: list[float] = []
+    starts: list[float] = []
     losses: list[float] = []
-    for i in range(args.warmup + args.steps):
+    for _ in range(args.warmup + args.steps):
         inputs, labels = (t.to(device, non_blocking=True) for t in next(data))
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        loss = float(step(inputs, labels))  # a host read: the step is done on the device
-        if cuda:
-            torch.cuda.synchronize(device)
-        if i >= args.warmup:
-            seconds.append(time.perf_counter() - t0)
-            losses.append(round(loss, 4))
+        starts.append(time.perf_counter())
+        losses.append(float(step(inputs, labels)))  # loss.item(): what a training loop logs every step
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = whole_steps(starts, time.perf_counter())[args.warmup :]
     return {
         **run_header(system, argparse.Namespace(**{**vars(args), "batch": batch}), device),
         **throughput(spec, batch, args.seq, seconds),
@@ -251,7 +228,7 @@ def measure(
         "peak_host_rss_gib": peak_rss_gib(),
         **extra,
         "wall_s": round(time.perf_counter() - t_batch, 2),
-        "losses": losses,
+        "losses": [round(x, 4) for x in losses[args.warmup :]],
     }
 
 
@@ -288,7 +265,9 @@ def run_batches(
         try:
             emit(measure(system, args, batch, device, step, **shared, peak_rss_scope=scope, **extra))
         except torch.OutOfMemoryError as exc:
-            oom = _oom_reason(exc)  # the traceback (and the batch's tensors) go when this block ends
+            oom = oom_reason(
+                exc, args, batch
+            )  # the traceback (and the batch's tensors) go when this block ends
         if oom is not None:
             emit(unavailable_record(system, batch, oom))
             free_memory(device)

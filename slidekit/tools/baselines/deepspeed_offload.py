@@ -1,18 +1,31 @@
-"""DeepSpeed ZeRO-Offload: ZeRO stage 2 with the optimizer state and step on the CPU (DeepSpeedCPUAdam).
+"""DeepSpeed ZeRO-Offload: ZeRO-2 with the optimizer state and step on the CPU; or ZeRO-3 partial offload.
 
-    python slidekit/tools/baselines/deepspeed_offload.py --model qwen2.5-3b --batch 8,16,32 --seq 1024
+    python -m slidekit.tools.baselines.deepspeed_offload --model qwen2.5-3b --batch 8,16,32 --seq 1024
+    python -m slidekit.tools.baselines.deepspeed_offload --model qwen2.5-3b --batch 8,32 --offload-ratio 0.5
 
 One process (RANK 0 of WORLD_SIZE 1, set here, on a free local port), BF16
 weights and compute on the GPU, FP32 master partitions and AdamW moments in
 pinned host memory, updated by DeepSpeedCPUAdam (its C++ extension is built
 on first use with the system compiler and ninja, then cached under
-TORCH_EXTENSIONS_DIR), gradient checkpointing. Those host buffers take about
-23 bytes per parameter (the reference figure at Qwen2.5-3B), so the host-RAM
-guard of common.py refuses a model that would not fit, before anything is
-built (``--force`` skips it). Needs deepspeed and a CUDA device; without
-either, or if the extension does not build, it reports "unavailable" and why.
-Prints one JSON line per batch (see common.py); ``slidekit bench --baselines
+TORCH_EXTENSIONS_DIR; ``slidekit bench`` builds it before its timed runs),
+gradient checkpointing. Those host buffers take about 23 bytes per parameter
+(the reference figure at Qwen2.5-3B); a model that exhausts host RAM is killed
+by the bench's memory watchdog, which is its result. ``--clip`` is DeepSpeed's
+own ``gradient_clipping``. Needs deepspeed and a CUDA device; without either,
+or if the extension does not build, it reports "unavailable" and why. Prints
+one JSON line per batch (see common.py); ``slidekit bench --baselines
 deepspeed`` runs it.
+
+``--offload-ratio R`` (system ``deepspeed_partial``) is ZeRO-Offload++'s
+partial offload (``offload_optimizer.ratio``, DeepSpeed >= 0.10; in 0.19.8
+``deepspeed/runtime/zero/offload_config.py``: "Percentage of offloaded optimizer
+states to CPU Adam. Only valid with ZeRO Stage 3", asserted by ``zero/config.py``):
+ZeRO stage 3, the optimizer's sub-groups split so that the last R of them have
+their FP32 state and step on the CPU (DeepSpeedCPUAdam) and the rest on the GPU
+(``zero/stage3.py``, ``subgroup_to_device``). ``slidekit bench`` sets R to 1 -
+slidekit's partial residency share, and ``sub_group_size`` is 1e8 elements so
+the split is fine-grained (DeepSpeed's default of 1e9 would give a 7B model
+only 8 sub-groups).
 
 One engine serves every batch size. The engine's config names a micro batch
 size (``train_micro_batch_size_per_gpu``), but nothing the engine allocates is
@@ -20,7 +33,7 @@ shaped by it: in DeepSpeed's source (deepspeed/runtime/engine.py,
 ``DeepSpeedEngine``) it only feeds the data loader ``deepspeed_io`` builds
 (not used here), the throughput timer's samples/s log, the random-LTD and
 curriculum schedulers (off) and the pipeline engine (not used); ``forward``
-passes the inputs to the module whatever their batch; ZeRO-2's buffers
+passes the inputs to the module whatever their batch; ZeRO's buffers
 (partitioned FP32 masters, gradient partitions, reduce buckets of
 ``reduce_bucket_size`` elements) are sized by the parameters. DeepSpeed's own
 ``set_train_micro_batch_size`` changes the batch size of a live engine by
@@ -38,6 +51,8 @@ measured on an engine in an unknown state or on a second one.
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 import socket
 import time
@@ -47,7 +62,6 @@ import torch
 
 from slidekit.tools.baselines.common import (
     build_model,
-    check_host_ram,
     fits,
     loss_of,
     parser,
@@ -57,23 +71,35 @@ from slidekit.tools.baselines.common import (
 )
 
 SYSTEM = "deepspeed"
+PARTIAL = "deepspeed_partial"
 
 
-def ds_config(batch: int) -> dict[str, Any]:
-    """ZeRO-2, optimizer offloaded to pinned CPU memory, BF16; no clipping, as slidekit's runs have none."""
+def ds_config(batch: int, *, clip: float | None = None, offload_ratio: float | None = None) -> dict[str, Any]:
+    """BF16 and the optimizer offloaded to pinned CPU memory: ZeRO-2 (all of it), or ZeRO-3 with
+    ``offload_ratio`` of its state on the CPU; DeepSpeed's own clipping at ``clip`` (0: none)."""
+    zero: dict[str, Any] = {
+        "stage": 2,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "contiguous_gradients": True,
+        "overlap_comm": True,
+        "reduce_bucket_size": 200_000_000,
+        "allgather_bucket_size": 200_000_000,
+    }
+    if offload_ratio is not None:
+        zero = {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": offload_ratio},
+            "contiguous_gradients": True,
+            "overlap_comm": True,
+            "reduce_bucket_size": 200_000_000,
+            "sub_group_size": 100_000_000,
+        }
     return {
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True},
-        "zero_optimization": {
-            "stage": 2,
-            "offload_optimizer": {"device": "cpu", "pin_memory": True},
-            "contiguous_gradients": True,
-            "overlap_comm": True,
-            "reduce_bucket_size": 200_000_000,
-            "allgather_bucket_size": 200_000_000,
-        },
-        "gradient_clipping": 0.0,
+        "zero_optimization": zero,
+        "gradient_clipping": clip or 0.0,
         "steps_per_print": 1_000_000_000,
         "wall_clock_breakdown": False,
     }
@@ -89,7 +115,7 @@ def single_process_env() -> None:
     )
 
 
-def build_engine(args: Any, device: torch.device) -> Any:
+def build_engine(args: Any, device: torch.device, system: str) -> Any:
     """The DeepSpeed engine around the preset model, with DeepSpeedCPUAdam as its optimizer."""
     import deepspeed
     from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -106,31 +132,53 @@ def build_engine(args: Any, device: torch.device) -> Any:
     except Exception as exc:  # the JIT build of the cpu_adam extension: compiler, headers, ninja
         cause = f" ({type(exc.__cause__).__name__}: {str(exc.__cause__)[-300:]})" if exc.__cause__ else ""
         unavailable(
-            SYSTEM, f"DeepSpeedCPUAdam's C++ extension did not build or load: {exc}{cause}", args.batch
+            system, f"DeepSpeedCPUAdam's C++ extension did not build or load: {exc}{cause}", args.batch
         )
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(args.batch[0]))
+    config = ds_config(args.batch[0], clip=args.clip, offload_ratio=args.offload_ratio)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
 
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the share of the optimizer state on the CPU, strictly between 0 and 1 (e.g. 0.5)"
+        )
+    return value
+
+
 def main() -> None:
-    args = parser(__doc__, host_ram_guard=True).parse_args()
-    check_host_ram(SYSTEM, args)
+    p = parser(__doc__)
+    p.add_argument(
+        "--offload-ratio",
+        type=_ratio,
+        default=None,
+        help="ZeRO-3 partial offload: this share of the optimizer state on the CPU (system deepspeed_partial)",
+    )
+    args = p.parse_args()
+    system = SYSTEM if args.offload_ratio is None else PARTIAL
+    os.environ.setdefault("DS_ACCELERATOR", "cuda")  # the wheel was built where no GPU was
+    os.environ.setdefault("DS_SKIP_CUDA_CHECK", "1")
     try:
         import deepspeed  # noqa: F401
     except Exception as exc:  # ImportError, or an error of its own import-time checks
         unavailable(
-            SYSTEM,
+            system,
             f"deepspeed cannot be imported ({type(exc).__name__}: {exc}); pip install deepspeed",
             args.batch,
         )
     device = resolve_device(args.device)
     if device.type != "cuda":
         unavailable(
-            SYSTEM, f"DeepSpeed ZeRO-Offload needs a CUDA device (NCCL); this run is on {device}", args.batch
+            system, f"DeepSpeed ZeRO-Offload needs a CUDA device (NCCL); this run is on {device}", args.batch
         )
-    with fits(SYSTEM, args.batch):
+    with fits(system, args):
         t0 = time.perf_counter()
-        engine = build_engine(args, device)
+        engine = build_engine(args, device, system)
         setup_s = round(time.perf_counter() - t0, 2)
 
     def set_batch(batch: int) -> None:
@@ -151,8 +199,14 @@ def main() -> None:
         )
 
     optimizer = "DeepSpeed ZeRO-2, offload_optimizer cpu (pinned), DeepSpeedCPUAdam, BF16"
+    if args.offload_ratio is not None:
+        optimizer = (
+            f"DeepSpeed ZeRO-3, offload_optimizer cpu ratio {args.offload_ratio:g}, DeepSpeedCPUAdam, BF16"
+        )
+    if args.clip is not None:
+        optimizer += f", gradient_clipping {args.clip:g}"
     run_batches(
-        SYSTEM,
+        system,
         args,
         device,
         step,

@@ -1,19 +1,21 @@
-"""No offload: the whole training state on the GPU, the plain PyTorch recipe slidekit is measured against.
+"""No offload, plain Hugging Face: the whole training state on the GPU, gradient checkpointing, no fused kernels.
 
-    python slidekit/tools/baselines/no_offload.py --model qwen2.5-3b --batch 8,16,32 --seq 1024
-    python slidekit/tools/baselines/no_offload.py --model tiny --device cpu --batch 2,3 --seq 64   # anywhere
+    python -m slidekit.tools.baselines.no_offload --model qwen2.5-3b --batch 8,16,32 --seq 1024
+    python -m slidekit.tools.baselines.no_offload --model tiny --device cpu --batch 2,3 --seq 64   # anywhere
 
 FP32 master weights on the device, forward and backward under
 ``torch.autocast(bfloat16)``, ``torch.optim.AdamW(fused=True)``: 16 bytes per
 parameter (weights, gradients, two moments) plus activations, with gradient
-checkpointing. The model and optimizer are built once and every batch size
-is measured on them in order, one JSON line each (see common.py). A model
-that does not fit reports "does not fit" for every batch; a batch whose
-activations do not fit reports it for that batch, and the next batch still
-runs (the gradients are dropped first; the optimizer state is only ever
-created whole or per parameter, so it stays usable). On the CPU (smoke
-tests) compute stays FP32, as slidekit's does there. ``slidekit bench
---baselines none`` runs it.
+checkpointing and transformers' own loss (the full logits, upcast to FP32).
+``--clip`` clips with ``torch.nn.utils.clip_grad_norm_`` before each update.
+The model and optimizer are built once and every batch size is measured on
+them in order, one JSON line each (see common.py). A model that does not
+fit reports "does not fit" for every batch; a batch whose activations do not
+fit reports it for that batch, and the next batch still runs (the gradients
+are dropped first; the optimizer state is only ever created whole or per
+parameter, so it stays usable). On the CPU (smoke tests) compute stays FP32,
+as slidekit's does there. ``slidekit bench --baselines none`` runs it; the
+stronger no-offload recipe, with Liger's kernels, is liger.py.
 """
 
 from __future__ import annotations
@@ -22,7 +24,15 @@ import time
 
 import torch
 
-from slidekit.tools.baselines.common import build_model, fits, loss_of, parser, resolve_device, run_batches
+from slidekit.tools.baselines.common import (
+    build_model,
+    clip,
+    fits,
+    loss_of,
+    parser,
+    resolve_device,
+    run_batches,
+)
 
 SYSTEM = "no_offload"
 
@@ -30,7 +40,7 @@ SYSTEM = "no_offload"
 def main() -> None:
     args = parser(__doc__).parse_args()
     device = resolve_device(args.device)
-    with fits(SYSTEM, args.batch):
+    with fits(SYSTEM, args):
         t0 = time.perf_counter()
         model = build_model(args.model, args.seq, device, torch.float32, args.seed)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
@@ -40,6 +50,7 @@ def main() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = loss_of(model, inputs, labels)
         loss.backward()
+        clip(model.parameters(), args.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
@@ -47,7 +58,7 @@ def main() -> None:
     def after_oom(batch: int) -> None:
         opt.zero_grad(set_to_none=True)  # a backward cut short leaves some gradients behind
 
-    optimizer = "torch.optim.AdamW(fused=True), FP32 master"
+    optimizer = "torch.optim.AdamW(fused=True), FP32 master, gradient checkpointing"
     run_batches(SYSTEM, args, device, step, setup_s=setup_s, after_oom=after_oom, optimizer=optimizer)
 
 

@@ -1,0 +1,245 @@
+"""Running a suite: the builds, then every kept run of the time plan in its own process, each row recorded.
+
+``run_suite`` does, in order:
+
+1. The builds the kept runs need (``slidekit build``; DeepSpeed's cpu_adam extension), side by side,
+   before anything is timed, so no run compiles while another is measured.
+2. Each kept run, most important first, in its own process group (``stream_child``), under the
+   memory watchdog (host RAM exhausted is that run's result, not the end of the benchmark) and a
+   time limit: with a budget, min(what is left, 2 x its prediction + 30 s); without, ``--timeout``
+   x its batches. A run whose prediction is more than what is left of the budget is not started
+   ("not run: time budget"). Each JSON line a child prints becomes a row at once: printed as a
+   progress line on stderr and appended to the suite's JSONL, so a suite killed midway keeps what
+   finished. Every batch a run printed nothing for gets a row saying why (timed out, exit code and
+   last error line, host RAM exhausted); a record naming no batch speaks for every batch.
+3. The runs the plan left out get a row per batch: "not run: time budget (predicted S s)".
+
+Every row carries the run's identity (suite, label, recipe, repeat, cost key, prediction), the
+commit, the date and the package versions; the suite's first JSONL line (``"record": "suite"``)
+has the plan, the builds and the machine-independent settings. Test: ``pytest tests/test_bench.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from slidekit.tools.bench.costs import BUILD_S
+from slidekit.tools.bench.suites import BASELINE_PACKAGE, RunSpec, Suite
+from slidekit.tools.bench.timeplan import Plan, format_plan
+from slidekit.tools.children import ChildRun, MemoryWatchdog, last_error, stream_child
+
+__all__ = ["BUILD_COMMANDS", "Recorder", "run_suite"]
+
+_MIN_RUN_S = 15.0  # too little to build a model and time a step
+
+#: How each build runs (a child process, side by side with the others), and the variables it needs.
+BUILD_COMMANDS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "slidekit": ([sys.executable, "-m", "slidekit.cli", "build"], {}),
+    "deepspeed": (
+        [
+            sys.executable,
+            "-c",
+            "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()",
+        ],
+        {"DS_ACCELERATOR": "cuda", "DS_SKIP_CUDA_CHECK": "1"},
+    ),
+}
+#: A build may take this many times its prediction (``costs.BUILD_S``) before it is stopped: a stuck
+#: compiler must not eat the suite's budget (a run whose build failed says so itself).
+_BUILD_SLACK = 3.0
+
+
+class Recorder:
+    """The suite's rows: each printed as a progress line and appended to the JSONL as it comes."""
+
+    def __init__(self, path: Path | None, header: dict[str, Any]) -> None:
+        self.path = path
+        self.header = header
+        self.rows: list[dict[str, Any]] = []
+        if path is not None:
+            path.write_text(json.dumps(header) + "\n")
+
+    def add(self, row: dict[str, Any]) -> None:
+        print(_progress_line(row), file=sys.stderr, flush=True)
+        self.rows.append(row)
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def rewrite(self) -> None:
+        """Write the header and every row once more (process walls added at the end of each run)."""
+        if self.path is not None:
+            text = "".join(json.dumps(r) + "\n" for r in [self.header, *self.rows])
+            self.path.write_text(text)
+
+
+def _progress_line(row: dict[str, Any]) -> str:
+    what = f"{row['run_name']} batch {row['batch']}"
+    if row.get("status") != "ok":
+        status, reason = str(row.get("status")), str(row.get("reason", "?"))
+        return f"{what}: {reason if reason.startswith(status) else f'{status}: {reason}'}"
+    return f"{what}: {row['tokens_per_s']:,.0f} tokens/s, {row['model_tflops']:.1f} TFLOPS ({row.get('wall_s')} s)"
+
+
+def _command(args: argparse.Namespace, run: RunSpec, suite: Suite) -> list[str] | str:
+    """The child's command line, or why there is none (a replacement script missing)."""
+    common = ["--model", suite.model, "--batch", ",".join(map(str, run.batches)), "--seq", str(suite.seq)]
+    common += ["--steps", str(suite.steps), "--warmup", str(suite.warmup), "--seed", str(args.seed)]
+    common += ["--device", args.device]
+    if run.clip is not None:
+        common += ["--clip", f"{run.clip:g}"]
+    flags = [*common, *run.flags]
+    directory = Path(args.baselines_dir) if args.baselines_dir else None
+    if run.script == "slidekit":
+        flags += ["--kernels", args.kernels, "--activations", args.activations, "--window", str(args.window)]
+        flags += ["--state-tier", args.state_tier] + (
+            ["--offload-dir", args.offload_dir] if args.offload_dir else []
+        )
+        if directory is not None and (directory / "slidekit.py").is_file():
+            return [sys.executable, str(directory / "slidekit.py"), *flags]
+        return [sys.executable, "-m", "slidekit.tools.bench", *flags]
+    if directory is None:
+        return [sys.executable, "-m", f"{BASELINE_PACKAGE}.{run.script.removesuffix('.py')}", *flags]
+    path = directory / run.script
+    if not path.is_file():
+        return f"script {path} not found (pass --baselines-dir with it, or leave --baselines-dir out)"
+    return [sys.executable, str(path), *flags]
+
+
+def _log_path(logs: Path | None, name: str) -> Path | None:
+    return logs / (re.sub(r"[^A-Za-z0-9.-]+", "_", name).strip("_") + ".log") if logs else None
+
+
+def run_builds(
+    names: Sequence[str],
+    logs: Path | None,
+    commands: Mapping[str, tuple[list[str], dict[str, str]]] = BUILD_COMMANDS,
+) -> dict[str, dict[str, Any]]:
+    """Run the builds ``names`` (of ``commands``) side by side, each for at most ``_BUILD_SLACK`` x its
+    prediction; per build: ok, seconds, and why not."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def one(name: str) -> None:
+        cmd, env = commands[name]
+        limit = _BUILD_SLACK * BUILD_S.get(name, 60.0)
+        run = stream_child(cmd, timeout=limit, log=_log_path(logs, f"build_{name}"), env=env)
+        out[name] = {"ok": run.failure is None, "wall_s": run.wall_s, "failure": run.failure}
+
+    threads = [threading.Thread(target=one, args=(n,), name=f"build-{n}") for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name in names:
+        print(
+            f"build {name}: {'ok' if out[name]['ok'] else out[name]['failure']} ({out[name]['wall_s']} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return out
+
+
+def run_suite(
+    args: argparse.Namespace,
+    plan: Plan,
+    recorder: Recorder,
+    *,
+    identity: dict[str, Any],
+    watchdog: MemoryWatchdog | None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> list[dict[str, Any]]:
+    """Run ``plan`` (module docstring); every row goes through ``recorder``. ``identity``: fields every
+    row carries (commit, date, versions)."""
+    start = clock()
+    suite = plan.suite
+    logs = Path(args.logs) if args.logs else None
+    print(format_plan(plan), file=sys.stderr, flush=True)
+    if plan.builds:
+        recorder.header["builds"] = run_builds(plan.builds, logs)
+        recorder.rewrite()
+
+    def left() -> float:
+        return plan.budget_s - (clock() - start) if plan.budget_s is not None else math.inf
+
+    for planned in plan.runs:
+        run = planned.run
+        base = {"record": "run", "suite": suite.name, "model": suite.model, "seq": suite.seq, **identity}
+        base |= {"system": run.system, "label": run.label, "kind": run.kind, "cost_key": run.cost_key}
+        base |= {"max_grad_norm": run.clip, "repeat": run.repeat, "run_name": run.name}
+        base |= {"predicted_s": planned.predicted_s, "resident": run.resident}
+        if not planned.keep or planned.predicted_s > left() or left() < _MIN_RUN_S:
+            why = f"not run: time budget (predicted {planned.predicted_s:.0f} s; "
+            why += f"{max(left(), 0):.0f} s were left)" if planned.keep else "the plan left it out)"
+            for batch in run.batches:
+                recorder.add({**base, "batch": batch, "status": "not run", "reason": why})
+            continue
+        if watchdog is not None:  # a child killed before may still be giving its memory back
+            available = watchdog.settle(timeout_s=min(60.0, max(left() - planned.predicted_s, 0.0)))
+            base["mem_available_at_start_gib"] = None if available is None else round(available / 2**30, 1)
+        if plan.budget_s is not None:
+            limit = min(left(), 2 * planned.predicted_s + 30)
+        else:
+            limit = args.timeout * len(run.batches)
+        cmd = _command(args, run, suite)
+        if isinstance(cmd, str):
+            for batch in run.batches:
+                recorder.add({**base, "batch": batch, "status": "unavailable", "reason": cmd})
+            continue
+        _one_run(run, cmd, limit, base, recorder, logs, watchdog)
+    recorder.rewrite()
+    return recorder.rows
+
+
+def _one_run(
+    run: RunSpec,
+    cmd: list[str],
+    limit: float,
+    base: dict[str, Any],
+    recorder: Recorder,
+    logs: Path | None,
+    watchdog: MemoryWatchdog | None,
+) -> None:
+    """One process over all of ``run``'s batches: a row per batch as its line arrives, then a row for every
+    batch it printed nothing for, saying why."""
+    done: dict[int, dict[str, Any]] = {}
+    general: list[dict[str, Any]] = []  # records naming no batch speak for every batch
+    t0 = time.perf_counter()
+
+    def row(batch: int, fields: dict[str, Any]) -> dict[str, Any]:
+        # The parent's identity wins over what the run calls itself; the record's own fields stay.
+        return {**fields, **base, "batch": batch}
+
+    def on_record(record: dict[str, Any]) -> None:
+        batch = record.get("batch")
+        if batch is None:
+            general.append(record)
+        elif batch in run.batches and batch not in done:  # a line printed twice is kept once
+            done[batch] = row(batch, {"wall_s": round(time.perf_counter() - t0, 1), **record})
+            recorder.add(done[batch])
+
+    result: ChildRun = stream_child(
+        cmd, timeout=limit, log=_log_path(logs, run.name), on_record=on_record, watchdog=watchdog
+    )
+    for r in done.values():
+        r["process_wall_s"] = result.wall_s
+        r["process_peak_rss_gib"] = result.peak_rss_gib
+    for batch in (b for b in run.batches if b not in done):
+        if general:
+            fields = dict(general[-1])
+        else:
+            why = result.failure or f"exit code 0: {last_error(result.stderr)}"
+            fields = {"status": "unavailable", "reason": f"no line for batch {batch}; {why}"}
+            if result.killed_by is not None:  # host RAM exhausted: the measured result itself
+                fields = {"status": "unavailable", "reason": result.killed_by}
+        fields |= {"wall_s": result.wall_s, "process_wall_s": result.wall_s}
+        fields["process_peak_rss_gib"] = result.peak_rss_gib
+        recorder.add(row(batch, fields))

@@ -1,0 +1,194 @@
+"""One slidekit benchmark process: every batch size of one residency mode and one recipe, a record each.
+
+    python -m slidekit.tools.bench --model qwen2.5-3b --batch 8,32 --resident none --clip 1.0
+    python -m slidekit.tools.bench --model tiny --device cpu --batch 2 --seq 64 --steps 2   # anywhere
+
+For each ``--batch`` in order: a fresh ``Trainer`` (its build is the record's ``setup_s``; the peak
+RSS starts over before it, the peak GPU memory after it), then ``--warmup`` + ``--steps`` steps in
+ONE ``fit`` call, so the first timed step starts with the warm-up's update backlog as every step of
+a long run does. The timed steps are the last ``--steps`` of ``FitResult.step_seconds``: whole steps,
+start to start, the last ending once every update is applied and the device is idle. The batch's JSON
+line is printed at once (a run killed later keeps it). A batch that does not fit (the planner refuses
+it, or the GPU runs out of memory) prints its reason and the next batch still runs.
+
+``slidekit bench`` starts this module once per (mode, recipe, repeat); ``benchmarks/train_throughput.py``
+wraps it. Test: ``pytest tests/test_bench.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from slidekit.tools.bench.records import (
+    does_not_fit,
+    lane_metrics,
+    peak_gpu_gib,
+    peak_rss_gib,
+    run_header,
+    synthetic_tokens,
+    throughput,
+)
+from slidekit.tools.presets import PRESETS, arch_spec, write_config
+
+__all__ = ["engine_arguments", "main", "measure_slidekit", "slidekit_parser"]
+
+
+def _config(args: argparse.Namespace, model_dir: str) -> Any:
+    from slidekit import DataConfig, EngineConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+
+    return TrainConfig(
+        model=ModelConfig(source=model_dir, random_init=True),
+        data=DataConfig(seq_len=args.seq, batch_size=args.batch),
+        optim=OptimConfig(lr=1e-5, name=args.optimizer, max_grad_norm=args.clip),
+        engine=EngineConfig(
+            device=args.device,
+            kernels=args.kernels,
+            activation_tier=args.activations,
+            window=args.window,
+            gpu_resident=args.resident,
+            state_tier=args.state_tier,
+            state_offload_tier=args.state_offload_tier,
+            state_offload_fraction=args.state_offload_fraction,
+            offload_dir=args.offload_dir,
+        ),
+        run=RunConfig(trace=getattr(args, "trace", None)),
+        steps=args.warmup + args.steps,
+    )
+
+
+def measure_slidekit(args: argparse.Namespace) -> dict[str, Any]:
+    """Train ``args.warmup`` + ``args.steps`` steps of preset ``args.model`` at batch ``args.batch`` (one
+    int) in one ``fit``; the record of the timed steps."""
+    import torch
+
+    from slidekit import Batch, Trainer
+    from slidekit.telemetry import reset_peak_rss
+
+    scope = "batch" if reset_peak_rss() else "process"
+    with tempfile.TemporaryDirectory() as tmp:
+        write_config(args.model, Path(tmp), args.seq)
+        t0 = time.perf_counter()
+        trainer = Trainer(_config(args, tmp))
+        setup_s = time.perf_counter() - t0
+        spec, device = trainer.spec, trainer.device
+        resident = f"{len(trainer.engine.window.resident)}/{len(spec.units)}"
+        data = (Batch(x, y) for x, y in synthetic_tokens(spec.vocab_size, args.batch, args.seq, args.seed))
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        with trainer:
+            result = trainer.fit(data, steps=args.warmup + args.steps)
+            kernels, optimizer = trainer.selections["kernels"].name, trainer.selections["optimizer"].name
+    timed = slice(args.warmup, None)
+    step_seconds, timings = result.step_seconds[timed], result.timings[timed]
+    if len(step_seconds) != args.steps:
+        raise RuntimeError(f"fit ran {len(result.step_seconds)} steps of {args.warmup + args.steps}")
+    return {
+        **run_header("slidekit", args, device),
+        "resident": args.resident,
+        "resident_units": resident,
+        "activations": args.activations,
+        "state_tier": args.state_tier,
+        "state_offload": [args.state_offload_tier, args.state_offload_fraction]
+        if args.state_offload_fraction
+        else None,
+        "window": args.window,
+        "kernels": kernels,
+        "optimizer": optimizer,
+        "setup_s": round(setup_s, 2),
+        **throughput(spec, args.batch, args.seq, step_seconds),
+        "peak_gpu_gib": peak_gpu_gib(device),
+        "peak_host_rss_gib": peak_rss_gib(),
+        "peak_rss_scope": scope,
+        **lane_metrics(timings, step_seconds, spec.num_layers),
+        "losses": [round(x, 4) for x in result.losses[timed]],
+        "grad_norms": [round(x, 4) for x in result.grad_norms[timed]] if result.grad_norms else None,
+    }
+
+
+def _unavailable(args: argparse.Namespace, reason: str) -> dict[str, Any]:
+    return {"system": "slidekit", "status": "unavailable", "batch": args.batch, "reason": reason}
+
+
+def _measure_or_why(args: argparse.Namespace) -> dict[str, Any]:
+    """``measure_slidekit``, or the record of why this batch cannot run (the next batch still runs)."""
+    import torch
+
+    from slidekit.errors import SlidekitError
+
+    try:
+        record = measure_slidekit(args)
+    except torch.OutOfMemoryError as exc:
+        spec = arch_spec(args.model, args.seq)
+        record = _unavailable(
+            args, does_not_fit(str(exc), batch=args.batch, seq=args.seq, vocab=spec.vocab_size)
+        )
+    except SlidekitError as exc:  # the planner refusing a layout, a driver missing: its own message
+        record = _unavailable(args, f"{type(exc).__name__}: {exc}")
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if record["status"] == "ok" and not all(math.isfinite(x) for x in record["losses"]):
+        record = {**record, "status": "failed", "reason": f"non-finite loss: {record['losses']}"}
+    return record
+
+
+def slidekit_parser() -> argparse.ArgumentParser:
+    """Options of one slidekit process (``python -m slidekit.tools.bench``, benchmarks/train_throughput.py)."""
+    p = argparse.ArgumentParser(description="Training throughput of slidekit on a preset model shape.")
+    p.add_argument("--model", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--batch", default="8", help="batch sizes, comma-separated: one record each, in order")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=10, help="timed steps (after the warm-up, in the same fit)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens")
+    p.add_argument("--clip", type=float, default=None, help="optim.max_grad_norm (default: no clipping)")
+    engine_arguments(p, resident_help="engine.gpu_resident: auto, none, all or a fraction")
+    p.add_argument("--out", type=Path, default=None, help="append the JSON lines to this file")
+    p.add_argument("--trace", default=None, help="Chrome trace of the steps (open in Perfetto)")
+    return p
+
+
+def engine_arguments(p: argparse.ArgumentParser, *, resident_help: str) -> None:
+    """The engine options a slidekit run takes (``slidekit bench`` passes them through)."""
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--kernels", default="auto", help="kernel-set driver, or auto")
+    p.add_argument("--optimizer", default="layer_adam", help="slidekit optimizer driver")
+    p.add_argument("--activations", default="device", help="'device' or a tier for boundary activations")
+    p.add_argument("--window", type=int, default=3, help="cache units taking turns on the device")
+    p.add_argument("--resident", default="auto", help=resident_help)
+    p.add_argument("--state-tier", default="ram", help="tier for the optimizer state of host units")
+    p.add_argument("--state-offload-tier", default=None, help="a second tier for part of the state (posix)")
+    p.add_argument(
+        "--state-offload-fraction",
+        type=float,
+        default=0.0,
+        help="fraction of host units whose state goes there",
+    )
+    p.add_argument("--offload-dir", default=None, help="directory for file-backed tiers")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Every ``--batch`` in order: print its JSON line at once (and append it to --out)."""
+    args = slidekit_parser().parse_args(argv)
+    try:
+        batches = [int(b) for b in args.batch.split(",") if b.strip()]
+    except ValueError:
+        raise SystemExit(f"--batch {args.batch!r}: give batch sizes as integers, e.g. 8,32") from None
+    ok = False
+    for batch in batches:
+        record = _measure_or_why(argparse.Namespace(**{**vars(args), "batch": batch}))
+        ok |= record["status"] == "ok"
+        line = json.dumps(record)
+        print(line, flush=True)
+        if args.out:
+            with args.out.open("a") as f:
+                f.write(line + "\n")
+    return 0 if ok else 1

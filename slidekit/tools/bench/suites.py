@@ -1,0 +1,302 @@
+"""What a benchmark runs: the alternatives, the suite presets per model size, and their expansion into runs.
+
+A *run* (``RunSpec``) is one child process: one system (a slidekit residency mode, or one
+alternative), one recipe (``max_grad_norm`` None or a value), one repeat, all its batch sizes in
+order (the model built once for an alternative, a ``Trainer`` per batch for slidekit). A *suite*
+(``Suite``) is every run for one model size: slidekit's modes and the alternatives, crossed with
+the recipes and the repeats. ``suite_presets.SUITES`` holds the presets ``slidekit bench --suite NAME``
+runs; an ad-hoc ``slidekit bench --model ... --resident ... --baselines ...`` is a suite too
+(``adhoc_suite``).
+
+Each run has an *importance* (lower = more important): the time plan keeps runs in that order and
+leaves out the least important when the budget is short. The rule (``importance``), so every suite
+drops the same kinds first:
+
+- 0: slidekit all-resident and forced full offload, HF + Liger with gradient checkpointing (the
+  reference of offload efficiency, the case it measures, the strongest usual no-offload recipe);
+  0.5: HF + Liger without checkpointing; 1: slidekit's partial share; 3: the planner's auto,
+  torchao, DeepSpeed; 3.5: DeepSpeed's partial offload; 4: plain HF (the weak recipe);
+- clipping (``max_grad_norm``) adds 1 for slidekit (its clipped runs rank with the partial share:
+  clipping defers its host updates, the recipe's own cost), 1.5 for HF + Liger (GC), 2 for plain HF,
+  2.5 for HF + Liger without GC and 3 for the offload alternatives (their slow runs go first);
+- each further repeat adds 1.2 (the second repeat of the core runs comes before their clipping).
+
+A suite entry may set its own importance (``Mode.importance``, ``Alt.importance``) where the model
+makes a kind more or less telling (14B: only the planner's choice and all-state-on-host fit).
+
+Test: ``pytest tests/test_bench_plan.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from slidekit.errors import ConfigError
+
+__all__ = [
+    "BASELINES",
+    "BASELINE_PACKAGE",
+    "Alt",
+    "Mode",
+    "RunSpec",
+    "Suite",
+    "adhoc_suite",
+    "expand",
+    "importance",
+    "with_overrides",
+]
+
+#: The bundled baseline scripts: modules of this package, run with ``python -m`` (an installed wheel has them).
+BASELINE_PACKAGE = "slidekit.tools.baselines"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Baseline:
+    """One ``--baselines`` name: the system its records carry, its label, its script and fixed flags."""
+
+    system: str
+    label: str
+    script: str  # a module of slidekit.tools.baselines (or a file of that name in --baselines-dir)
+    flags: tuple[str, ...] = ()
+    offload: bool = False  # keeps part of the training state on the host (else: everything on the GPU)
+
+
+#: ``--baselines`` name -> what runs. "none" is plain Hugging Face (no offload, gradient checkpointing).
+BASELINES: dict[str, Baseline] = {
+    "none": Baseline(system="no_offload", label="HF (GC)", script="no_offload.py"),
+    "liger_gc": Baseline(
+        system="liger_gc", label="HF + Liger (GC)", script="liger.py", flags=("--gradient-checkpointing",)
+    ),
+    "liger": Baseline(system="liger", label="HF + Liger (no GC)", script="liger.py"),
+    "torchao": Baseline(
+        system="torchao", label="torchao CPUOffloadOptimizer", script="torchao_offload.py", offload=True
+    ),
+    "deepspeed": Baseline(
+        system="deepspeed", label="DeepSpeed ZeRO-2 Offload", script="deepspeed_offload.py", offload=True
+    ),
+    "deepspeed_partial": Baseline(
+        system="deepspeed_partial",
+        label="DeepSpeed ZeRO-3 partial offload",
+        script="deepspeed_offload.py",
+        offload=True,
+    ),
+}
+
+#: The no-offload baselines, strongest first as usually found: "vs best no-offload" takes the fastest that ran.
+NO_OFFLOAD = ("liger_gc", "liger", "no_offload")
+
+_BASE = {"all": 0.0, "none": 0.0, "partial": 1.0, "auto": 3.0, "liger_gc": 0.0, "liger": 0.5}
+_BASE |= {"torchao": 3.0, "deepspeed": 3.0, "deepspeed_partial": 3.5, "no_offload": 4.0}
+_CLIP = {"liger_gc": 1.5, "liger": 2.5, "no_offload": 2.0, "torchao": 3.0, "deepspeed": 3.0, "all": 1.0}
+_CLIP |= {"none": 1.0, "partial": 1.0, "auto": 1.0}
+_CLIP |= {"deepspeed_partial": 3.0}
+_REPEAT = 1.2
+
+
+def importance(kind: str, clip: float | None, repeat: int) -> float:
+    """The rule of the module docstring: ``kind`` is a slidekit mode kind (all, none, partial, auto) or a
+    baseline system."""
+    base = _BASE[kind]
+    if clip is not None:
+        base += _CLIP[kind]
+    return base + _REPEAT * (repeat - 1)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Mode:
+    """One slidekit residency mode of a suite (``engine.gpu_resident``) and what else it changes."""
+
+    resident: str  # "all", "none", "auto" or a fraction
+    optimizer: str = "layer_adam"
+    state_offload: tuple[str, float] | None = None  # (tier, fraction) of host units' state on that tier
+    batches: tuple[int, ...] | None = None  # default: the suite's
+    importance: float | None = None  # default: the rule (module docstring)
+    clips: tuple[float | None, ...] | None = None  # default: the suite's
+
+    @property
+    def kind(self) -> str:
+        return self.resident if self.resident in ("all", "none", "auto") else "partial"
+
+    @property
+    def label(self) -> str:
+        extra = [] if self.optimizer == "layer_adam" else [self.optimizer]
+        if self.state_offload:
+            extra.append(f"{self.state_offload[1]:g} of state on {self.state_offload[0]}")
+        return f"slidekit (resident {', '.join([self.resident, *extra])})"
+
+    @property
+    def cost_key(self) -> str:
+        return f"slidekit:{self.kind if self.kind != 'partial' else self.resident}" + (
+            f":{self.optimizer}" if self.optimizer != "layer_adam" else ""
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Alt:
+    """One alternative of a suite (a ``BASELINES`` name)."""
+
+    name: str
+    batches: tuple[int, ...] | None = None
+    importance: float | None = None
+    clips: tuple[float | None, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.name not in BASELINES:
+            raise ConfigError(f"unknown baseline {self.name!r}; choose from: {', '.join(BASELINES)}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Suite:
+    """Every run for one model preset (see the module docstring)."""
+
+    name: str
+    model: str
+    batches: tuple[int, ...]
+    modes: tuple[Mode, ...]
+    alternatives: tuple[Alt, ...]
+    seq: int = 1024
+    steps: int = 10
+    warmup: int = 2
+    clips: tuple[float | None, ...] = (None, 1.0)
+    clip_batches: tuple[int, ...] | None = None  # batches of the clipped recipes (default: all of them)
+    repeats: int = 2
+    partial: float = 0.5  # slidekit's partial share; DeepSpeed's partial offload gets ratio 1 - this
+    note: str = ""  # why the suite is shaped so (printed with the plan and the table)
+
+    def __post_init__(self) -> None:
+        if not self.batches or min(self.batches) < 1 or len(set(self.batches)) != len(self.batches):
+            raise ConfigError(f"suite {self.name}: batches {self.batches} must be distinct positive sizes")
+        if self.steps < 1 or self.warmup < 0 or self.repeats < 1:
+            raise ConfigError(
+                f"suite {self.name}: needs steps >= 1, warmup >= 0 and repeats >= 1, got "
+                f"{self.steps}, {self.warmup}, {self.repeats}"
+            )
+        if not 0.0 < self.partial < 1.0:
+            raise ConfigError(f"suite {self.name}: partial {self.partial} must lie strictly between 0 and 1")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunSpec:
+    """One child process of a suite."""
+
+    system: str  # the records' system: "slidekit" or a baseline's
+    label: str  # the table's row name
+    kind: str  # for the importance rule and the cost model: a mode kind or a baseline system
+    cost_key: str  # the cost model's key (``slidekit:all``, ``slidekit:0.5``, ``liger_gc``, ...)
+    script: str  # "slidekit" (``python -m slidekit.tools.bench``) or a baseline's script name
+    flags: tuple[str, ...]  # options beyond the common ones (model, batches, seq, steps, seed, clip)
+    batches: tuple[int, ...]
+    clip: float | None
+    repeat: int
+    importance: float
+    resident: str | None = None  # slidekit's mode
+
+    @property
+    def name(self) -> str:
+        """A short unique name: label, recipe, repeat, batches (log files, the plan)."""
+        recipe = "clip " + f"{self.clip:g}" if self.clip is not None else "no clip"
+        return f"{self.label} [{recipe}, repeat {self.repeat}, batch {','.join(map(str, self.batches))}]"
+
+
+def _batches(suite: Suite, own: tuple[int, ...] | None, clip: float | None) -> tuple[int, ...]:
+    batches = own or suite.batches
+    if clip is not None and suite.clip_batches:
+        return tuple(b for b in batches if b in suite.clip_batches) or batches
+    return batches
+
+
+def expand(suite: Suite) -> list[RunSpec]:
+    """Every run of ``suite``, most important first (ties: modes before alternatives, in suite order; recipes,
+    then repeats, in order)."""
+    runs: list[tuple[float, int, RunSpec]] = []
+    for repeat in range(1, suite.repeats + 1):
+        for mode in suite.modes:
+            for clip in mode.clips if mode.clips is not None else suite.clips:
+                flags: tuple[str, ...] = ("--resident", mode.resident, "--optimizer", mode.optimizer)
+                if mode.state_offload:
+                    flags += ("--state-offload-tier", mode.state_offload[0])
+                    flags += ("--state-offload-fraction", str(mode.state_offload[1]))
+                rank = importance(mode.kind, clip, repeat)
+                if mode.importance is not None:
+                    rank = mode.importance + (
+                        importance(mode.kind, clip, repeat) - importance(mode.kind, None, 1)
+                    )
+                spec = RunSpec(
+                    system="slidekit",
+                    label=mode.label,
+                    kind=mode.kind,
+                    cost_key=mode.cost_key,
+                    script="slidekit",
+                    flags=flags,
+                    batches=_batches(suite, mode.batches, clip),
+                    clip=clip,
+                    repeat=repeat,
+                    importance=rank,
+                    resident=mode.resident,
+                )
+                runs.append((rank, len(runs), spec))
+        for alt in suite.alternatives:
+            base = BASELINES[alt.name]
+            for clip in alt.clips if alt.clips is not None else suite.clips:
+                flags = tuple(base.flags)
+                label = base.label
+                if alt.name == "deepspeed_partial":
+                    ratio = round(1.0 - suite.partial, 4)
+                    flags += ("--offload-ratio", str(ratio))
+                    label += f" (ratio {ratio:g})"
+                rank = importance(base.system, clip, repeat)
+                if alt.importance is not None:
+                    rank = alt.importance + (rank - importance(base.system, None, 1))
+                spec = RunSpec(
+                    system=base.system,
+                    label=label,
+                    kind=base.system,
+                    cost_key=base.system,
+                    script=base.script,
+                    flags=flags,
+                    batches=_batches(suite, alt.batches, clip),
+                    clip=clip,
+                    repeat=repeat,
+                    importance=rank,
+                )
+                runs.append((rank, len(runs), spec))
+    return [spec for _, _, spec in sorted(runs, key=lambda r: (r[0], r[1]))]
+
+
+def adhoc_suite(
+    *,
+    model: str,
+    batches: tuple[int, ...],
+    residents: tuple[str, ...],
+    baselines: tuple[str, ...],
+    clips: tuple[float | None, ...],
+    repeats: int,
+    seq: int,
+    steps: int,
+    warmup: int,
+    optimizer: str = "layer_adam",
+    state_offload: tuple[str, float] | None = None,
+) -> Suite:
+    """The suite of a ``slidekit bench`` without ``--suite``: its flags, crossed."""
+    unknown = [b for b in baselines if b not in BASELINES]
+    if unknown:
+        raise ConfigError(f"unknown baseline(s) {unknown}; choose from: {', '.join(BASELINES)}")
+    fractions = [float(r) for r in residents if r not in ("all", "none", "auto")]
+    return Suite(
+        name=model,
+        model=model,
+        batches=batches,
+        modes=tuple(Mode(resident=r, optimizer=optimizer, state_offload=state_offload) for r in residents),
+        alternatives=tuple(Alt(name=b) for b in baselines),
+        seq=seq,
+        steps=steps,
+        warmup=warmup,
+        clips=clips,
+        repeats=repeats,
+        partial=fractions[0] if fractions and 0 < fractions[0] < 1 else 0.5,
+    )
+
+
+def with_overrides(base: Suite, **changes: object) -> Suite:
+    """``base`` with some fields changed (``--repeats``, ``--steps``, ... given with ``--suite``)."""
+    return replace(base, **{k: v for k, v in changes.items() if v is not None})  # type: ignore[arg-type]
