@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from slidekit.tools.bench import add_arguments as add_bench_arguments
 
-    b = sub.add_parser("bench", help="throughput of slidekit vs no offload, torchao and DeepSpeed")
+    b = sub.add_parser("bench", help="whole-step throughput of slidekit vs HF (+ Liger), torchao and DeepSpeed, in suites per model size")
     add_bench_arguments(b)
     return parser
 
