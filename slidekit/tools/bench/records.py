@@ -165,6 +165,11 @@ def versions() -> dict[str, str | None]:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             out[name] = None
+    if out.get("torch") is not None:  # the build, not the wheel's name: "2.11.0+cu130" where pip says "2.11.0"
+        import torch
+
+        out["torch"] = torch.__version__
+        out["cuda"] = torch.version.cuda
     return out
 
 
