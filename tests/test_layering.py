@@ -72,3 +72,24 @@ def test_the_checks_see_imports():
         i.startswith("slidekit.planning") for i in _imports(ROOT / "engine" / "core.py")
     )
     assert _violations([ROOT / "cli.py"], ("slidekit.tools",))  # the CLI does run the tools
+
+
+def test_the_wheel_carries_the_tools_and_their_baselines():
+    """``slidekit bench`` runs from an installed wheel: the packaging (pyproject's package discovery) takes
+    the tools and the baseline scripts, which the bench runs as modules (``python -m``), not as files."""
+    import tomllib
+
+    from setuptools import find_packages
+
+    root = ROOT.parent
+    found = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    where, include = found["packages"]["find"]["where"], found["packages"]["find"]["include"]
+    packages = {p for w in where for p in find_packages(where=str(root / w), include=include)}
+    assert {"slidekit.tools", "slidekit.tools.bench", "slidekit.tools.baselines", "slidekit.planning"} <= packages
+    import importlib.util
+
+    from slidekit.tools.bench.suites import BASELINE_PACKAGE, BASELINES
+
+    for name, base in BASELINES.items():  # each a module of the installed package, found without the checkout
+        module = f"{BASELINE_PACKAGE}.{base.script.removesuffix('.py')}"
+        assert importlib.util.find_spec(module) is not None, f"baseline {name!r}: no module {module}"
