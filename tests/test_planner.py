@@ -287,3 +287,29 @@ def test_optimizer_state_bytes_come_from_the_optimizer(tmp_path):
     config = TrainConfig(engine=EngineConfig(device="cpu"), optim=OptimConfig(name="adamw_8bit"))
     report = plan_run(config)
     assert "adamw_8bit (2.0" in report.summary
+
+
+def test_tier_roles_are_found_by_medium_and_priority():
+    """``slidekit.planning.roles``: the core names no bundled tier; a role is the available tier of its
+    medium with the highest priority that serves the device."""
+    from slidekit.hookspecs import hookimpl
+    from slidekit.interfaces import TierDescriptor
+    from slidekit.planning.roles import tier_for
+    from slidekit_tiers.ram import RamTier
+
+    bundled = Plugins(entry_points=["ram", "posix", "gpu", "gds"])
+    host, disk = tier_for(bundled, "host", "cpu"), tier_for(bundled, "disk", "cpu")
+    assert host is not None and host.name == "ram"
+    assert disk is not None and disk.name == "posix"  # gds, unavailable without the CUDA driver, is passed over
+    assert tier_for(bundled, "device", "cpu") is None  # the gpu tier serves accelerators only
+
+    class Fast:
+        @hookimpl
+        def slidekit_storage_tiers(self):
+            yield TierDescriptor(name="fast_ram", factory=RamTier, priority=150, medium="host")  # above ram (100)
+            yield TierDescriptor(name="broken", factory=RamTier, priority=200, medium="host",
+                                 available=lambda: (False, "not here"))  # fmt: skip
+
+    ranked = Plugins(entry_points=["ram"], extra=[("fast", Fast())])
+    found = tier_for(ranked, "host", "cpu")
+    assert found is not None and found.name == "fast_ram"
