@@ -313,3 +313,47 @@ def test_tier_roles_are_found_by_medium_and_priority():
     ranked = Plugins(entry_points=["ram"], extra=[("fast", Fast())])
     found = tier_for(ranked, "host", "cpu")
     assert found is not None and found.name == "fast_ram"
+
+
+def test_plan_prints_the_layout_unit_by_unit(tmp_path):
+    """``slidekit plan`` shows the Layout it estimates: where each unit lives and its state's tier, runs of
+    alike units grouped, and the run's window, ring and staging, as the engine will build them."""
+    off = tmp_path / "off"
+    off.mkdir()
+    config = TrainConfig(
+        engine=EngineConfig(
+            device="cpu",
+            gpu_resident="0.5",
+            state_offload_tier="posix",
+            state_offload_fraction=0.5,
+            offload_dir=str(off),
+            activation_tier="ram",
+        ),
+        optim=OptimConfig(max_grad_norm=1.0),
+    )
+    report = plan_run(config)
+    layout = report.requested.layout
+    assert layout is not None
+    text = report.render()
+    assert layout.describe() in text
+    rows = [line for line in layout.describe().splitlines() if line.strip()[:1].isdigit()]
+    # every unit appears in exactly one row, the rows in order
+    covered = []
+    for row in rows:
+        span = row.split()[0]
+        first, _, last = span.partition("-")
+        covered += list(range(int(first), int(last or first) + 1))
+    assert covered == list(range(len(layout.units)))
+    spans = []
+    for row in rows:
+        first, _, last = row.split()[0].partition("-")
+        spans.append((int(first), int(last or first), row))
+    for u in layout.units:  # the row of each unit says what the layout says of it
+        row = next(r for a, b, r in spans if a <= u.index <= b)
+        assert ("resident" if u.resident else "slides") in row and f"{u.state_tier} ({u.state_medium}" in row
+    assert {u.resident for u in layout.units} == {True, False}
+    assert any(u.state_medium == "disk" and u.slides for u in layout.units)
+    summary = text[text.index("  window:") :]
+    assert f"{layout.window.window} cache units of {layout.window.slot_numel:,}" in summary
+    assert "keeps its gradients until the step ends" in summary  # clipping: per-unit gradient buffers
+    assert "state staging 3 x" in summary and "boundary activations on ram (host)" in summary
