@@ -22,6 +22,7 @@ import math
 import re
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -246,8 +247,23 @@ def _fake_machine(floor_mib: int = 200) -> MemoryWatchdog:
     )
 
 
+def _clock_of_predictions(monkeypatch, speed: float = 1.0) -> Callable[[], float]:
+    """A budget clock on which every run takes ``speed`` x its predicted seconds (and nothing else takes time)."""
+    from slidekit.tools.bench import runner
+
+    now = [0.0]
+    real = runner._one_run
+
+    def one_run(run, cmd, limit, base, *rest):
+        real(run, cmd, limit, base, *rest)
+        now[0] += speed * base["predicted_s"]
+
+    monkeypatch.setattr(runner, "_one_run", one_run)
+    return lambda: now[0]
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="the watchdog reads /proc")
-def test_a_suite_on_stand_ins_repeats_recipes_budget_watchdog_and_table(tmp_path, capsys):
+def test_a_suite_on_stand_ins_repeats_recipes_budget_watchdog_and_table(tmp_path, capsys, monkeypatch):
     scripts, out = tmp_path / "scripts", tmp_path / "out"
     scripts.mkdir()
     _fake_systems(scripts)
@@ -256,13 +272,14 @@ def test_a_suite_on_stand_ins_repeats_recipes_budget_watchdog_and_table(tmp_path
     argv += ["--baselines", "liger_gc,liger,none,torchao,deepspeed,deepspeed_partial"]
     argv += ["--baselines-dir", str(scripts), "--out", str(out), "--timeout", "60"]
     args = build_parser().parse_args(argv)
-    # The budget: every run of importance up to 4.2, on a stopped clock (the plan alone decides).
+    # The budget: every run of importance up to 4.2, on a clock that takes each run's prediction (the plan
+    # alone decides: the suite is never ahead of it, nor behind).
     the_suite = build_suite(args)
     plan = make_plan(the_suite, expand(the_suite), budget_s=None, prebuild=False)
     budget = sum(p.predicted_s for p in plan.runs if p.run.importance <= 4.2 + 1e-9) + 2.0
     assert min(p.predicted_s for p in plan.runs if p.run.importance > 4.2 + 1e-9) > 2.0
     args = build_parser().parse_args([*argv, "--time-budget", str(budget)])
-    rows = bench(args, watchdog=_fake_machine(), clock=lambda: 0.0)
+    rows = bench(args, watchdog=_fake_machine(), clock=_clock_of_predictions(monkeypatch))
 
     assert rows == _rows(out / "suite-tiny.jsonl")
     by = {(r["label"], r["max_grad_norm"], r["repeat"], r["batch"]): r for r in rows}
@@ -329,6 +346,40 @@ def test_a_suite_on_stand_ins_repeats_recipes_budget_watchdog_and_table(tmp_path
     )
     assert "| torchao CPUOffloadOptimizer | all | unavailable: host RAM exhausted: child RSS" in text
     assert "### Recipe: max_grad_norm 1" in text and "Commit `c0ffee`" in text
+
+
+@pytest.mark.parametrize("speed", [1.0, 0.25])
+def test_a_suite_ahead_of_its_plan_takes_up_what_the_plan_left_out(tmp_path, monkeypatch, speed):
+    """The plan keeps two of three runs; on time the third is left out, at a quarter of the predicted time
+    the suite is ahead when it comes to the third, which fits in what is left, and runs."""
+    scripts, out = tmp_path / "scripts", tmp_path / "out"
+    scripts.mkdir()
+    _fake_systems(scripts)
+    argv = ["bench", "--model", "tiny", "--batch", "2", "--seq", "16", "--steps", "2", "--warmup", "1"]
+    argv += ["--resident", "all,none,0.5", "--baselines", "", "--repeats", "1", "--commit", "c0ffee"]
+    argv += ["--baselines-dir", str(scripts), "--out", str(out), "--no-prebuild"]
+    the_suite = build_suite(build_parser().parse_args(argv))
+    predicted = [
+        p.predicted_s for p in make_plan(the_suite, expand(the_suite), budget_s=None, prebuild=False).runs
+    ]
+    budget = predicted[0] + predicted[1] + 0.5 * predicted[2]
+    args = build_parser().parse_args([*argv, "--time-budget", str(budget)])
+    assert [
+        p.keep for p in make_plan(the_suite, expand(the_suite), budget_s=budget, prebuild=False).runs
+    ] == [
+        True,
+        True,
+        False,
+    ]
+    rows = bench(args, watchdog=None, clock=_clock_of_predictions(monkeypatch, speed))
+    by = {r["label"]: r for r in rows}
+    assert by["slidekit (resident all)"]["status"] == by["slidekit (resident none)"]["status"] == "ok"
+    third = by["slidekit (resident 0.5)"]
+    if speed == 1.0:
+        assert third["status"] == "not run" and "the plan left it out" in third["reason"]
+    else:
+        assert third["status"] == "ok" and third["taken_up"].startswith("the plan left it out")
+        assert "taken_up" not in by["slidekit (resident all)"]
 
 
 def test_a_missing_replacement_script_is_that_run_s_reason(tmp_path):

@@ -8,11 +8,14 @@
    memory watchdog (host RAM exhausted is that run's result, not the end of the benchmark) and a
    time limit: with a budget, min(what is left, 2 x its prediction + 30 s); without, ``--timeout``
    x its batches. A run whose prediction is more than what is left of the budget is not started
-   ("not run: time budget"). Each JSON line a child prints becomes a row at once: printed as a
+   ("not run: time budget"). A run the plan left out starts after all when the suite is ahead of its
+   plan: when its prediction, plus the predictions of the kept runs still to come, fits in what is
+   left (and it needs no build the plan did not make). Each JSON line a child prints becomes a row at once: printed as a
    progress line on stderr and appended to the suite's JSONL, so a suite killed midway keeps what
    finished. Every batch a run printed nothing for gets a row saying why (timed out, exit code and
    last error line, host RAM exhausted); a record naming no batch speaks for every batch.
-3. The runs the plan left out get a row per batch: "not run: time budget (predicted S s)".
+3. The runs left out (by the plan and not taken up when ahead) get a row per batch: "not run: time
+   budget (predicted S s; ...)".
 
 Every row carries the run's identity (suite, label, recipe, repeat, cost key, prediction), the
 commit, the date and the package versions; the suite's first JSONL line (``"record": "suite"``)
@@ -34,7 +37,7 @@ from typing import Any
 
 from slidekit.tools.bench.costs import BUILD_S
 from slidekit.tools.bench.suites import BASELINE_PACKAGE, RunSpec, Suite
-from slidekit.tools.bench.timeplan import Plan, format_plan
+from slidekit.tools.bench.timeplan import Plan, Planned, builds_for, format_plan
 from slidekit.tools.children import ChildRun, MemoryWatchdog, last_error, stream_child
 
 __all__ = ["BUILD_COMMANDS", "Recorder", "run_suite"]
@@ -170,13 +173,15 @@ def run_suite(
     def left() -> float:
         return plan.budget_s - (clock() - start) if plan.budget_s is not None else math.inf
 
-    for planned in plan.runs:
+    kept_after = [sum(p.predicted_s for p in plan.runs[i + 1 :] if p.keep) for i in range(len(plan.runs))]
+    for i, planned in enumerate(plan.runs):
         run = planned.run
         base = {"record": "run", "suite": suite.name, "model": suite.model, "seq": suite.seq, **identity}
         base |= {"system": run.system, "label": run.label, "kind": run.kind, "cost_key": run.cost_key}
         base |= {"max_grad_norm": run.clip, "repeat": run.repeat, "run_name": run.name}
         base |= {"predicted_s": planned.predicted_s, "resident": run.resident}
-        if not planned.keep or planned.predicted_s > left() or left() < _MIN_RUN_S:
+        ahead = not planned.keep and _taken_up(planned, plan, left() - kept_after[i])
+        if not (planned.keep or ahead) or planned.predicted_s > left() or left() < _MIN_RUN_S:
             why = f"not run: time budget (predicted {planned.predicted_s:.0f} s; "
             why += f"{max(left(), 0):.0f} s were left)" if planned.keep else "the plan left it out)"
             for batch in run.batches:
@@ -194,9 +199,18 @@ def run_suite(
             for batch in run.batches:
                 recorder.add({**base, "batch": batch, "status": "unavailable", "reason": cmd})
             continue
+        if ahead:
+            base["taken_up"] = "the plan left it out; the suite was ahead of its plan"
         _one_run(run, cmd, limit, base, recorder, logs, watchdog)
     recorder.rewrite()
     return recorder.rows
+
+
+def _taken_up(planned: Planned, plan: Plan, spare_s: float) -> bool:
+    """Whether a run the plan left out starts after all: its prediction fits in ``spare_s`` (what is
+    left once the kept runs still to come have their predicted time) and every build it needs was made."""
+    built = not plan.prebuild or set(builds_for([planned.run])) <= set(plan.builds)
+    return planned.predicted_s <= spare_s and built
 
 
 def _one_run(

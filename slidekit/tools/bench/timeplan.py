@@ -5,7 +5,9 @@ one whose predicted seconds still fit in the budget after the builds and the run
 one that does not fit is "not run: time budget" and the walk goes on (a smaller, less important
 run may still fit). The bench prints the plan before it starts and checks again before each run
 against the real clock: a run whose prediction is more than what is left is skipped then too, so
-a suite that runs slower than predicted still ends inside its budget. Nothing here runs anything.
+a suite that runs slower than predicted still ends inside its budget; one that runs faster takes up
+a run the plan left out when that run's prediction fits in what is left after the kept runs still to
+come (``runner.run_suite``). Nothing here runs anything.
 
 Test: ``pytest tests/test_bench_plan.py``.
 """
@@ -40,6 +42,7 @@ class Plan:
     builds: tuple[str, ...]  # BUILD_S keys
     build_s: float
     budget_s: float | None
+    prebuild: bool = True  # the builds run first; False: each run builds what it needs itself
 
     @property
     def kept(self) -> list[Planned]:
@@ -87,7 +90,9 @@ def make_plan(
         planned.append(
             Planned(run=run, predicted_s=round(seconds, 1), keep=fits, source=sources[run.cost_key])
         )
-    return Plan(suite=suite, runs=tuple(planned), builds=builds, build_s=build_s, budget_s=budget_s)
+    return Plan(
+        suite=suite, runs=tuple(planned), builds=builds, build_s=build_s, budget_s=budget_s, prebuild=prebuild
+    )
 
 
 def format_plan(plan: Plan) -> str:
