@@ -510,14 +510,15 @@ def test_ratios_and_cells_only_between_runs_of_the_same_batch_and_recipe():
         _row("slidekit (resident all)", "slidekit", 8, 300.0),
         _row("HF (GC)", "no_offload", 8, 200.0),
         _row("torchao", "torchao", 8, None, reason="no CUDA"),
+        _row("deepspeed", "deepspeed", 8, None, reason="ConfigError: does not fit:\n  GPU | needs 2 GiB\nfix"),
         _row("slidekit (resident all)", "slidekit", 16, 500.0),
         _row("HF (GC)", "no_offload", 16, 100.0),
         _row("slidekit (resident all)", "slidekit", 8, 900.0, clip=1.0),
     ]
     add_ratios(rows)
     assert (rows[0]["vs_no_offload"], rows[0]["vs_torchao"]) == (1.5, None)
-    assert rows[3]["vs_no_offload"] == 5.0 and "vs_torchao" not in rows[3]
-    assert "vs_no_offload" not in rows[5]  # no HF run with clipping
+    assert rows[4]["vs_no_offload"] == 5.0 and "vs_torchao" not in rows[4]
+    assert "vs_no_offload" not in rows[6]  # no HF run with clipping
     found = {(c.label, c.clip, c.batch): c for c in cells(rows)}
     assert found[("slidekit (resident all)", None, 8)].vs_best == (1.5, "HF (GC)")
     assert found[("slidekit (resident all)", 1.0, 8)].vs_best is None
@@ -527,6 +528,9 @@ def test_ratios_and_cells_only_between_runs_of_the_same_batch_and_recipe():
         and "1.50x (HF (GC))" in table
         and "5.00x" in table
     )
+    # A multi-line reason is one row: its newlines as spaces, its pipes escaped.
+    assert "| deepspeed | all | unavailable: ConfigError: does not fit: GPU \\| needs 2 GiB fix |" in table
+    assert all(line.startswith("|") for line in table.splitlines() if line.strip() and "deepspeed" in line)
 
 
 def test_bench_options_are_pinned():

@@ -72,8 +72,14 @@ class Cell:
         texts = []
         for r in self.other:
             status, reason = str(r.get("status")), str(r.get("reason", "?"))
-            texts.append(reason if reason.startswith(status) else f"{status}: {reason}")
+            texts.append(_one_line(reason if reason.startswith(status) else f"{status}: {reason}"))
         return "; ".join(dict.fromkeys(texts))
+
+
+def _one_line(text: str) -> str:
+    """``text`` fit for one markdown table cell: whitespace runs (newlines of a multi-line error) as one
+    space, ``|`` escaped."""
+    return " ".join(text.split()).replace("|", "\\|")
 
 
 def cells(rows: Sequence[dict[str, Any]]) -> list[Cell]:
@@ -226,7 +232,7 @@ def plan_table(rows: Sequence[dict[str, Any]]) -> str:
     for name, r in runs.items():
         measured = r.get("process_wall_s")
         lines.append(
-            f"| {name} | {_f(r.get('predicted_s'), '{:.0f}')} | {_f(measured, '{:.0f}') if measured else r.get('reason', '-')} |"
+            f"| {name} | {_f(r.get('predicted_s'), '{:.0f}')} | {_f(measured, '{:.0f}') if measured else _one_line(str(r.get('reason', '-')))} |"
         )
     return "\n".join(lines)
 
