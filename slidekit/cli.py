@@ -87,6 +87,11 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
         "--export; files slidekit did not write are never touched",
     ),
     "--trace": ("run.trace", str, "write a Chrome trace of the pipeline (open in Perfetto)"),
+    "--report-to": (
+        "run.report_to",
+        str,
+        "loggers of the metrics: none, tensorboard, wandb or all, or several, comma-separated (in --run-dir)",
+    ),
 }
 
 
@@ -273,6 +278,7 @@ def finetune(
     that fails, or a run stopped by a signal, leaves a checkpoint to resume from, and says where.
     """
     from slidekit.run import discard_run
+    from slidekit.telemetry import loss_summary
     from slidekit.trainer import Trainer
 
     rescue = rescue_dir(config)
@@ -303,11 +309,9 @@ def finetune(
     if result.interrupted:
         print(f"stopped by {result.interrupted} after {len(result.losses)} steps")
     if result.losses:
-        head = sum(result.losses[:5]) / min(5, len(result.losses))
-        tail = sum(result.losses[-5:]) / min(5, len(result.losses))
         print(
             f"done: {len(result.losses)} steps in {result.seconds:.1f}s, {result.tokens_per_s:.0f} tokens/s; "
-            f"loss {head:.3f} -> {tail:.3f} (mean of first and last 5 steps)"
+            + loss_summary(result.losses)
         )
     elif left <= 0:
         print(f"nothing left to do: the run already took its {config.steps} steps")

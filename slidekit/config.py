@@ -18,6 +18,7 @@ Test: ``pytest tests/test_config.py``.
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -238,6 +239,10 @@ class RunConfig:
     export_dir: str | None = None  # write the final model here as a Hugging Face directory
     export_dtype: str = "bfloat16"  # dtype of the exported weights: bfloat16, float16 or float32
     trace: str | None = None  # write a Chrome trace of the pipeline here (relative: to the current directory)
+    # Loggers that get the run's metrics (Hugging Face's report_to): "none", "tensorboard", "wandb", "all"
+    # (every logger installed), or several, as a list or a comma-separated string; stored as a tuple of names
+    # (() for none). Each is the logging plugin of that name; it writes under dir. See docs/logging.md.
+    report_to: str | tuple[str, ...] = ()
     # Start afresh in a dir that holds a previous run (its checkpoints and metrics are removed), and replace
     # a previous slidekit export in export_dir (only the files its manifest lists). See docs/runs.md.
     overwrite: bool = False
@@ -257,6 +262,12 @@ class RunConfig:
                 raise ConfigError(f"run.{name} must be a directory path, or None; got {value!r}")
         if self.trace is not None and not self.trace.strip():
             raise ConfigError("run.trace must be a file path such as trace.json, or None for no trace")
+        object.__setattr__(self, "report_to", _report_to(self.report_to))
+        if self.report_to and not self.dir:
+            raise ConfigError(
+                f"run.report_to = {','.join(self.report_to)!r} writes the logs in the run directory: set "
+                "run.dir (CLI: --run-dir), or report_to 'none'"
+            )
         if self.resume_target() is not None and not self.dir:
             raise ConfigError("run.resume needs run.dir (CLI: --run-dir) to find the checkpoints in")
 
@@ -274,6 +285,28 @@ class RunConfig:
             f"run.resume must be true/false, 'latest', a step number >= 0 or a checkpoint directory's path, "
             f"got {value!r}"
         )
+
+
+_LOGGER_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*")
+
+
+def _report_to(value: str | tuple[str, ...]) -> tuple[str, ...]:
+    """``run.report_to`` as a tuple of logger names: () for "none", ("all",) for every installed logger."""
+    items = value.split(",") if isinstance(value, str) else value
+    names = tuple(dict.fromkeys(item.strip().lower() for item in items if item.strip()))
+    bad = [n for n in names if not _LOGGER_NAME.fullmatch(n)]
+    if bad:
+        raise ConfigError(
+            f"run.report_to (CLI: --report-to) holds {bad[0]!r}, not a logger name; give 'none', 'tensorboard', "
+            "'wandb', 'all', or several names separated by commas"
+        )
+    if len(names) > 1 and ("none" in names or "all" in names):
+        special = "none" if "none" in names else "all"
+        raise ConfigError(
+            f"run.report_to (CLI: --report-to) = {','.join(names)!r}: {special!r} stands alone; give it, or "
+            "the names of the loggers"
+        )
+    return () if names == ("none",) else names
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

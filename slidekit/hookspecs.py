@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from slidekit.interfaces import (
         KernelSetDescriptor,
         ModelAdapterDescriptor,
@@ -93,11 +95,17 @@ def slidekit_model_adapters() -> Iterable[ModelAdapterDescriptor]:
 
 
 @hookspec
-def slidekit_fit_start(config: Any, drivers: Mapping[str, str]) -> None:
-    """Called once when ``Trainer.fit`` starts, after drivers are selected.
+def slidekit_fit_start(config: Any, drivers: Mapping[str, str], steps_done: int) -> None:
+    """Called once when ``Trainer.fit`` starts, after drivers are selected, before the first step.
+
+    A logger starts its run here (``config.run.report_to`` says whether it is asked for, and
+    ``slidekit.reporting`` has what loggers share); an exception stops the run before it trains, and
+    ``slidekit_fit_end`` is still called, with that error.
 
     :param config: the run's ``TrainConfig``.
     :param drivers: family -> selected driver name.
+    :param steps_done: steps the run has already taken: 0 for a fresh run, the checkpoint's step for a
+        resumed one (the first step of this fit is ``steps_done + 1``).
     """
 
 
@@ -107,6 +115,26 @@ def slidekit_step_end(step: int, metrics: Mapping[str, float]) -> None:
 
     :param step: 1-based step number.
     :param metrics: at least ``loss``, ``tokens``, ``seconds`` and ``tokens_per_s``.
+    """
+
+
+@hookspec
+def slidekit_evaluate(step: int, metrics: Mapping[str, float]) -> None:
+    """Called after the held-out set was evaluated (``data.eval_fraction``, ``data.eval_every``), before
+    ``slidekit_step_end`` of the same step (whose metrics carry ``eval_loss`` too).
+
+    :param step: the 1-based step after which the model was evaluated.
+    :param metrics: ``eval_loss``, the mean cross-entropy over the held-out labelled tokens.
+    """
+
+
+@hookspec
+def slidekit_checkpoint_saved(step: int, path: Path) -> None:
+    """Called on the training thread once a checkpoint is complete on disk (committed): at the first step
+    boundary after it completed, or when ``Trainer.fit`` ends (which waits for every checkpoint).
+
+    :param step: the step whose state the checkpoint holds.
+    :param path: the checkpoint's directory (RUN_DIR/checkpoints/step-NNNNNNNN).
     """
 
 

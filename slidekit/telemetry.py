@@ -2,7 +2,9 @@
 
 ``Progress`` wraps tqdm; it writes to stderr and disappears when disabled,
 so library use stays quiet and the CLI shows it. Each step it shows the
-loss, tokens/s, model TFLOPS, peak GPU memory (on CUDA) and host RSS.
+loss, tokens/s, model TFLOPS, peak GPU memory (on CUDA) and host RSS; where
+stderr is no terminal (a log file) it prints plain lines instead of a bar.
+``loss_summary`` is the loss part of the line a run ends with.
 
 ``model_flops`` is the one FLOP count slidekit reports (``FLOPS_FORMULA``;
 PaLM convention, recompute not counted) for a step of ``tokens`` tokens in
@@ -18,11 +20,12 @@ and their weighted sum.
 
 ``Timeline`` records the time every pipeline lane spent per unit, from which
 the engine reports per-step totals and the hiding factor
-eta = T_bwd / (T_d2h + T_update). With ``record_spans(True)`` it also keeps
-every span with absolute ``perf_counter`` times (``take_spans``), which
-``slidekit.trace`` writes as a Chrome trace.
+eta = T_bwd / (T_d2h + T_update) (``hiding_factor``; metrics.jsonl calls it
+that too). With ``record_spans(True)`` it also keeps every span with absolute
+``perf_counter`` times (``take_spans``), which ``slidekit.trace`` writes as a
+Chrome trace.
 
-Test: ``pytest tests/test_telemetry.py``.
+Test: ``pytest tests/test_telemetry.py tests/test_console.py``.
 """
 
 from __future__ import annotations
@@ -33,9 +36,9 @@ import resource
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     import torch
@@ -52,6 +55,8 @@ __all__ = [
     "d2h_seconds",
     "hiding_factor",
     "host_rss_bytes",
+    "log_every",
+    "loss_summary",
     "matmul_params",
     "memory_metrics",
     "model_flops",
@@ -139,14 +144,50 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
 
 
 class Progress:
-    """A progress bar over the steps of a run: loss, tokens/s, TFLOPS, GPU memory, host RSS."""
+    """Progress over the steps of a run: loss, tokens/s, TFLOPS, GPU memory, host RSS.
 
-    def __init__(self, total: int, *, enabled: bool, desc: str = "finetune") -> None:
+    On a terminal (or in a notebook) it is a tqdm bar that counts from ``initial`` (the steps a
+    resumed run had already taken) to ``total``. Anywhere else, a log file or a pipe, a bar's
+    carriage-return redraws would be noise, so it prints one plain line every ``every`` steps
+    (default ``log_every(total - initial)``), on the first step and on the last::
+
+        finetune: step 41/60 (00:05, 01:30 left): loss=2.3140, tok_s=1234, tflops=0.0123, rss=3.2GiB
+
+    ``write`` prints a message line to ``out`` (stdout by default; above the bar, as ``tqdm.write``
+    does), the bar or the progress lines go to ``file`` (stderr by default). Disabled, it prints nothing.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        *,
+        enabled: bool,
+        desc: str = "finetune",
+        initial: int = 0,
+        file: TextIO | None = None,
+        out: TextIO | None = None,
+        every: int | None = None,
+    ) -> None:
+        if every is not None and every < 1:
+            raise ValueError(f"Progress(every={every}): print every N >= 1 steps")
         self._bar: Any = None
-        if enabled:
+        self._file: TextIO | None = None  # where the plain progress lines go (None: a bar, or disabled)
+        self._out: TextIO | None = None  # where ``write`` goes (None: disabled)
+        self._desc, self._total, self._n, self._initial = desc, total, initial, initial
+        self._every = every if every is not None else log_every(total - initial)
+        self._t0 = time.perf_counter()
+        if not enabled:
+            return
+        file = sys.stderr if file is None else file
+        self._out = sys.stdout if out is None else out
+        if _interactive(file):
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total, desc=desc, unit="step", dynamic_ncols=True)
+            self._bar = tqdm(
+                total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, file=file
+            )
+        else:
+            self._file = file
 
     @staticmethod
     def postfix(metrics: Mapping[str, float]) -> dict[str, str]:
@@ -161,19 +202,79 @@ class Progress:
         return shown
 
     def update(self, metrics: Mapping[str, float]) -> None:
-        if self._bar is None:
+        if self._bar is not None:
+            self._bar.set_postfix(self.postfix(metrics), refresh=False)
+            self._bar.update(1)
             return
-        self._bar.set_postfix(self.postfix(metrics), refresh=False)
-        self._bar.update(1)
+        self._n += 1
+        done = self._n - self._initial
+        if self._file is None or not (done == 1 or done % self._every == 0 or self._n == self._total):
+            return
+        from tqdm import tqdm
+
+        elapsed = time.perf_counter() - self._t0
+        left = elapsed / done * (self._total - self._n) if self._total > self._n else 0.0
+        shown = ", ".join(f"{k}={v}" for k, v in self.postfix(metrics).items())
+        when = f"{tqdm.format_interval(elapsed)}, {tqdm.format_interval(left)} left"
+        print(f"{self._desc}: step {self._n}/{self._total} ({when}): {shown}", file=self._file, flush=True)
 
     def write(self, line: str) -> None:
         if self._bar is not None:
-            self._bar.write(line)
+            self._bar.write(line, file=self._out)
+        elif self._out is not None:
+            print(line, file=self._out, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        self._file = self._out = None
+
+
+def log_every(steps: int) -> int:
+    """Steps between the plain progress lines of a run of ``steps`` steps: the smallest of 1, 2, 5, 10,
+    20, 50, ... that prints at most about 20 lines."""
+    every, scale = 1, 1
+    while every * 20 < steps:
+        for m in (2, 5, 10):
+            every = m * scale
+            if every * 20 >= steps:
+                break
+        scale *= 10
+    return every
+
+
+def _interactive(file: Any) -> bool:
+    """Whether a redrawn progress bar on ``file`` reaches a person: a terminal, or a notebook's output
+    (where ``tqdm.auto`` draws a widget, whatever the stream says)."""
+    from tqdm import std
+    from tqdm.autonotebook import tqdm as chosen
+
+    if chosen is not std.tqdm:
+        return True
+    isatty = getattr(file, "isatty", None)
+    try:
+        return bool(isatty()) if callable(isatty) else False
+    except (OSError, ValueError):  # a closed or detached stream
+        return False
+
+
+def loss_summary(losses: Sequence[float]) -> str:
+    """How the loss moved over a run's ``losses`` (one per step), for the line a run ends with.
+
+    The means of the first and the last ``k`` steps, ``k = min(5, n // 2)``, which never overlap
+    (an odd short run leaves its middle step out): "loss 2.310 -> 1.020 (means of the first and last
+    5 of 40 steps)"; "(first and last of 3 steps)" where ``k`` is 1; one step has one loss.
+    """
+    n = len(losses)
+    if n == 0:
+        raise ValueError("loss_summary needs the loss of at least one step")
+    if n == 1:
+        return f"loss {losses[0]:.3f} (1 step)"
+    k = min(5, n // 2)
+    head, tail = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    which = "first and last" if k == 1 else f"means of the first and last {k}"
+    return f"loss {head:.3f} -> {tail:.3f} ({which} of {n} steps)"
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,9 +49,10 @@ from slidekit.param_groups import param_groups
 from slidekit.planning import Estimate, Layout, Machine, Placement, Planner
 from slidekit.planning.fit import check_fit
 from slidekit.plugins import Plugins, Selection
+from slidekit.reporting import check_loggers
 from slidekit.resolve import build_optimizer, resolve
 from slidekit.run import RunDirectory, discard_run
-from slidekit.telemetry import Progress, memory_metrics, model_flops
+from slidekit.telemetry import Progress, hiding_factor, memory_metrics, model_flops
 from slidekit.trace import TraceWriter
 
 __all__ = ["FitResult", "Trainer", "param_groups"]
@@ -74,6 +75,13 @@ class FitResult:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _hiding_factor(timings: dict[str, float]) -> dict[str, float]:
+    """``hiding_factor`` (``slidekit.telemetry.hiding_factor``) of a step's lane seconds; nothing for a step
+    that sent nothing to the host (every unit resident)."""
+    eta = hiding_factor(timings)
+    return {} if eta is None else {"hiding_factor": eta}
 
 
 class Trainer:
@@ -101,6 +109,7 @@ class Trainer:
         self.plugins = plugins or Plugins(
             entry_points=config.plugins.entry_points, block=config.plugins.block
         )
+        check_loggers(config, self.plugins)  # a logger no plugin answers to: refused now
         self.setup = setup = resolve(config, self.plugins)
         self.device, self.compute_dtype, self.spec = setup.device, setup.compute_dtype, setup.spec
         self.hf_config, self.model_dir = setup.hf_config, setup.model_dir
@@ -119,6 +128,7 @@ class Trainer:
         self._kept_leftovers: list[Leftover] = []  # other runs' offload files, named if space runs short
         self._guards: list[Any] | None = None  # what an export may not replace (export_guards), once
         self._files: dict[str, Path] | None = None  # the model's weight files (weight_files), looked up once
+        self._saving: list[Any] = []  # checkpoints not yet reported saved (SaveHandle)
         try:
             if config.run.export_dir:  # a target the export would refuse is refused before any training
                 check_target(
@@ -142,7 +152,8 @@ class Trainer:
                 assert self.run is not None
                 meta = self.run.resume(self._engine, target, self.identity())
                 self._consumed = int(meta["batches_consumed"])
-                self.notes.append(f"resumed from step {self._engine.steps_done} ({self.run.resumed_from})")
+                done = self._engine.steps_done
+                self.notes.append(f"resumed from step {done} of {config.steps} ({self.run.resumed_from})")
                 changed = changed_settings(meta.get("config", {}), config.to_dict())
                 if changed:
                     self.notes.append("resumed with changed settings: " + "; ".join(changed))
@@ -312,14 +323,17 @@ class Trainer:
         if self.config.run.trace:  # every span of every step, written when fit ends (also on failure)
             trace = TraceWriter(self.config.run.trace, engine.timeline, device=str(self.device))
         drivers = {k: s.name for k, s in self.selections.items()}
-        self.plugins.hook.slidekit_fit_start(config=self.config, drivers=drivers)
-        bar = Progress(steps, enabled=self.progress)
+        done = engine.steps_done
+        bar = Progress(done + steps, initial=done, enabled=self.progress)  # a resumed run's starts at done
         for note in self.notes:
             bar.write(note)
         result = FitResult([], 0, 0.0)
         starts: list[float] = []  # when each step began
         t0 = time.perf_counter()
         try:
+            # In the try: a logger that cannot start (its library missing) stops the run before its first
+            # step, and every plugin still gets slidekit_fit_end with the error.
+            self.plugins.hook.slidekit_fit_start(config=self.config, drivers=drivers, steps_done=done)
             with GracefulStop() as stop:
                 for step in range(1, steps + 1):
                     micro = list(itertools.islice(data, self.config.grad_accum))
@@ -331,7 +345,7 @@ class Trainer:
                     if trace is not None:
                         trace.step(engine.steps_done, t_step, time.perf_counter(), metrics)
                     self._consumed += len(micro) if configured else 0
-                    self._after_step(engine, metrics, last=step == steps)
+                    self._after_step(engine, metrics, bar, last=step == steps)
                     bar.update(metrics)
                 engine.drain()
                 ends = [*starts[1:], time.perf_counter()] if starts else []
@@ -340,6 +354,7 @@ class Trainer:
                     if self.run.last_saved != engine.steps_done:
                         self.checkpoint()
                     self.run.wait()
+                    self._report_saved(bar)
         except BaseException as exc:
             bar.close()
             if trace is not None:
@@ -355,19 +370,35 @@ class Trainer:
         result.interrupted = stop.signal
         return result
 
-    def _after_step(self, engine: Engine, metrics: dict[str, float], last: bool) -> None:
+    def _after_step(self, engine: Engine, metrics: dict[str, float], bar: Progress, last: bool) -> None:
         step = engine.steps_done
         every = self.config.data.eval_every
         if self.config.data.eval_fraction and ((every and step % every == 0) or (last and not every)):
             loss = self.eval_loss()
             if loss is not None:
                 metrics["eval_loss"] = loss
+                bar.write(f"step {step}: eval loss {loss:.3f}")
+                self.plugins.hook.slidekit_evaluate(step=step, metrics={"eval_loss": loss})
         self.plugins.hook.slidekit_step_end(step=step, metrics=metrics)
         if self.run is not None:
             self.run.log(step, metrics)
             every = self.config.run.checkpoint_every
             if every and step % every == 0:
                 self.checkpoint()
+            self._report_saved(bar)
+
+    def _report_saved(self, bar: Progress | None) -> None:
+        """Say which checkpoints have completed since the last call (on the bar, and to the plugins'
+        ``slidekit_checkpoint_saved``), in the order they were taken; failed ones are ``RunDirectory.wait``'s
+        to raise."""
+        while self._saving and self._saving[0].done():
+            handle = self._saving.pop(0)
+            if handle.exception(0) is not None:
+                continue
+            path = handle.result(0)
+            if bar is not None:
+                bar.write(f"saved checkpoint step {handle.step} -> {path}")
+            self.plugins.hook.slidekit_checkpoint_saved(step=handle.step, path=path)
 
     def checkpoint(self) -> Any:
         """Write a checkpoint of the current state into ``run.dir`` (asynchronously; returns the SaveHandle)."""
@@ -383,7 +414,9 @@ class Trainer:
             "identity": self.identity(),
         }
         deferred = self.config.optim.max_grad_norm is not None or self.config.optim.on_nonfinite == "skip"
-        return self.run.save(engine, meta, deferred_updates=deferred)
+        handle = self.run.save(engine, meta, deferred_updates=deferred)
+        self._saving.append(handle)
+        return handle
 
     def identity(self) -> dict[str, Any]:
         """What a resume of this run may not change (``slidekit.identity``), computed once."""
@@ -418,7 +451,7 @@ class Trainer:
             "tokens": float(res.tokens),
             "seconds": res.seconds,
             "tokens_per_s": res.tokens / res.seconds if res.seconds else 0.0,
-            "eta": res.eta,
+            **_hiding_factor(res.timings),
             "grad_norm": res.grad_norm,
             "skipped": float(res.skipped),
             "lr": lr,
@@ -471,6 +504,7 @@ class Trainer:
             if self.run.last_saved != engine.steps_done:
                 self.checkpoint()
             self.run.wait()
+            self._report_saved(None)
             saved = self.run.last_path
         if saved is not None and self.run is not None:
             where = (

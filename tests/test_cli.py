@@ -62,6 +62,7 @@ PINNED_FINETUNE_OPTIONS = [
     "--export-dtype",
     "--overwrite",
     "--trace",
+    "--report-to",
     "--block",
     "--quiet",
 ]

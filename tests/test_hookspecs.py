@@ -15,8 +15,10 @@ PINNED = {
     "slidekit_optimizers": [],
     "slidekit_kernel_sets": [],
     "slidekit_model_adapters": [],
-    "slidekit_fit_start": ["config", "drivers"],
+    "slidekit_fit_start": ["config", "drivers", "steps_done"],
     "slidekit_step_end": ["step", "metrics"],
+    "slidekit_evaluate": ["step", "metrics"],
+    "slidekit_checkpoint_saved": ["step", "path"],
     "slidekit_fit_end": ["steps", "error"],
 }
 

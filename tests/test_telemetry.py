@@ -260,6 +260,24 @@ def test_metrics_carry_flops_and_memory(tmp_path):
         assert math.isfinite(row["t_fwd"]) and row["t_fwd"] > 0
 
 
+@pytest.mark.parametrize("resident", ["none", "all"])
+def test_metrics_name_the_hiding_factor_what_it_is(tmp_path, resident):
+    """metrics.jsonl's ``hiding_factor`` (once ``eta``) is T_bwd / (T_d2h + T_update) of the step's own lanes;
+    a step that sent nothing to the host (every unit resident) has none."""
+    run = tmp_path / "run"
+    with Trainer(_config(tmp_path / "t.json", resident=resident, run_dir=run, steps=2)) as t:
+        t.fit()
+    rows = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert "eta" not in row
+        lanes = {k[2:]: v for k, v in row.items() if k.startswith("t_")}
+        if resident == "all":
+            assert "hiding_factor" not in row and "update" not in lanes
+        else:
+            cpu = lanes.get("d2h_copy", lanes.get("d2h", 0.0)) + lanes["update"]
+            assert row["hiding_factor"] == pytest.approx(lanes["bwd"] / cpu, rel=1e-12) and cpu > 0
+
+
 def test_trace_is_written_when_fit_fails(tmp_path):
     calls = Counter()
 
