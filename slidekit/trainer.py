@@ -38,6 +38,7 @@ from slidekit.identity import changed_settings, effective_lr, run_identity
 from slidekit.inputs import seq_len_refusal
 from slidekit.interfaces import StorageTier, TierContext
 from slidekit.lr_schedule import lr_factor
+from slidekit.modelcard import last_logged, model_card
 from slidekit.models.loading import (
     DEMO_MODEL,
     demo_dir,
@@ -119,6 +120,7 @@ class Trainer:
         self._kept_leftovers: list[Leftover] = []  # other runs' offload files, named if space runs short
         self._guards: list[Any] | None = None  # what an export may not replace (export_guards), once
         self._files: dict[str, Path] | None = None  # the model's weight files (weight_files), looked up once
+        self._logged: dict[str, tuple[int, float]] = {}  # loss / eval_loss -> (step, value), for the card
         try:
             if config.run.export_dir:  # a target the export would refuse is refused before any training
                 check_target(
@@ -363,6 +365,7 @@ class Trainer:
             if loss is not None:
                 metrics["eval_loss"] = loss
         self.plugins.hook.slidekit_step_end(step=step, metrics=metrics)
+        self._logged.update({k: (step, metrics[k]) for k in ("loss", "eval_loss") if k in metrics})
         if self.run is not None:
             self.run.log(step, metrics)
             every = self.config.run.checkpoint_every
@@ -497,10 +500,35 @@ class Trainer:
                     "steps": self.config.steps,
                     "model": self.config.model.source,
                 },
+                source_dir=self.model_dir,
+                model_card=self._model_card(target.path, dtype),
                 progress=on_stage,
             )
         except Exception as exc:
             raise ExportError(f"the export to {out} failed: {exc}; {where}") from exc
+
+    def _model_card(self, out: Path, dtype: str) -> str:
+        """The export's README.md (``slidekit.modelcard``) with the losses logged last: in this process or,
+        before a resume, in the run directory's metrics.jsonl."""
+        from slidekit import __version__
+
+        steps = self.engine.steps_done
+        logged = dict(self._logged)
+        if self.run is not None:
+            logged = {**last_logged(self.run.path / "metrics.jsonl", upto=steps), **logged}
+        return model_card(
+            self.config,
+            title=out.name,
+            family=self.spec.family,
+            source_dir=self.model_dir,
+            step=steps,
+            lr=self.lr,
+            drivers={k: s.name for k, s in self.selections.items()},
+            dtype=dtype,
+            compute_dtype=str(self.compute_dtype).removeprefix("torch."),
+            logged=logged,
+            version=__version__,
+        )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Hugging Face name -> FP32 parameter (a copy), once every update has been applied."""
