@@ -49,7 +49,7 @@ from slidekit.owned import Leftover
 from slidekit.param_groups import param_groups
 from slidekit.planning import Estimate, Layout, Machine, Placement, Planner
 from slidekit.planning.fit import check_fit
-from slidekit.plugins import Plugins, Selection
+from slidekit.plugins import Plugins, Selection, build_kernel_set, driver_options
 from slidekit.resolve import build_optimizer, resolve
 from slidekit.run import RunDirectory, discard_run
 from slidekit.telemetry import Progress, memory_metrics, model_flops
@@ -165,7 +165,12 @@ class Trainer:
         if name not in self._tiers:
             sel = self.plugins.select("tier", name, device_family(self.device))
             ec = self.config.engine
-            ctx = TierContext(device=self.device, directory=ec.offload_dir, close_timeout_s=ec.timeout_s)
+            ctx = TierContext(
+                device=self.device,
+                directory=ec.offload_dir,
+                close_timeout_s=ec.timeout_s,
+                options=driver_options(sel, self.config.plugins.options),
+            )
             self._tiers[name] = sel.descriptor.factory(ctx)
         return self._tiers[name]
 
@@ -179,7 +184,7 @@ class Trainer:
         layout = self._plan(planner, optimizer)
         parts = EngineParts(
             spec=self.spec,
-            kernels=self.selections["kernels"].descriptor.factory(),
+            kernels=build_kernel_set(self.selections["kernels"], self.config.plugins.options),
             optimizer=optimizer,
             tier=self._tier,
             device=self.device,

@@ -63,6 +63,7 @@ PINNED_FINETUNE_OPTIONS = [
     "--overwrite",
     "--trace",
     "--block",
+    "--plugin-option",
     "--quiet",
 ]
 
