@@ -231,6 +231,13 @@ class StorageTier(Protocol):
     ``map`` may return a host tensor aliasing the region (memory tiers): the
     engine then updates state in place instead of staging it. Tiers whose
     storage is not addressable return None.
+
+    Several threads call one tier at once (the main thread for activations,
+    the optimizer lane and the checkpoint writer for streamed state), so its
+    bookkeeping must be thread safe; a device transfer is ordered after the
+    calling thread's current stream as it was at the call, and its future
+    completes only once the bytes have arrived (docs/plugins.md, "Storage
+    tiers"; ``slidekit.tierkit`` has the pieces).
     """
 
     name: str
