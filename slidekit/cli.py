@@ -21,6 +21,7 @@ import dataclasses
 import os
 import signal
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -170,6 +171,13 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--block", action="append", default=None, metavar="NAME", help="plugin to leave out (repeatable)"
     )
+    parser.add_argument(
+        "--plugin-option",
+        action="append",
+        default=None,
+        metavar="DRIVER.KEY=VALUE",
+        help="a driver's setting, e.g. my_tier.queue_depth=8 (repeatable; plugins.options in TOML)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -188,19 +196,29 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
             (values[section] if section else values)[name] = given
     if args.block:
         values["plugins"]["block"] = args.block
+    for text in args.plugin_option or ():
+        from slidekit.plugins import parse_plugin_option
+
+        driver, key, value = parse_plugin_option(text)
+        options = values["plugins"]["options"] = dict(values["plugins"].get("options") or {})
+        options[driver] = {**options.get(driver, {}), key: value}
     return from_dict(values, where=args.config or "command line")
 
 
 def _plugins(args: argparse.Namespace) -> int:
     from slidekit.plugins import Plugins
 
-    rows = Plugins(block=args.block).listing()
+    with warnings.catch_warnings():  # a plugin left out is a row of the table, not a warning as well
+        warnings.filterwarnings("ignore", r"plugin '.*' is left out", RuntimeWarning)
+        plugins = Plugins(block=args.block)
+        rows = plugins.listing()
     header = ("FAMILY", "NAME", "PLUGIN", "STATUS", "PRIORITY", "DEVICES", "DETAIL")
     table: list[tuple[str, ...]] = [header]
     for r in rows:
-        status = "available" if r["available"] else "unavailable"
+        priority = "-" if r["priority"] is None else str(r["priority"])
+        detail = r["reason"] + (f"; settings: {', '.join(r['options'])}" if r["options"] else "")
         table.append(
-            (r["family"], r["name"], r["plugin"], status, str(r["priority"]), r["devices"], r["reason"])
+            (r["family"], r["name"], r["plugin"], r["status"], priority, r["devices"] or "-", detail)
         )
     _print_table(table)
     return 0

@@ -18,6 +18,7 @@ Test: ``pytest tests/test_config.py``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import warnings
 from collections.abc import Mapping
@@ -311,13 +312,43 @@ def _report_to(value: str | tuple[str, ...]) -> tuple[str, ...]:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PluginConfig:
-    """Which plugins load."""
+    """Which plugins load, and the settings their drivers get."""
 
     entry_points: bool = True  # load plugins from entry-point group "slidekit"
     block: tuple[str, ...] = ()  # plugin names never to load (added to $SLIDEKIT_BLOCK_PLUGINS)
+    # Driver name -> its settings, e.g. {"my_tier": {"queue_depth": 8}}: TOML [plugins.options.my_tier],
+    # CLI --plugin-option my_tier.queue_depth=8. A driver takes the keys its descriptor declares
+    # (``options``); tiers get them in TierContext.options, optimizers in OptimizerHyper.options.
+    options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_types("plugins", self)
+        object.__setattr__(self, "options", _plugin_options(self.options))
+
+
+_OPTION_VALUES = (bool, int, float, str)
+
+
+def _plugin_options(options: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``plugins.options`` as plain data (a copy), or ConfigError naming the driver, the key and the value."""
+    out: dict[str, dict[str, Any]] = {}
+    for driver, table in options.items():
+        if not isinstance(table, Mapping) or not all(isinstance(k, str) and k for k in table):
+            raise ConfigError(
+                f"plugins.options.{driver} must be a table of settings (TOML [plugins.options.{driver}]), "
+                f"got {table!r}"
+            )
+        for key, value in table.items():
+            items = value if isinstance(value, list | tuple) else [value]
+            if not all(isinstance(v, _OPTION_VALUES) for v in items) or any(
+                isinstance(v, float) and not math.isfinite(v) for v in items
+            ):
+                raise ConfigError(
+                    f"plugins.options.{driver}.{key} must be a string, a boolean, a finite number or a list "
+                    f"of them, got {value!r} ({type(value).__name__})"
+                )
+        out[driver] = {k: list(v) if isinstance(v, list | tuple) else v for k, v in table.items()}
+    return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -1,9 +1,11 @@
 """Export a fine-tuned model as a Hugging Face model directory, replacing nothing slidekit did not write.
 
     OUT/
-      config.json                         the model's config (torch_dtype set to the export dtype)
+      config.json                         the model's config ("dtype" set to the export dtype)
       model.safetensors                   or model-0000i-of-0000n.safetensors + model.safetensors.index.json
+      generation_config.json              the source model's, copied, when it has one
       tokenizer.json, tokenizer_config.json, ...   when the source model had a tokenizer
+      README.md                           the model card (``slidekit.modelcard``), when one is given
       slidekit-export.json                the manifest: every file this export wrote, dtype, step, source
 
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads it. Tensors
@@ -16,7 +18,13 @@ is replaced only with ``overwrite`` and then only the files its manifest
 lists: a file the user added stays. A non-empty directory without a manifest
 is refused, with or without ``overwrite``; so is OUT when it is a file, lies
 below a file, or is or contains a guarded path (the current directory, the run
-directory, the source model, the data, ...: ``export_guards``).
+directory, the source model, the data, ...: ``export_guards``). A README.md or
+generation_config.json in OUT that slidekit did not write (a card the user
+wrote into a previous export) is kept, with a warning, and the export goes
+without its own.
+
+The config is written with ``dtype``, the name transformers 5 reads and
+writes; transformers deprecates ``torch_dtype`` and says so when it is set.
 
 How it is written: into ``model/`` of a sibling ``.OUT.slidekit-export-<pid>-*``
 directory (``slidekit.owned``: its ``.owner`` is locked while the export
@@ -53,6 +61,7 @@ from slidekit import owned
 from slidekit.atomic import fsync_path, fsync_tree, write_text_atomically
 from slidekit.config import EXPORT_DTYPES
 from slidekit.errors import ConfigError, SlidekitError
+from slidekit.modelcard import extra_files
 from slidekit.paths import describe, directory_path, encloses
 
 if TYPE_CHECKING:
@@ -238,6 +247,8 @@ def export_model(
     overwrite: bool = False,
     guards: Sequence[Guard] = (),
     info: Mapping[str, Any] | None = None,
+    source_dir: str | os.PathLike[str] | None = None,
+    model_card: str | None = None,
     progress: Callable[[str, str], None] | None = None,
 ) -> Path:
     """Write ``state`` (Hugging Face names -> FP32 tensors) with ``hf_config`` and ``tokenizer`` to ``out``.
@@ -247,7 +258,9 @@ def export_model(
     (``remove_leftovers``); or the ``Target`` that ``check_target`` returned, when the caller has made
     both steps already (the trainer, to refuse a target before it saves a checkpoint): nothing is
     checked or removed again, and ``dtype`` may only repeat the target's. ``info`` goes into the
-    manifest (the trainer records the step, the configured steps and the source model). Returns the
+    manifest (the trainer records the step, the configured steps and the source model).
+    ``source_dir``: the model directory trained from, whose ``generation_config.json`` (if any) is
+    copied; ``model_card``: the text of ``README.md`` (``slidekit.modelcard``; None: no card). Returns the
     directory. ``progress(stage, detail)`` is called with ``("written", staging_dir)`` when every file
     is written and synced, ``("install", target)`` just before it is put in place and, when files are
     moved one by one, ``("moved", name)`` after each; an exception it raises fails the export exactly
@@ -265,10 +278,16 @@ def export_model(
         target = check_target(out, overwrite=overwrite, guards=guards, dtype=dtype or "bfloat16")
         remove_leftovers(target.path)
     target.path.parent.mkdir(parents=True, exist_ok=True)
+    extras = extra_files(
+        target.path,
+        set(target.previous["files"]) if target.previous else set(),
+        None if source_dir is None else Path(source_dir),
+        model_card,
+    )
     staging, owner = _staging_dir(target.path)
     exchanged = False
     try:
-        files = _write_model(staging, hf_config, state, tokenizer, target.dtype, shard_bytes)
+        files = _write_model(staging, hf_config, state, tokenizer, target.dtype, shard_bytes, extras)
         manifest = {"format": _FORMAT, "version": 1, "dtype": target.dtype, **(info or {}), "files": files}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
         fsync_tree(staging)
@@ -290,9 +309,16 @@ def export_model(
 
 
 def _write_model(
-    root: Path, hf_config: Any, state: Mapping[str, torch.Tensor], tokenizer: Any, dtype_name: str, limit: int
+    root: Path,
+    hf_config: Any,
+    state: Mapping[str, torch.Tensor],
+    tokenizer: Any,
+    dtype_name: str,
+    limit: int,
+    extras: Mapping[str, Path | str],
 ) -> list[str]:
-    """Write the model files into ``root``; their paths relative to it."""
+    """Write the model files and ``extras`` (``slidekit.modelcard.extra_files``) into ``root``; their paths
+    relative to it."""
     from safetensors.torch import save_file
 
     dtype = _DTYPES[dtype_name]
@@ -315,10 +341,15 @@ def _write_model(
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    hf_config.torch_dtype = dtype_name
+    hf_config.dtype = dtype_name  # transformers 5's name ("torch_dtype" is deprecated, and warns)
     hf_config.save_pretrained(root)
     if tokenizer is not None:
         tokenizer.save_pretrained(root)
+    for name, content in extras.items():  # after the tokenizer: ours, not whatever it may save
+        if isinstance(content, Path):
+            shutil.copyfile(content, root / name)
+        else:
+            (root / name).write_text(content, encoding="utf-8")
     return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
 
 

@@ -90,6 +90,16 @@ class DriverDescriptor:
             first use, such as compiling a kernel, so that no run waits for it:
             ``prepare() -> Prepared``, raising with the reason when it cannot.
             ``slidekit build`` calls it; None: nothing to prepare.
+        options: the settings the driver takes, name -> one line saying what it
+            does and its default (``slidekit plugins`` lists them). Users set
+            them in ``plugins.options.<driver name>`` (TOML) or with
+            ``--plugin-option NAME.KEY=VALUE``; a key the driver does not declare
+            is refused before anything is built, naming the driver and the keys it
+            takes. The driver receives the values it was given (and only those:
+            defaults are its own) in ``TierContext.options`` (tiers),
+            ``OptimizerHyper.options`` (optimizers) or as ``factory(options)``
+            (kernel sets that declare any), and refuses a bad value by raising
+            ``ValueError`` naming the key, the value and what would be valid.
     """
 
     name: str
@@ -99,10 +109,18 @@ class DriverDescriptor:
     devices: tuple[str, ...] = ("cpu", "cuda", "rocm")
     description: str = ""
     prepare: Callable[[], Prepared] | None = None
+    options: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"driver name {self.name!r} is not valid: use letters, digits, '_' and '-' only")
+        if not isinstance(self.options, Mapping) or not all(
+            isinstance(k, str) and k and isinstance(v, str) for k, v in self.options.items()
+        ):
+            raise TypeError(
+                f"driver {self.name!r}: options must map each setting's name to a one-line description "
+                f"(str -> str), got {self.options!r}"
+            )
         if not callable(self.factory):
             raise TypeError(f"driver {self.name!r}: factory must be callable, got {self.factory!r}")
         if self.prepare is not None and not callable(self.prepare):
@@ -141,7 +159,7 @@ class OptimizerDescriptor(DriverDescriptor):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class KernelSetDescriptor(DriverDescriptor):
-    """A kernel set. ``factory() -> KernelSet``.
+    """A kernel set. ``factory() -> KernelSet``; ``factory(options)`` when it declares ``options``.
 
     ``loss_workspace_bytes``: device memory the fused linear + cross-entropy
     holds beyond its inputs and the gradients it returns (its logits chunks),
@@ -177,13 +195,20 @@ class TierStats:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TierContext:
-    """What the engine hands a tier factory. Runtime objects, not configuration."""
+    """What the engine hands a tier factory (``factory(ctx)``): runtime facts and the tier's settings.
+
+    The trainer builds one instance of each tier a run uses, on the main thread, and shares it: the
+    optimizer state, the boundary activations and the checkpoint writer may all use one tier at once.
+    """
 
     device: torch.device  # the compute device; tiers may read into / write from its tensors
-    directory: str | None = None  # where file-backed tiers keep their files
+    directory: str | None = None  # engine.offload_dir: where file-backed tiers keep their files
     io_threads: int = 2  # worker threads for tiers that do blocking I/O
-    options: Mapping[str, Any] = field(default_factory=dict)  # tier-specific settings
-    # The longest close() waits for I/O in flight; then it warns, naming the tier, and leaves it behind.
+    # The tier's settings from plugins.options.<tier name>, keys among those its descriptor declares
+    # (``TierDescriptor.options``); {} when none are configured. Defaults are the tier's own.
+    options: Mapping[str, Any] = field(default_factory=dict)
+    # The longest close() waits for I/O in flight; then it warns, naming the tier, and leaves it behind
+    # (engine.timeout_s).
     close_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
@@ -206,6 +231,13 @@ class StorageTier(Protocol):
     ``map`` may return a host tensor aliasing the region (memory tiers): the
     engine then updates state in place instead of staging it. Tiers whose
     storage is not addressable return None.
+
+    Several threads call one tier at once (the main thread for activations,
+    the optimizer lane and the checkpoint writer for streamed state), so its
+    bookkeeping must be thread safe; a device transfer is ordered after the
+    calling thread's current stream as it was at the call, and its future
+    completes only once the bytes have arrived (docs/plugins.md, "Storage
+    tiers"; ``slidekit.tierkit`` has the pieces).
     """
 
     name: str
@@ -230,12 +262,18 @@ class StorageTier(Protocol):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class OptimizerHyper:
-    """Hyper-parameters every optimizer receives (the learning rate comes per step)."""
+    """Hyper-parameters every optimizer receives (the learning rate comes per step), and its own settings.
+
+    ``options`` holds the settings of ``plugins.options.<optimizer name>`` (keys among those its
+    descriptor declares, ``OptimizerDescriptor.options``; {} when none are configured): what an
+    optimizer needs beyond the common fields (a momentum, a quantization block size, ...).
+    """
 
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
     threads: int | None = None  # intra-op threads for the update; None keeps torch's setting
+    options: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

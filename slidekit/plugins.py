@@ -8,19 +8,29 @@ model adapters. ``Plugins`` wraps a fresh ``pluggy.PluginManager``:
   ``SLIDEKIT_DISABLE_PLUGIN_AUTOLOAD=1``) or narrowed to named plugins;
 * plugins can be blocked by name (``block=`` or ``SLIDEKIT_BLOCK_PLUGINS=a,b``);
 * ``check_pending`` rejects hook implementations that match no spec;
+* a plugin from an entry point that fails to import, is invalid, or raises in
+  a driver hook is left out, with a warning naming it and the error, and is
+  listed (``failed``, ``listing``); an explicit choice of one of its drivers
+  names it. Plugins registered through ``extra`` fail loudly instead;
 * two drivers of one family under one name are an error naming both plugins;
 * ``select(family, name)`` builds nothing: it returns the descriptor. An
   explicit name must exist and be available, or the error gives the reason
   and the alternatives; "auto" takes the best available driver by priority and
-  says what it chose and why.
+  says what it chose and why;
+* ``driver_options`` gives a driver the settings configured for it
+  (``plugins.options``), refusing keys its descriptor does not declare, and
+  ``Plugins.check_options`` refuses settings for a driver that does not exist.
 
-Test: ``pytest tests/test_plugins.py``.
+Test: ``pytest tests/test_plugins.py tests/test_plugin_settings.py tests/test_plugin_failures.py``.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
-from collections.abc import Collection, Iterable
+import tomllib
+import warnings
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -28,6 +38,7 @@ import pluggy
 
 from slidekit import hookspecs
 from slidekit.errors import (
+    ConfigError,
     DriverUnavailableError,
     DuplicateDriverError,
     PluginError,
@@ -46,9 +57,14 @@ __all__ = [
     "ENV_BLOCK",
     "ENV_NO_AUTOLOAD",
     "FAMILIES",
+    "LIFECYCLE",
     "Plugins",
     "Registered",
     "Selection",
+    "build_kernel_set",
+    "driver_options",
+    "family_of",
+    "parse_plugin_option",
 ]
 
 ENV_BLOCK: Final = "SLIDEKIT_BLOCK_PLUGINS"
@@ -70,6 +86,9 @@ FAMILIES: Final[dict[str, _Family]] = {
     "kernels": _Family("slidekit_kernel_sets", KernelSetDescriptor, "kernel set"),
     "model": _Family("slidekit_model_adapters", ModelAdapterDescriptor, "model adapter"),
 }
+#: The ``listing`` family of a plugin's lifecycle hooks (every hook that yields no drivers).
+LIFECYCLE: Final = "lifecycle"
+_DRIVER_HOOKS: Final = frozenset(f.hook for f in FAMILIES.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +147,9 @@ class Plugins:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.blocked = frozenset(set(block) | _env_list(ENV_BLOCK))
+        #: plugin name -> why it was left out ("failed to import: ...", "invalid: ...", "failed in ...").
+        self.failed: dict[str, str] = {}
+        self._from_entry_points: set[str] = set()
         for name in self.blocked:
             self.pm.set_blocked(name)
         if CORE_MODELS_PLUGIN not in self.blocked:
@@ -140,27 +162,58 @@ class Plugins:
         for name, plugin in extra:
             if name not in self.blocked:
                 self.pm.register(plugin, name=name)
-        try:
-            self.pm.check_pending()
-        except pluggy.PluginValidationError as exc:
-            raise PluginError(f"{exc}; hook implementations must match a spec in slidekit.hookspecs") from exc
+        self._check_pending()
         self._registries: dict[str, dict[str, Registered]] = {}
         self._availability: dict[tuple[str, str], Availability] = {}
 
     def _load_entry_points(self, entry_points: bool | Collection[str]) -> None:
+        """Import and register the plugins of group ``slidekit``, one by one: one that fails is left out."""
         if entry_points is False:
             return
-        names: Collection[str | None] = [None] if entry_points is True else list(entry_points)
-        for name in names:
+        wanted = None if entry_points is True else set(entry_points)
+        for ep in importlib.metadata.entry_points(group=hookspecs.PROJECT):
+            if (wanted is not None and ep.name not in wanted) or self.pm.has_plugin(ep.name):
+                continue  # a second distribution's plugin of that name is passed over, as pluggy does
+            if self.pm.is_blocked(ep.name):
+                continue
             try:
-                self.pm.load_setuptools_entrypoints(hookspecs.PROJECT, name=name)
-            except pluggy.PluginValidationError as exc:
-                raise PluginError(f"plugin {exc.plugin!r} is invalid: {exc}") from exc
+                plugin = ep.load()
             except Exception as exc:  # an import error inside a third-party plugin
-                raise PluginError(
-                    f"loading entry points of group {hookspecs.PROJECT!r} failed: {exc!r}; "
-                    f"block the offending plugin with {ENV_BLOCK}=NAME to run without it"
-                ) from exc
+                self._leave_out(ep.name, f"failed to import: {type(exc).__name__}: {exc}")
+                continue
+            try:
+                self.pm.register(plugin, name=ep.name)
+            except pluggy.PluginValidationError as exc:
+                self._leave_out(ep.name, f"invalid: {exc}")
+                continue
+            self._from_entry_points.add(ep.name)
+
+    def _check_pending(self) -> None:
+        """Refuse hook implementations that match no spec: an entry point's plugin is left out, an
+        ``extra`` one is an error."""
+        while True:
+            try:
+                self.pm.check_pending()
+                return
+            except pluggy.PluginValidationError as exc:
+                name = self.pm.get_name(exc.plugin)
+                if name not in self._from_entry_points:
+                    raise PluginError(
+                        f"{exc}; hook implementations must match a spec in slidekit.hookspecs"
+                    ) from exc
+                self.pm.unregister(exc.plugin)
+                self._leave_out(
+                    name, f"invalid: {exc}; hook implementations must match a spec in slidekit.hookspecs"
+                )
+
+    def _leave_out(self, name: str, why: str) -> None:
+        self.failed[name] = why
+        warnings.warn(
+            f"plugin {name!r} is left out: {why}. Fix or uninstall it, or block it ({ENV_BLOCK}={name}) "
+            "to silence this",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     # ------------------------------------------------------------------ registries
 
@@ -186,7 +239,11 @@ class Plugins:
             try:
                 offered = list(impl.function() or ())
             except Exception as exc:
-                raise PluginError(f"plugin {impl.plugin_name!r} failed in {fam.hook}(): {exc!r}") from exc
+                if impl.plugin_name not in self._from_entry_points:
+                    raise PluginError(f"plugin {impl.plugin_name!r} failed in {fam.hook}(): {exc!r}") from exc
+                self._leave_out(impl.plugin_name, f"failed in {fam.hook}(): {type(exc).__name__}: {exc}")
+                self._drop(impl.plugin_name)
+                continue
             for desc in offered:
                 if not isinstance(desc, fam.descriptor):
                     raise PluginError(
@@ -201,6 +258,13 @@ class Plugins:
                     )
                 found[desc.name] = Registered(desc, impl.plugin_name)
         return found
+
+    def _drop(self, plugin: str) -> None:
+        """Unregister a plugin left out after loading, with the drivers it gave families collected so far."""
+        self.pm.unregister(name=plugin)
+        for registry in self._registries.values():
+            for name in [n for n, r in registry.items() if r.plugin == plugin]:
+                del registry[name]
 
     def availability(self, family: str, name: str) -> Availability:
         """``(ok, reason)`` for one driver, probed once and cached."""
@@ -221,7 +285,8 @@ class Plugins:
             noun = FAMILIES[family].noun
             choices = ", ".join(sorted(reg)) or "none (is slidekit installed, or are plugins blocked?)"
             blocked = f"; blocked plugins: {', '.join(sorted(self.blocked))}" if self.blocked else ""
-            raise UnknownDriverError(f"unknown {noun} {name!r}; choose one of: {choices}{blocked}")
+            failed = "".join(f"; plugin {p!r} was left out ({why})" for p, why in sorted(self.failed.items()))
+            raise UnknownDriverError(f"unknown {noun} {name!r}; choose one of: {choices}{blocked}{failed}")
         return reg[name]
 
     # ------------------------------------------------------------------ selection
@@ -277,7 +342,14 @@ class Plugins:
     # ------------------------------------------------------------------ listing
 
     def listing(self) -> list[dict[str, Any]]:
-        """One row per driver of every family, for ``slidekit plugins``."""
+        """One row per driver of every family, for ``slidekit plugins``; then one per plugin with
+        lifecycle hooks (family "lifecycle", its hooks as the reason), and one per plugin left out
+        (family "plugin", status "failed to import", "invalid" or "failed in <hook>()").
+
+        Every row has ``family``, ``name``, ``plugin``, ``status``, ``available``, ``reason``,
+        ``priority`` (None where it means nothing), ``devices``, ``description`` and ``options``
+        (the settings a driver declares, name -> description).
+        """
         rows = []
         for family in FAMILIES:
             for reg in self.drivers(family):
@@ -287,13 +359,26 @@ class Plugins:
                         "family": family,
                         "name": reg.name,
                         "plugin": reg.plugin,
+                        "status": "available" if ok else "unavailable",
                         "available": ok,
                         "reason": reason,
                         "priority": reg.descriptor.priority,
                         "devices": ",".join(reg.descriptor.devices),
                         "description": reg.descriptor.description,
+                        "options": dict(reg.descriptor.options),
                     }
                 )
+        for name, plugin in sorted(self.pm.list_name_plugin(), key=lambda np: np[0]):
+            if plugin is None:  # blocked
+                continue
+            hooks = sorted(
+                h.name for h in self.pm.get_hookcallers(plugin) or () if h.name not in _DRIVER_HOOKS
+            )
+            if hooks:
+                rows.append(_plugin_row(LIFECYCLE, name, "available", "hooks: " + ", ".join(hooks)))
+        for name, why in sorted(self.failed.items()):
+            status, _, detail = why.partition(": ")
+            rows.append(_plugin_row("plugin", name, status, f"{detail}; block it with {ENV_BLOCK}={name}"))
         return rows
 
     def adapter_for(self, model_type: str) -> Registered:
@@ -315,3 +400,102 @@ class Plugins:
     def hook(self) -> Any:
         """The hook relay, for lifecycle calls: ``plugins.hook.slidekit_step_end(...)``."""
         return self.pm.hook
+
+    # ------------------------------------------------------------------ settings
+
+    def check_options(self, configured: Mapping[str, Mapping[str, Any]]) -> None:
+        """ConfigError unless every name in ``configured`` (``plugins.options``) is a driver here, and every
+        key configured for it one that the driver declares (``driver_options``), whether a run uses it or not."""
+        drivers: dict[str, list[Registered]] = {}
+        for family in FAMILIES:
+            for reg in self.drivers(family):
+                drivers.setdefault(reg.name, []).append(reg)
+        unknown = sorted(set(configured) - set(drivers))
+        if unknown:
+            failed = "".join(f"; plugin {p!r} was left out ({why})" for p, why in sorted(self.failed.items()))
+            raise ConfigError(
+                f"plugins.options has settings for {', '.join(map(repr, unknown))}, but no driver is called "
+                f"that; drivers: {', '.join(sorted(drivers))}{failed}"
+            )
+        for name, table in configured.items():
+            # Drivers of two families may share a name: a key is fine if one of them declares it.
+            if not any(set(table) <= set(r.descriptor.options) for r in drivers[name]):
+                driver_options(drivers[name][0], configured)
+
+
+def _plugin_row(family: str, name: str, status: str, reason: str) -> dict[str, Any]:
+    return {
+        "family": family,
+        "name": name,
+        "plugin": name,
+        "status": status,
+        "available": status == "available",
+        "reason": reason,
+        "priority": None,
+        "devices": "",
+        "description": "",
+        "options": {},
+    }
+
+
+def family_of(descriptor: Any) -> str:
+    """The family ("tier", "optimizer", "kernels", "model") of a descriptor."""
+    for family, fam in FAMILIES.items():
+        if isinstance(descriptor, fam.descriptor):
+            return family
+    raise TypeError(
+        f"{descriptor!r} is no driver descriptor ({', '.join(f.descriptor.__name__ for f in FAMILIES.values())})"
+    )
+
+
+def driver_options(
+    driver: Selection | Registered, configured: Mapping[str, Mapping[str, Any]]
+) -> dict[str, Any]:
+    """The settings ``configured`` (``plugins.options``) holds for ``driver``: a copy, {} when none.
+
+    A key the driver's descriptor does not declare (``DriverDescriptor.options``) is a ConfigError naming
+    the driver, its plugin, the keys and the ones it takes. Values are the driver's to check.
+    """
+    reg = driver.registered if isinstance(driver, Selection) else driver
+    given = dict(configured.get(reg.name, {}))
+    declared = reg.descriptor.options
+    unknown = sorted(set(given) - set(declared))
+    if unknown:
+        noun = FAMILIES[family_of(reg.descriptor)].noun
+        takes = (
+            "it takes " + "; ".join(f"{k} ({v})" for k, v in sorted(declared.items()))
+            if declared
+            else "it takes no settings"
+        )
+        raise ConfigError(
+            f"plugins.options.{reg.name}: {noun} {reg.name!r} (plugin {reg.plugin!r}) has no setting "
+            f"{', '.join(map(repr, unknown))}; {takes}"
+        )
+    return given
+
+
+def build_kernel_set(selection: Selection, configured: Mapping[str, Mapping[str, Any]]) -> Any:
+    """The selected kernel set: ``factory(options)`` when its descriptor declares settings, else ``factory()``."""
+    desc = selection.descriptor
+    if desc.options:
+        return desc.factory(driver_options(selection, configured))
+    driver_options(selection, configured)  # refuses settings for a kernel set that takes none
+    return desc.factory()
+
+
+def parse_plugin_option(text: str) -> tuple[str, str, Any]:
+    """``"DRIVER.KEY=VALUE"`` (CLI ``--plugin-option``) as (driver, key, value).
+
+    VALUE is read as a TOML value where it is one (``8``, ``2.5``, ``true``, ``"a b"``, ``[1, 2]``) and
+    taken as a string otherwise (``fast``, ``/mnt/nvme``).
+    """
+    target, eq, raw = text.partition("=")
+    driver, dot, key = target.strip().partition(".")
+    if not eq or not dot or not driver or not key.strip():
+        raise ConfigError(f"--plugin-option takes DRIVER.KEY=VALUE (e.g. posix.queue_depth=8), got {text!r}")
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return driver, key.strip(), value

@@ -24,7 +24,7 @@ from slidekit.errors import ConfigError, ModelLoadError
 from slidekit.interfaces import OptimizerHyper, UnitOptimizer
 from slidekit.models.base import ArchSpec
 from slidekit.models.loading import load_hf_config
-from slidekit.plugins import Plugins, Selection
+from slidekit.plugins import Plugins, Selection, driver_options
 
 __all__ = ["RunSetup", "build_optimizer", "compute_dtype", "resolve", "resolve_device"]
 
@@ -76,6 +76,7 @@ def resolve(config: TrainConfig, plugins: Plugins) -> RunSetup:
         selections["activation_tier"] = plugins.select("tier", ec.activation_tier, family)
     if ec.state_offload_fraction > 0 and ec.state_offload_tier:
         selections["state_offload_tier"] = plugins.select("tier", ec.state_offload_tier, family)
+    plugins.check_options(config.plugins.options)  # before anything is built
     return RunSetup(
         device=device,
         family=family,
@@ -88,7 +89,8 @@ def resolve(config: TrainConfig, plugins: Plugins) -> RunSetup:
 
 
 def build_optimizer(config: TrainConfig, setup: RunSetup) -> UnitOptimizer:
-    """The selected optimizer driver, built with ``config.optim``'s hyperparameters.
+    """The selected optimizer driver, built with ``config.optim``'s hyperparameters and its settings
+    (``plugins.options``).
 
     Its capability declarations are checked (``slidekit.capabilities.check_optimizer``):
     a driver that does not declare ``device_update`` and ``linear_state`` as bools, or
@@ -96,8 +98,14 @@ def build_optimizer(config: TrainConfig, setup: RunSetup) -> UnitOptimizer:
     ``PluginError`` naming the plugin, the attribute and the fix.
     """
     oc = config.optim
-    hyper = OptimizerHyper(betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay, threads=oc.threads)
     selection = setup.selections["optimizer"]
+    hyper = OptimizerHyper(
+        betas=oc.betas,
+        eps=oc.eps,
+        weight_decay=oc.weight_decay,
+        threads=oc.threads,
+        options=driver_options(selection, config.plugins.options),
+    )
     optimizer: UnitOptimizer = selection.descriptor.factory(hyper)
     check_optimizer(optimizer, who=f"optimizer {selection.name!r} (plugin {selection.registered.plugin!r})")
     return optimizer

@@ -38,6 +38,7 @@ from slidekit.identity import changed_settings, effective_lr, run_identity
 from slidekit.inputs import seq_len_refusal
 from slidekit.interfaces import StorageTier, TierContext
 from slidekit.lr_schedule import lr_factor
+from slidekit.modelcard import last_logged, model_card
 from slidekit.models.loading import (
     DEMO_MODEL,
     demo_dir,
@@ -48,7 +49,7 @@ from slidekit.owned import Leftover
 from slidekit.param_groups import param_groups
 from slidekit.planning import Estimate, Layout, Machine, Placement, Planner
 from slidekit.planning.fit import check_fit
-from slidekit.plugins import Plugins, Selection
+from slidekit.plugins import Plugins, Selection, build_kernel_set, driver_options
 from slidekit.reporting import check_loggers
 from slidekit.resolve import build_optimizer, resolve
 from slidekit.run import RunDirectory, discard_run
@@ -129,6 +130,7 @@ class Trainer:
         self._guards: list[Any] | None = None  # what an export may not replace (export_guards), once
         self._files: dict[str, Path] | None = None  # the model's weight files (weight_files), looked up once
         self._saving: list[Any] = []  # checkpoints not yet reported saved (SaveHandle)
+        self._logged: dict[str, tuple[int, float]] = {}  # loss / eval_loss -> (step, value), for the card
         try:
             if config.run.export_dir:  # a target the export would refuse is refused before any training
                 check_target(
@@ -174,7 +176,12 @@ class Trainer:
         if name not in self._tiers:
             sel = self.plugins.select("tier", name, device_family(self.device))
             ec = self.config.engine
-            ctx = TierContext(device=self.device, directory=ec.offload_dir, close_timeout_s=ec.timeout_s)
+            ctx = TierContext(
+                device=self.device,
+                directory=ec.offload_dir,
+                close_timeout_s=ec.timeout_s,
+                options=driver_options(sel, self.config.plugins.options),
+            )
             self._tiers[name] = sel.descriptor.factory(ctx)
         return self._tiers[name]
 
@@ -188,7 +195,7 @@ class Trainer:
         layout = self._plan(planner, optimizer)
         parts = EngineParts(
             spec=self.spec,
-            kernels=self.selections["kernels"].descriptor.factory(),
+            kernels=build_kernel_set(self.selections["kernels"], self.config.plugins.options),
             optimizer=optimizer,
             tier=self._tier,
             device=self.device,
@@ -380,6 +387,7 @@ class Trainer:
                 bar.write(f"step {step}: eval loss {loss:.3f}")
                 self.plugins.hook.slidekit_evaluate(step=step, metrics={"eval_loss": loss})
         self.plugins.hook.slidekit_step_end(step=step, metrics=metrics)
+        self._logged.update({k: (step, metrics[k]) for k in ("loss", "eval_loss") if k in metrics})
         if self.run is not None:
             self.run.log(step, metrics)
             every = self.config.run.checkpoint_every
@@ -531,10 +539,35 @@ class Trainer:
                     "steps": self.config.steps,
                     "model": self.config.model.source,
                 },
+                source_dir=self.model_dir,
+                model_card=self._model_card(target.path, dtype),
                 progress=on_stage,
             )
         except Exception as exc:
             raise ExportError(f"the export to {out} failed: {exc}; {where}") from exc
+
+    def _model_card(self, out: Path, dtype: str) -> str:
+        """The export's README.md (``slidekit.modelcard``) with the losses logged last: in this process or,
+        before a resume, in the run directory's metrics.jsonl."""
+        from slidekit import __version__
+
+        steps = self.engine.steps_done
+        logged = dict(self._logged)
+        if self.run is not None:
+            logged = {**last_logged(self.run.path / "metrics.jsonl", upto=steps), **logged}
+        return model_card(
+            self.config,
+            title=out.name,
+            family=self.spec.family,
+            source_dir=self.model_dir,
+            step=steps,
+            lr=self.lr,
+            drivers={k: s.name for k, s in self.selections.items()},
+            dtype=dtype,
+            compute_dtype=str(self.compute_dtype).removeprefix("torch."),
+            logged=logged,
+            version=__version__,
+        )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Hugging Face name -> FP32 parameter (a copy), once every update has been applied."""

@@ -64,6 +64,7 @@ PINNED_FINETUNE_OPTIONS = [
     "--trace",
     "--report-to",
     "--block",
+    "--plugin-option",
     "--quiet",
 ]
 

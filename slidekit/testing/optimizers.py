@@ -14,9 +14,14 @@ or one test per check, so pytest reports each on its own::
         check(lambda: MyAdam(OptimizerHyper(weight_decay=0.1)))
 
 Each check builds a fresh optimizer from the factory. A check that does not
-apply (a capability declared False) or needs what this machine lacks (a CUDA
-device) raises ``unittest.SkipTest``: pytest reports a skip, and
-``check_optimizer`` passes over it.
+apply (a capability declared False) raises ``NotApplicable``, one that needs
+what this machine lacks (a CUDA device) ``unittest.SkipTest``: pytest reports
+either as a skip. ``check_optimizer`` tells them apart: a check that does not
+apply is no gap, but a skipped one is not a pass, so once every other check
+has run it raises ``unittest.SkipTest`` listing what was skipped and why,
+unless the skipped check is allowed (``allow_skips=DEVICE_CHECKS`` on a
+CPU-only machine). It returns the ``Conformance``
+(``slidekit.testing.conformance``).
 
 What an optimizer is held to, beyond the ``UnitOptimizer`` docstring:
 
@@ -41,7 +46,8 @@ What an optimizer is held to, beyond the ``UnitOptimizer`` docstring:
 from __future__ import annotations
 
 import unittest
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -49,9 +55,11 @@ from slidekit.capabilities import GRANULE
 from slidekit.capabilities import check_optimizer as check_capabilities
 from slidekit.engine.state import slice_groups
 from slidekit.interfaces import ParamGroupRange, UnitOptimizer
+from slidekit.testing.conformance import Conformance, NotApplicable, run_checks
 
 __all__ = [
     "CHECKS",
+    "DEVICE_CHECKS",
     "GROUPS",
     "NUMEL",
     "OptimizerFactory",
@@ -181,7 +189,7 @@ def check_linear_state(make: OptimizerFactory) -> None:
     opt = make()
     name = _name(opt)
     if opt.linear_state is not True:
-        raise unittest.SkipTest(f"{name} declares linear_state = False: the engine updates its units whole")
+        raise NotApplicable(f"{name} declares linear_state = False: the engine updates its units whole")
     init, grads = _unit(1)
     runs = []
     for pieces in (((0, NUMEL),), PIECES):
@@ -203,7 +211,7 @@ def check_device_update(make: OptimizerFactory) -> None:
     opt = make()
     name = _name(opt)
     if opt.device_update is not True:
-        raise unittest.SkipTest(f"{name} declares device_update = False: its units stay on the host")
+        raise NotApplicable(f"{name} declares device_update = False: its units stay on the host")
     if not torch.cuda.is_available():
         raise unittest.SkipTest("needs a CUDA device")
     device = torch.device("cuda", torch.cuda.current_device())
@@ -235,13 +243,18 @@ CHECKS: tuple[Callable[[OptimizerFactory], None], ...] = (
 )
 
 
-def check_optimizer(make: OptimizerFactory) -> None:
+#: The checks that need a CUDA device (skipped without one, for an optimizer declaring device_update).
+DEVICE_CHECKS: tuple[str, ...] = ("check_device_update",)
+
+
+def check_optimizer(
+    make: OptimizerFactory, *, allow_skips: Collection[Callable[..., Any] | str] = ()
+) -> Conformance:
     """Run every check against fresh optimizers from ``make``; raise AssertionError on the first failure.
 
-    Checks that do not apply or that this machine cannot run (``unittest.SkipTest``) are passed over.
+    A check of a capability the optimizer does not declare (``NotApplicable``) is passed over. One this
+    machine cannot run (``unittest.SkipTest``) is not a pass: once the others have run,
+    ``unittest.SkipTest`` is raised naming it and why, unless it is in ``allow_skips`` (check functions
+    or names, e.g. ``DEVICE_CHECKS``). Returns what passed, what was skipped and what does not apply.
     """
-    for check in CHECKS:
-        try:
-            check(make)
-        except unittest.SkipTest:
-            continue
+    return run_checks(CHECKS, make, driver=f"optimizer {_name(make())!r}", allow_skips=allow_skips)

@@ -1,9 +1,9 @@
 """A plain PyTorch training loop: the reference slidekit's results are compared against.
 
 It trains the Hugging Face transformers implementation of the same model,
-on the same batches, with ``torch.optim.AdamW`` and the same parameter
-groups, entirely on one device and with no offloading, so any difference
-from slidekit is slidekit's.
+on the same batches, with ``torch.optim.AdamW`` (or the optimizer a factory
+builds) and the same parameter groups, entirely on one device and with no
+offloading, so any difference from slidekit is slidekit's.
 
 Two precisions:
 
@@ -13,7 +13,15 @@ Two precisions:
   slidekit does with its masters on the host.
 
 Plugin authors: ``reference_run`` is public; compare your optimizer or
-kernel set by running slidekit with it and this loop on the same inputs.
+kernel set by running slidekit with it and this loop on the same inputs. For
+an optimizer, pass ``optimizer=``: a factory that builds the
+``torch.optim.Optimizer`` your driver's arithmetic is meant to match from the
+parameter groups (each a dict with ``params``, ``lr`` and ``weight_decay``)::
+
+    ref = reference_run(hf_config, init, batches, lr=1e-2,
+                        optimizer=lambda groups: torch.optim.SGD(groups, momentum=0.9))
+
+``tests/test_reference_optimizer.py`` checks a momentum-SGD driver that way.
 """
 
 from __future__ import annotations
@@ -27,7 +35,11 @@ import torch.nn.functional as F
 
 from slidekit.data import Batch
 
-__all__ = ["ReferenceResult", "build_hf_model", "reference_run"]
+__all__ = ["OptimizerFactory", "ReferenceResult", "build_hf_model", "reference_run"]
+
+#: Builds the reference's optimizer from its parameter groups (dicts with params, lr and weight_decay).
+OptimizerFactory = Callable[[list[dict[str, Any]]], torch.optim.Optimizer]
+_BETAS, _EPS = (0.9, 0.999), 1e-8  # AdamW's, as slidekit's OptimConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,11 +70,14 @@ def build_hf_model(
 
 
 def _groups(
-    named: Sequence[tuple[str, torch.nn.Parameter]], weight_decay: float, no_decay: Sequence[str]
+    named: Sequence[tuple[str, torch.nn.Parameter]], lr: float, weight_decay: float, no_decay: Sequence[str]
 ) -> list[dict[str, Any]]:
     decay = [p for n, p in named if not any(n.endswith(s) for s in no_decay)]
     rest = [p for n, p in named if any(n.endswith(s) for s in no_decay)]
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    return [
+        {"params": decay, "lr": lr, "weight_decay": weight_decay},
+        {"params": rest, "lr": lr, "weight_decay": 0.0},
+    ]
 
 
 def _step_loss(model: Any, step: Batch | Sequence[Batch], device: torch.device) -> torch.Tensor:
@@ -102,14 +117,15 @@ def reference_run(
     batches: Iterable[Batch | Sequence[Batch]],
     *,
     lr: float,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
+    betas: tuple[float, float] = _BETAS,
+    eps: float = _EPS,
     weight_decay: float = 0.0,
     no_decay: Sequence[str] = ("norm.weight", "bias"),
     precision: str = "float32",
     device: torch.device | str = "cpu",
     lr_factor: Callable[[int], float] | None = None,
     max_grad_norm: float | None = None,
+    optimizer: OptimizerFactory | None = None,
 ) -> ReferenceResult:
     """Train the transformers model on ``batches`` with ``torch.optim.AdamW``; return losses and final state.
 
@@ -119,9 +135,19 @@ def reference_run(
     is ignored). ``lr_factor(step)`` (1-based) scales ``lr`` per step;
     ``max_grad_norm`` clips with ``torch.nn.utils.clip_grad_norm_`` on the FP32
     (master) gradients before the step. ``grad_norms`` holds the norms before clipping.
+
+    ``optimizer``: build another optimizer instead, ``optimizer(groups)``, from the FP32 (master)
+    parameters' groups: the decaying ones with ``weight_decay``, the ``no_decay`` ones with 0, each
+    with ``lr`` (set again before every step). ``betas`` and ``eps`` configure AdamW only: give them
+    to your factory instead.
     """
     if precision not in ("float32", "bfloat16"):
         raise ValueError(f"precision must be 'float32' or 'bfloat16', got {precision!r}")
+    if optimizer is not None and (tuple(betas), eps) != (_BETAS, _EPS):
+        raise ValueError(
+            f"betas={betas!r} and eps={eps!r} configure the default AdamW, which optimizer= replaces; "
+            "pass them to your optimizer factory instead"
+        )
     device = torch.device(device)
     dtype = torch.float32 if precision == "float32" else torch.bfloat16
     model = build_hf_model(hf_config, init_state, dtype, device)
@@ -132,9 +158,14 @@ def reference_run(
     else:  # FP32 masters beside the BF16 compute copy
         masters = [torch.nn.Parameter(p.detach().float().clone()) for _, p in named]
         master_named = [(n, m) for (n, _), m in zip(named, masters, strict=True)]
-    opt = torch.optim.AdamW(
-        _groups(master_named, weight_decay, no_decay), lr=lr, betas=betas, eps=eps, foreach=False
-    )
+    groups = _groups(master_named, lr, weight_decay, no_decay)
+    opt: torch.optim.Optimizer
+    if optimizer is None:
+        opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
+    else:
+        opt = optimizer(groups)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(f"optimizer(groups) must return a torch.optim.Optimizer, got {opt!r}")
     losses, norms = [], []
     for step, batch in enumerate(batches, 1):
         for group in opt.param_groups:

@@ -15,8 +15,14 @@ or one test per check, so pytest reports each on its own::
 
 Each check builds fresh tiers from the factory and closes them, so one
 failure does not hide another. A check that needs what this machine lacks (a
-CUDA device) raises ``unittest.SkipTest``: pytest reports a skip, and
-``check_tier`` passes over it.
+CUDA device) raises ``unittest.SkipTest``: pytest reports a skip. A skip is
+not a pass: ``check_tier`` runs every other check and then raises
+``unittest.SkipTest`` itself, listing what was skipped and why, unless the
+skipped check is allowed (``allow_skips=DEVICE_CHECKS`` on a CPU-only
+machine); it returns the ``Conformance`` (``slidekit.testing.conformance``)::
+
+    outcome = check_tier(make, allow_skips=DEVICE_CHECKS)
+    assert outcome.passed and (torch.cuda.is_available() or "check_device_tensors" in outcome.skipped)
 
 What a tier must do, beyond the ``StorageTier`` docstring:
 
@@ -39,7 +45,7 @@ What a tier must do, beyond the ``StorageTier`` docstring:
 from __future__ import annotations
 
 import unittest
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from functools import partial
 from typing import Any
@@ -47,9 +53,11 @@ from typing import Any
 import torch
 
 from slidekit.interfaces import StorageTier, TierStats
+from slidekit.testing.conformance import Conformance, run_checks
 
 __all__ = [
     "CHECKS",
+    "DEVICE_CHECKS",
     "DTYPES",
     "OFFSETS",
     "SIZES",
@@ -517,13 +525,24 @@ CHECKS: tuple[Callable[[TierFactory], None], ...] = (
 )
 
 
-def check_tier(make: TierFactory) -> None:
+#: The checks that need a CUDA device (skipped without one).
+DEVICE_CHECKS: tuple[str, ...] = ("check_device_tensors",)
+
+
+def check_tier(make: TierFactory, *, allow_skips: Collection[Callable[..., Any] | str] = ()) -> Conformance:
     """Run every check against fresh tiers from ``make``; raise AssertionError on the first failure.
 
-    Checks this machine cannot run (``unittest.SkipTest``) are passed over.
+    A check this machine cannot run (``unittest.SkipTest``) is not a pass: once the others have run,
+    ``unittest.SkipTest`` is raised naming it and why, unless it is in ``allow_skips`` (check functions
+    or names, e.g. ``DEVICE_CHECKS``). Returns what passed and what was skipped.
     """
-    for check in CHECKS:
-        try:
-            check(make)
-        except unittest.SkipTest:
-            continue
+    names: list[str] = []
+
+    def tracked() -> StorageTier:
+        tier = make()
+        names.append(str(getattr(tier, "name", type(tier).__name__)))
+        return tier
+
+    return run_checks(
+        CHECKS, tracked, driver=lambda: f"tier {names[0]!r}" if names else "tier", allow_skips=allow_skips
+    )
