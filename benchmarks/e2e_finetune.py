@@ -107,7 +107,7 @@ def compare_logits(export: Path, device: str, seq: int) -> float:
 
     ids = torch.randint(0, 1000, (1, min(seq, 64)), generator=torch.Generator().manual_seed(0))
     dtype = torch.float32
-    model = AutoModelForCausalLM.from_pretrained(export, torch_dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(export, dtype=dtype).to(device)
     with torch.no_grad():
         theirs = model(ids.to(device)).logits.float().cpu()
     del model
