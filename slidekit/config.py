@@ -8,9 +8,11 @@ must be finite, lists become tuples), then the values. Absurd but valid values
 (a learning rate above 1) warn. Runtime objects (models, devices, streams)
 never go in here: they are built from a config, not stored in it.
 ``TrainConfig.to_dict`` gives the effective configuration as plain data,
-saved with every run; ``from_dict`` and ``load_toml`` build one back from
-plain data or a TOML file, so CLI flags, TOML files and Python all land on
-the same dataclasses (and their errors name the file).
+saved with every run (``RUN_DIR/config.json``); ``from_dict`` and
+``load_config`` build one back from plain data or a file (TOML, or JSON such
+as a run's saved ``config.json``), so CLI flags, files and Python all land on
+the same dataclasses (and their errors name the file; an unknown key gets a
+"did you mean").
 
 Test: ``pytest tests/test_config.py``.
 """
@@ -18,6 +20,8 @@ Test: ``pytest tests/test_config.py``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
 import math
 import re
 import warnings
@@ -49,6 +53,7 @@ __all__ = [
     "RunConfig",
     "TrainConfig",
     "from_dict",
+    "load_config",
     "load_toml",
     "resident_fraction",
 ]
@@ -118,6 +123,8 @@ class OptimConfig:
     lr: float | None = None  # peak learning rate; None: 2e-3 for the demo model, 2e-5 otherwise
     schedule: str = "constant"  # "constant", "linear" (decay) or "cosine"; all start with warmup_steps
     warmup_steps: int = 0  # linear warm-up from 0 to lr over this many steps
+    # ... or over this fraction of the run's steps, rounded up (HF's warmup_ratio); one of the two, not both
+    warmup_ratio: float = 0.0
     min_lr_ratio: float = 0.0  # where linear and cosine decay end, as a fraction of lr
     max_grad_norm: float | None = None  # clip the global norm of the gradients exactly; None: off
     on_nonfinite: str = "stop"  # NaN/Inf loss or gradients: "stop" (raise) or "skip" the step, warning
@@ -140,6 +147,15 @@ class OptimConfig:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"optim.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         _positive("optim", "warmup_steps", self.warmup_steps, allow_zero=True)
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ConfigError(
+                f"optim.warmup_ratio must lie in [0, 1) (a fraction of the run's steps), got {self.warmup_ratio!r}"
+            )
+        if self.warmup_ratio and self.warmup_steps:
+            raise ConfigError(
+                f"optim.warmup_steps = {self.warmup_steps} and optim.warmup_ratio = {self.warmup_ratio:g} both "
+                "set the warm-up (CLI: --warmup-steps, --warmup-ratio): give one of them"
+            )
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"optim.min_lr_ratio must lie in [0, 1], got {self.min_lr_ratio!r}")
         if self.max_grad_norm is not None:
@@ -160,6 +176,11 @@ class OptimConfig:
                 UserWarning,
                 stacklevel=3,
             )
+
+    def warmup(self, total_steps: int) -> int:
+        """Warm-up steps of a run of ``total_steps``: ``warmup_steps``, or ``ceil(total_steps * warmup_ratio)``
+        (as transformers' ``TrainingArguments.get_warmup_steps``)."""
+        return self.warmup_steps or math.ceil(total_steps * self.warmup_ratio)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -270,7 +291,10 @@ class RunConfig:
                 "run.dir (CLI: --run-dir), or report_to 'none'"
             )
         if self.resume_target() is not None and not self.dir:
-            raise ConfigError("run.resume needs run.dir (CLI: --run-dir) to find the checkpoints in")
+            raise ConfigError(
+                "run.resume needs run.dir (CLI: --run-dir) to find the checkpoints in; on the command line "
+                "--resume RUN_DIR names the run directory itself"
+            )
 
     def resume_target(self) -> int | str | None:
         """What ``resume`` asks for: None (start fresh), "latest", a step number or a checkpoint path."""
@@ -394,22 +418,48 @@ _SECTIONS: dict[str, type] = {
 }
 
 
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _suggest(key: str, section: str | None) -> str:
+    """A "did you mean" for an unknown ``key`` of ``section`` (None: the top level): the closest setting
+    there, or the table where a setting of that name lives."""
+    here = _field_names(_SECTIONS[section] if section else TrainConfig)
+    close = difflib.get_close_matches(key, here, n=1)
+    if close:
+        return f"{key!r}: did you mean {close[0]!r}?"
+    tables = [name for name, cls in _SECTIONS.items() if name != section and key in _field_names(cls)]
+    if section and key in _field_names(TrainConfig):
+        return f"{key!r}: did you mean {key!r} at the top level, outside [{section}]?"
+    if tables:
+        return f"{key!r}: did you mean {key!r} in [{tables[0]}]?"
+    return ""
+
+
+def _unknown(keys: list[str], section: str | None, where: str) -> ConfigError:
+    valid = _field_names(_SECTIONS[section]) if section else sorted(_field_names(TrainConfig))
+    hints = "; ".join(h for h in (_suggest(k, section) for k in keys) if h)
+    return ConfigError(
+        f"{where}: unknown setting(s) {keys}{f' in [{section}]' if section else ''}; "
+        f"{hints + '; ' if hints else ''}valid: {', '.join(valid)}"
+    )
+
+
 def _section(name: str, cls: type, values: Mapping[str, Any], where: str) -> Any:
     if not isinstance(values, Mapping):
         raise ConfigError(f"{where}[{name}] must be a table of settings, got {values!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(fields))
+    unknown = sorted(set(values) - set(_field_names(cls)))
     if unknown:
-        raise ConfigError(f"{where}: unknown setting(s) {unknown} in [{name}]; valid: {', '.join(fields)}")
+        raise _unknown(unknown, name, where)
     return cls(**values)
 
 
 def from_dict(values: Mapping[str, Any], *, where: str = "configuration") -> TrainConfig:
     """A TrainConfig from plain data shaped like ``TrainConfig.to_dict()`` (missing keys keep defaults)."""
-    top = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(values) - top)
+    unknown = sorted(set(values) - set(_field_names(TrainConfig)))
     if unknown:
-        raise ConfigError(f"{where}: unknown setting(s) {unknown}; valid: {', '.join(sorted(top))}")
+        raise _unknown(unknown, None, where)
     try:
         kwargs = {k: _section(k, _SECTIONS[k], v, where) if k in _SECTIONS else v for k, v in values.items()}
         return TrainConfig(**kwargs)
@@ -417,6 +467,30 @@ def from_dict(values: Mapping[str, Any], *, where: str = "configuration") -> Tra
         if str(exc).startswith(f"{where}:"):
             raise
         raise ConfigError(f"{where}: {exc}") from None
+
+
+def load_config(path: str) -> dict[str, Any]:
+    """The plain data of a configuration file: JSON (a ``.json`` file, such as a run's saved
+    ``config.json``, or any file whose first character is ``{``) or TOML, both shaped like
+    ``TrainConfig.to_dict()``."""
+    if not path.endswith(".json"):
+        try:
+            with open(path, "rb") as f:
+                head = f.read(4096).lstrip()
+        except FileNotFoundError:
+            raise ConfigError(f"configuration file {path!r} does not exist") from None
+        if path.endswith(".toml") or not head.startswith(b"{"):
+            return load_toml(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file {path!r} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: a configuration is a JSON object of settings, got {type(doc).__name__}")
+    return doc
 
 
 def load_toml(path: str) -> dict[str, Any]:

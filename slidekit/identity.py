@@ -16,6 +16,7 @@ what decides which tokens a step sees, which update it applies, or what it start
     optim.name              the optimizer (its state would not fit another's anyway)
     optim.lr                the peak learning rate, as used (the model's default when unset)
     optim.schedule, optim.warmup_steps, optim.min_lr_ratio
+                            (warmup_steps as used: an ``optim.warmup_ratio`` is resolved into steps)
     optim.schedule_steps    the schedule's length: ``steps`` for linear and cosine; a constant schedule
                             has no length, so a constant-rate run may be extended with more steps
 
@@ -35,6 +36,7 @@ Test: ``pytest tests/test_identity.py``.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
@@ -163,6 +165,9 @@ def identity(
     out.update(fingerprints)
     for dotted in _CONFIG_FIXED:
         out[dotted] = _get(config, dotted)
+    ratio = _get(config, "optim.warmup_ratio") or 0.0
+    if ratio and not out["optim.warmup_steps"]:  # the warm-up as used (OptimConfig.warmup)
+        out["optim.warmup_steps"] = math.ceil((_get(config, "steps") or 0) * ratio)
     out["optim.lr"] = effective_lr(_get(config, "model.source") or "demo", _get(config, "optim.lr"))
     schedule = _get(config, "optim.schedule")
     out["optim.schedule_steps"] = None if schedule == "constant" else _get(config, "steps")

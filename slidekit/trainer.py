@@ -474,7 +474,7 @@ class Trainer:
             step,
             schedule=oc.schedule,
             total=self.config.steps,
-            warmup=oc.warmup_steps,
+            warmup=oc.warmup(self.config.steps),
             min_ratio=oc.min_lr_ratio,
         )
 

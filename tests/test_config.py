@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -86,6 +87,7 @@ PINNED_FIELDS = {
         "lr",
         "schedule",
         "warmup_steps",
+        "warmup_ratio",
         "min_lr_ratio",
         "max_grad_norm",
         "on_nonfinite",
@@ -211,3 +213,74 @@ def test_overrides_that_make_no_model_are_refused(overrides, match):
 
 def test_overrides_may_leave_derived_sizes_to_the_config():
     assert ModelConfig(overrides={"head_dim": None, "hidden_size": 64}).overrides["hidden_size"] == 64
+
+
+# --------------------------------------------------------------------------- warm-up ratio, config files
+
+
+@pytest.mark.parametrize(("ratio", "total"), [(0.1, 25), (0.03, 1000), (0.5, 7), (0.0, 40), (0.999, 3)])
+def test_warmup_ratio_rounds_as_transformers_does(ratio, total):
+    """``OptimConfig.warmup`` against ``TrainingArguments.get_warmup_steps`` (a float < 1 is a ratio there)."""
+    from types import SimpleNamespace
+
+    from transformers import TrainingArguments
+
+    # the method reads warmup_steps only; building TrainingArguments itself would need accelerate
+    reference = TrainingArguments.get_warmup_steps(SimpleNamespace(warmup_steps=ratio), total)  # type: ignore[arg-type]
+    assert OptimConfig(warmup_ratio=ratio).warmup(total) == reference
+    assert OptimConfig(warmup_steps=4).warmup(total) == 4
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: OptimConfig(warmup_ratio=1.0), r"optim\.warmup_ratio must lie in \[0, 1\) .*got 1\.0"),
+        (lambda: OptimConfig(warmup_ratio=-0.1), r"optim\.warmup_ratio must lie in \[0, 1\)"),
+        (
+            lambda: OptimConfig(warmup_steps=10, warmup_ratio=0.1),
+            r"optim\.warmup_steps = 10 and optim\.warmup_ratio = 0\.1 both set the warm-up .*give one of them",
+        ),
+    ],
+)
+def test_a_bad_warmup_ratio_is_named(build, match):
+    with pytest.raises(ConfigError, match=match):
+        build()
+
+
+def test_the_identity_holds_the_warmup_as_used():
+    """A warm-up given as a ratio is the same run as the same warm-up in steps; a resume compares steps."""
+    from slidekit.identity import identity
+
+    def warmup(**kw):
+        return identity(TrainConfig(**kw).to_dict(), model={}, fingerprints={})["optim.warmup_steps"]
+
+    assert (
+        warmup(steps=40, optim=OptimConfig(warmup_ratio=0.1))
+        == 4
+        == warmup(optim=OptimConfig(warmup_steps=4))
+    )
+    assert warmup(steps=60, optim=OptimConfig(warmup_ratio=0.1)) == 6
+
+
+def test_config_files_are_json_or_toml_by_suffix_or_content(tmp_path):
+    from slidekit.config import from_dict, load_config
+
+    config = TrainConfig(steps=9, optim=OptimConfig(lr=1e-4, betas=(0.9, 0.95)), run=RunConfig(dir="r"))
+    as_json = json.dumps(config.to_dict())  # null for None: JSON says what TOML cannot
+    for name in ("config.json", "settings.conf"):  # a suffix, or a file that opens with "{"
+        (tmp_path / name).write_text(as_json)
+        assert from_dict(load_config(str(tmp_path / name))) == config
+    (tmp_path / "run.toml").write_text("steps = 9\n[optim]\nlr = 1e-4\n")
+    (tmp_path / "run.cfg").write_text("steps = 9\n[optim]\nlr = 1e-4\n")
+    assert load_config(str(tmp_path / "run.toml")) == load_config(str(tmp_path / "run.cfg"))
+    (tmp_path / "bad.json").write_text('{"steps": 9,')
+    with pytest.raises(ConfigError, match=r"bad\.json: not valid JSON: "):
+        load_config(str(tmp_path / "bad.json"))
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(
+        ConfigError, match=r"list\.json: a configuration is a JSON object of settings, got list"
+    ):
+        load_config(str(tmp_path / "list.json"))
+    for missing in ("nope.json", "nope.toml", "nope"):
+        with pytest.raises(ConfigError, match=rf"configuration file .*{missing}' does not exist"):
+            load_config(str(tmp_path / missing))
