@@ -18,7 +18,10 @@ a step number, or a checkpoint directory's path
 Before any tensor is read, the checkpoint's identity is compared with the run's
 (``slidekit.identity``): a change to the weights, data, batch shape, seeds or learning-rate schedule
 is refused with every changed field named; a checkpoint of a slidekit that recorded no
-fingerprints is resumed with a warning naming what it could not check.
+fingerprints is resumed with a warning naming what it could not check. The optimizer comes first,
+with its own message: the checkpoint's recorded optimizer against the configured one, then its state
+arrays against the ones the configured optimizer keeps (another optimizer, or another version of it,
+is named as such, never as "missing arrays").
 
 Test: ``pytest tests/test_resume.py``.
 """
@@ -38,7 +41,7 @@ from slidekit.errors import ConfigError
 if TYPE_CHECKING:
     from slidekit.engine import Engine
 
-__all__ = ["check_identity", "restore", "saved_identity"]
+__all__ = ["check_identity", "check_optimizer", "check_state_arrays", "restore", "saved_identity"]
 
 
 def _steps(checkpoints: Path) -> str:
@@ -73,9 +76,72 @@ def check_identity(path: Path, meta: Mapping[str, Any], current: Mapping[str, An
         )
 
 
+def _recorded_optimizer(meta: Mapping[str, Any]) -> str | None:
+    """The optimizer that wrote a checkpoint, from its identity or (older ones) its configuration."""
+    name = dict(meta.get("identity", {})).get("optim.name")
+    if name is None:
+        name = dict(dict(meta.get("config", {})).get("optim", {})).get("name")
+    return name if isinstance(name, str) else None
+
+
+def _keep_optimizer(name: str) -> str:
+    return (
+        f"resume with the optimizer that wrote it (optim.name={name!r}, CLI: --optimizer {name}); to go on "
+        "with another optimizer, start a new run (a new run directory) from an export of this one's weights"
+    )
+
+
+def check_optimizer(path: Path, meta: Mapping[str, Any], configured: str | None) -> None:
+    """Refuse checkpoint ``path`` when the optimizer it records is not the ``configured`` one."""
+    recorded = _recorded_optimizer(meta)
+    if recorded is not None and configured is not None and recorded != configured:
+        raise ck.CheckpointMismatch(
+            f"cannot resume from {path}: it holds the state of optimizer {recorded!r}, and this run is "
+            f"configured with {configured!r} (optim.name); an optimizer continues only from its own state: "
+            + _keep_optimizer(recorded)
+        )
+
+
+def _state_names(names: Any) -> str:
+    """The state buffers of unit 0 among checkpoint array ``names``, e.g. "exp_avg, exp_avg_sq"."""
+    return ", ".join(sorted(n.split("/", 2)[2] for n in names if n.startswith("state/0/"))) or "none"
+
+
+def check_state_arrays(engine: Engine, path: Path, meta: Mapping[str, Any], configured: str | None) -> None:
+    """Refuse, naming the optimizer, a checkpoint whose masters fit the engine but whose optimizer state
+    is not what the configured optimizer keeps (``snapshot.restore`` would list "missing arrays")."""
+    expected = snapshot.expected_arrays(engine)
+    arrays = ck.read_manifest(path).arrays
+    have = {n: (a.dtype, tuple(a.shape)) for n, a in arrays.items()}
+    masters = {n for n in expected if n.startswith("master/")} | {n for n in have if n.startswith("master/")}
+    if any(have.get(n) != expected.get(n) for n in masters):
+        return  # another model: verify_compatible names the differences
+    state = {n: v for n, v in expected.items() if n.startswith("state/")}
+    if {n: v for n, v in have.items() if n.startswith("state/")} == state:
+        return
+    name = repr(configured) if configured else "the configured optimizer"
+    recorded = _recorded_optimizer(meta)
+    if recorded and recorded != configured:
+        who, fix = f"optimizer {recorded!r}", _keep_optimizer(recorded)
+    else:
+        who = f"another version or setting of {name}"
+        fix = (
+            "resume with the slidekit and optimizer plugin (and their settings) that wrote it; to go on with "
+            "this one, start a new run (a new run directory) from an export of this one's weights"
+        )
+    raise ck.CheckpointMismatch(
+        f"cannot resume from {path}: its optimizer state (per unit: {_state_names(have)}) is not the state "
+        f"{name} keeps (per unit: {_state_names(state)}, with these dtypes and sizes): the checkpoint was "
+        f"written by {who}. {fix[0].upper() + fix[1:]}"
+    )
+
+
 def _try(engine: Engine, path: Path, current: Mapping[str, Any]) -> dict[str, Any]:
     meta = ck.load_meta(path)
+    configured = current.get("optim.name")
+    check_optimizer(path, meta, configured)
     check_identity(path, meta, current)
+    check_state_arrays(engine, path, meta, configured)
     snapshot.restore(engine, path)  # every array read back and checksummed
     return meta
 

@@ -280,3 +280,41 @@ def test_a_checkpoint_from_before_identities_resumes_with_a_warning(tmp_path):
     changed = _config(tmp_path, resume=True, steps=8)  # what it did record is still checked
     with pytest.raises(ck.CheckpointMismatch, match=r"optim\.schedule_steps: 6 -> 8"):
         _trainer(changed)
+
+
+# --------------------------------------------------------------------------- another optimizer, --resume RUN_DIR
+
+
+def test_a_changed_optimizer_is_said_plainly(tmp_path):
+    """A layer_adam checkpoint resumed with adamw_8bit: the optimizer is named, not "missing arrays"."""
+    with _trainer(_config(tmp_path)) as t:
+        t.fit(steps=2)
+    path = tmp_path / "checkpoints" / "step-00000002"
+    with pytest.raises(ck.CheckpointMismatch) as err:
+        _trainer(_config(tmp_path, resume=True, name="adamw_8bit"))
+    assert str(err.value) == (
+        f"cannot resume from {path}: it holds the state of optimizer 'layer_adam', and this run is configured "
+        "with 'adamw_8bit' (optim.name); an optimizer continues only from its own state: resume with the "
+        "optimizer that wrote it (optim.name='layer_adam', CLI: --optimizer layer_adam); to go on with another "
+        "optimizer, start a new run (a new run directory) from an export of this one's weights"
+    )
+    # a checkpoint that does not record its optimizer: its state arrays tell, and the message says so
+    meta = ck.load_meta(path)
+    del meta["identity"]["optim.name"], meta["config"]["optim"]["name"]
+    arrays = {name: ck.read(path, name) for name in ck.read_manifest(path).arrays}
+    with ck.CheckpointWriter(tmp_path / "checkpoints", keep=None) as w:
+        w.save(2, arrays, meta, overwrite=True).result(timeout=60)
+    unrecorded = pytest.warns(RuntimeWarning, match=r"did not record optim\.name")
+    with unrecorded, pytest.raises(ck.CheckpointMismatch) as err:
+        _trainer(_config(tmp_path, resume=True, name="adamw_8bit"))
+    text = str(err.value)
+    assert "missing arrays" not in text
+    assert text.startswith(
+        f"cannot resume from {path}: its optimizer state (per unit: exp_avg, exp_avg_sq) is not the state "
+        "'adamw_8bit' keeps (per unit: "
+    )
+    assert "the checkpoint was written by another version or setting of 'adamw_8bit'" in text
+    with pytest.warns(RuntimeWarning, match=r"did not record optim\.name"):
+        t = _trainer(_config(tmp_path, resume=True))  # with the optimizer that wrote it, it resumes
+    with t:
+        assert t.engine.steps_done == 2
