@@ -1,7 +1,9 @@
 """A run's directory: one run, its configuration, metrics and checkpoints, and nothing slidekit did not write.
 
     RUN_DIR/
-      config.json      the effective TrainConfig (written atomically when the run starts)
+      config.json      the effective TrainConfig (written atomically when the run starts: after the
+                       engine is built and the checkpoint restored, so an attempt that fails leaves the
+                       previous run's record as it was)
       metrics.jsonl    one JSON object per step: step, loss, tokens/s, grad norm, lane timings, ...
       checkpoints/     step-NNNNNNNN/ directories (slidekit.checkpoint), the newest ``keep`` of them;
                        damaged-step-* / superseded-step-*: ones a resume moved aside (slidekit.resume)
@@ -20,6 +22,13 @@ metrics is refused unless ``run.overwrite``, which removes exactly those.
 One process at a time: ``run.lock`` is held with an flock (``slidekit.owned``) for the
 run's life, so a second run is refused with the first one's pid, and the OS
 drops the lock when its holder dies (a SIGKILL never leaves it stuck).
+
+Two stages: ``RunDirectory(config)`` claims the directory (the checks above and the
+lock) and writes nothing else; ``start()``, once the Trainer has built the engine
+(the fit check passed) and restored the checkpoint, removes what ``overwrite``
+discards, writes ``config.json`` and opens the metrics. An attempt that fails in
+between (a bad resume target, a changed optimizer, a run that does not fit)
+leaves the directory byte for byte as it was (``run.lock`` aside).
 
 Test: ``pytest tests/test_run_dir.py tests/test_resume.py``.
 """
@@ -47,7 +56,15 @@ if TYPE_CHECKING:
     from slidekit.config import TrainConfig
     from slidekit.engine import Engine
 
-__all__ = ["RUN_ENTRIES", "RUN_LOCK", "RunDirectory", "RunDirectoryBusy", "discard_run", "foreign_content"]
+__all__ = [
+    "RUN_ENTRIES",
+    "RUN_LOCK",
+    "RunDirectory",
+    "RunDirectoryBusy",
+    "discard_run",
+    "foreign_content",
+    "saved_config",
+]
 
 RUN_LOCK = "run.lock"
 #: Everything slidekit writes in a run directory, and all it ever removes there.
@@ -66,7 +83,7 @@ class RunDirectory:
     def __init__(self, config: TrainConfig, *, progress: Callable[[str, str], None] | None = None) -> None:
         """Claim ``config.run.dir``: refused (ConfigError) when it holds anything but a slidekit run, when
         another process runs in it (RunDirectoryBusy), or, for a fresh run, when it holds a previous run
-        and ``run.overwrite`` is not set."""
+        and ``run.overwrite`` is not set. Nothing but ``run.lock`` is written until ``start``."""
         rc = config.run
         assert rc.dir is not None
         self.path = directory_path(rc.dir, role="run directory", option="run.dir, CLI: --run-dir")
@@ -75,7 +92,9 @@ class RunDirectory:
         self.last_saved: int | None = None
         self.last_path: Path | None = None  # the newest checkpoint known to be complete
         self.resumed_from: Path | None = None  # the checkpoint ``resume`` restored
+        self.started = False  # ``start`` wrote config.json: the directory holds this run now
         self.timeout_s = config.engine.timeout_s  # a save that writes nothing for this long is stuck
+        self._progress = progress
         self._stalled = False  # a save made no progress for timeout_s: never wait for the writer again
         self._handles: list[ck.SaveHandle] = []
         self._metrics: Any = None
@@ -90,19 +109,42 @@ class RunDirectory:
         try:
             _remove_discarded(self.path)
             if rc.resume_target() is None:  # a fresh run (``resume=0`` resumes step 0)
-                self._start_fresh(rc.overwrite)
-            try:
-                write_text_atomically(self.path / "config.json", json.dumps(config.to_dict(), indent=1) + "\n")
-                self._metrics = (self.path / "metrics.jsonl").open("a", encoding="utf-8")
-            except OSError as exc:
-                raise ConfigError(
-                    f"the run directory {str(self.path)!r} is not writable ({exc.strerror or exc}); "
-                    "choose a writable run.dir (CLI: --run-dir) or fix its permissions"
-                ) from exc
-            self.writer = ck.CheckpointWriter(self.checkpoints, keep=rc.keep, progress=progress)
+                self._refuse_previous(rc.overwrite)
         except BaseException:
             self.close()
             raise
+
+    def start(self) -> None:
+        """The run starts here: discard the previous run (``overwrite``), write ``config.json``, keep the
+        metrics of the steps up to the checkpoint resumed from, open the checkpoint writer. Idempotent."""
+        if self.started:
+            return
+        if self._lock is None:
+            raise RuntimeError(f"the run directory {self.path} is closed")
+        rc = self.config.run
+        try:
+            if rc.resume_target() is None and rc.overwrite:
+                _remove_entries(self.path, ("checkpoints", "metrics.jsonl"))
+            record = json.dumps(self.config.to_dict(), indent=1) + "\n"
+            write_text_atomically(self.path / "config.json", record)
+            self.started = True
+            if self.resumed_from is not None and self.last_saved is not None:
+                self._drop_metrics_after(self.last_saved)
+            self._metrics = (self.path / "metrics.jsonl").open("a", encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(
+                f"the run directory {str(self.path)!r} is not writable ({exc.strerror or exc}); "
+                "choose a writable run.dir (CLI: --run-dir) or fix its permissions"
+            ) from exc
+        self.writer = ck.CheckpointWriter(self.checkpoints, keep=rc.keep, progress=self._progress)
+
+    def abandon(self) -> None:
+        """After a fresh run failed to start (and was closed): remove what it made, never a previous run.
+
+        A directory this run created, or one that holds no run record, goes (``discard_run``); one that
+        held a previous run's ``config.json`` which this attempt never replaced is left as it was."""
+        if self.started or self.created or not (self.path / "config.json").exists():
+            discard_run(self.path, checkpoints=False, keep_dir=not self.created)
 
     def _refuse_foreign(self) -> None:
         problem = foreign_content(self.path)
@@ -113,23 +155,23 @@ class RunDirectory:
                 "there: give run.dir (CLI: --run-dir) a new or an empty directory"
             )
 
-    def _start_fresh(self, overwrite: bool) -> None:
-        """A fresh run: refuse a directory holding a previous run, or (``overwrite``) remove that run."""
+    def _refuse_previous(self, overwrite: bool) -> None:
+        """A fresh run: refuse a directory holding a previous run, unless ``overwrite`` (then ``start``
+        removes that run)."""
         previous = _previous_run(self.path)
-        if previous is None:
-            return
-        if not overwrite:
+        if previous is not None and not overwrite:
             raise ConfigError(
                 f"the run directory {str(self.path)!r} holds a previous run ({previous}), which a fresh run "
                 f"would delete: continue it with run.resume (CLI: --run-dir {self.path} --resume), start "
                 "this run in a new directory, or set run.overwrite (CLI: --overwrite) to discard the "
                 "previous run's checkpoints and metrics"
             )
-        _remove_entries(self.path, ("checkpoints", "metrics.jsonl"))
 
     # ------------------------------------------------------------------ metrics
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        if self._metrics is None:
+            raise RuntimeError(f"the run in {self.path} is not started (RunDirectory.start) or is closed")
         self._metrics.write(json.dumps({"step": step, **metrics}) + "\n")
         self._metrics.flush()
 
@@ -138,7 +180,7 @@ class RunDirectory:
     def save(self, engine: Engine, meta: Mapping[str, Any], *, deferred_updates: bool) -> ck.SaveHandle:
         """Checkpoint the engine after its updates; its next updates wait for their own tensors only."""
         if self.writer is None:
-            raise RuntimeError(f"the run directory {self.path} is closed")
+            raise RuntimeError(f"the run in {self.path} is not started (RunDirectory.start) or is closed")
         engine.wait_updates()
         step = engine.steps_done
         handle = self.writer.save(
@@ -187,14 +229,14 @@ class RunDirectory:
         """Load checkpoint ``target`` into the engine and return its metadata (``slidekit.resume``):
         "latest" is the newest that restores cleanly (damaged ones are moved aside), a step or a path
         that checkpoint. ``identity`` (``slidekit.identity``) is what the checkpoint must match; by
-        default the engine's architecture."""
+        default the engine's architecture. Call before ``start``, which then drops the metrics of the
+        steps after it."""
         if identity is None:
             identity = {f"model.{k}": v for k, v in self.model_identity(engine).items()}
         path, meta = restore(engine, self.checkpoints, target, identity)
         engine.steps_done = int(meta["step"])
         engine.updates_applied = int(meta["updates_applied"])
         self.last_saved, self.last_path = engine.steps_done, path
-        self._drop_metrics_after(engine.steps_done)
         self.resumed_from = path
         return meta
 
@@ -204,8 +246,9 @@ class RunDirectory:
         A run killed after its last checkpoint logged steps that never reached
         a checkpoint; keeping them would leave two records of those steps.
         """
-        self._metrics.close()
         path = self.path / "metrics.jsonl"
+        if not path.is_file():
+            return
         kept = []
         for line in path.read_text(encoding="utf-8").splitlines():
             try:
@@ -215,7 +258,6 @@ class RunDirectory:
             if int(record.get("step", 0)) <= step:
                 kept.append(line)
         write_text_atomically(path, "".join(f"{line}\n" for line in kept))
-        self._metrics = path.open("a", encoding="utf-8")
 
     @staticmethod
     def model_identity(engine: Engine) -> dict[str, Any]:
@@ -268,14 +310,23 @@ def foreign_content(path: Path) -> str | None:
     return f"is not empty ({describe(entries)}) and holds no slidekit run"
 
 
-def _is_run_config(path: Path) -> bool:
+def saved_config(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The configuration a slidekit run saved in run directory ``path`` (its ``config.json``, as plain
+    data), or None when ``path`` holds no slidekit run."""
+    config = Path(path).expanduser() / "config.json"
     try:
-        if not path.is_file() or path.stat().st_size > 1 << 20:
-            return False
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        if not config.is_file() or config.stat().st_size > 1 << 20:
+            return None
+        doc = json.loads(config.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(doc, dict) and set(doc) >= _RUN_SECTIONS and isinstance(doc["run"], dict)
+        return None
+    if isinstance(doc, dict) and set(doc) >= _RUN_SECTIONS and isinstance(doc["run"], dict):
+        return doc
+    return None
+
+
+def _is_run_config(path: Path) -> bool:
+    return saved_config(path.parent) is not None
 
 
 def _previous_run(path: Path) -> str | None:

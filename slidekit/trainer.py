@@ -52,7 +52,7 @@ from slidekit.planning.fit import check_fit
 from slidekit.plugins import Plugins, Selection, build_kernel_set, driver_options
 from slidekit.reporting import check_loggers
 from slidekit.resolve import build_optimizer, resolve
-from slidekit.run import RunDirectory, discard_run
+from slidekit.run import RunDirectory
 from slidekit.telemetry import Progress, hiding_factor, memory_metrics, model_flops
 from slidekit.trace import TraceWriter
 
@@ -161,12 +161,14 @@ class Trainer:
                     self.notes.append("resumed with changed settings: " + "; ".join(changed))
             else:
                 self._load_weights()
+            if self.run is not None:  # everything checked: only now is config.json written
+                self.run.start()
         except BaseException:
             run = self.run
             self.close()
             fresh = config.run.resume_target() is None
             if run is not None and fresh:  # a fresh run that never started leaves no trace
-                discard_run(run.path, checkpoints=False, keep_dir=not run.created)
+                run.abandon()
             raise
 
     # ------------------------------------------------------------------ building

@@ -3,6 +3,7 @@ one's checkpoints, and two processes never run in it at once (a SIGKILLed holder
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import select
@@ -15,6 +16,7 @@ import pytest
 from slidekit import EngineConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig, Trainer
 from slidekit import checkpoint as ck
 from slidekit.errors import ConfigError
+from slidekit.planning import Machine
 from slidekit.run import RUN_LOCK, RunDirectory, RunDirectoryBusy, discard_run
 from slidekit.testing.models import random_batches
 
@@ -29,6 +31,13 @@ def _config(model_dir, run_dir, **run) -> TrainConfig:
         run=RunConfig(dir=str(run_dir), **run),
         steps=4,
     )
+
+
+def _started(config: TrainConfig) -> RunDirectory:
+    """A run directory as a Trainer leaves it once the run starts (config.json written)."""
+    run = RunDirectory(config)
+    run.start()
+    return run
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -146,7 +155,7 @@ def test_the_lock_is_released_when_the_run_ends_or_fails_to_start(tiny_model, tm
 
 def test_discarding_a_run_removes_only_its_own_files(tmp_path):
     run = tmp_path / "run"
-    RunDirectory(TrainConfig(run=RunConfig(dir=str(run)))).close()
+    _started(TrainConfig(run=RunConfig(dir=str(run)))).close()
     (run / "checkpoints" / "step-00000001").mkdir(parents=True)
     (run / "trace.json").write_text("{}")  # a trace the user put in the run directory
     assert not discard_run(run, checkpoints=False)  # it holds a checkpoint: kept
@@ -154,7 +163,7 @@ def test_discarding_a_run_removes_only_its_own_files(tmp_path):
     assert discard_run(run, checkpoints=True)
     assert sorted(os.listdir(run)) == ["trace.json"]
     (run / "trace.json").unlink()
-    RunDirectory(TrainConfig(run=RunConfig(dir=str(run)))).close()
+    _started(TrainConfig(run=RunConfig(dir=str(run)))).close()
     assert discard_run(run, checkpoints=False) and not run.exists()
     foreign = tmp_path / "foreign"
     foreign.mkdir()
@@ -166,7 +175,7 @@ def test_resume_step_0_with_overwrite_never_removes_the_previous_run(tmp_path):
     """``--resume 0`` asks for step 0 (``resume_target() == 0``): a resume, not a fresh run, even with
     ``--overwrite``, so the run's checkpoints and metrics stay whatever the resume then finds."""
     run = tmp_path / "run"
-    RunDirectory(TrainConfig(run=RunConfig(dir=str(run)))).close()
+    _started(TrainConfig(run=RunConfig(dir=str(run)))).close()
     (run / "checkpoints" / "step-00000002").mkdir(parents=True)
     (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     for resume in (0, "0"):
@@ -175,3 +184,64 @@ def test_resume_step_0_with_overwrite_never_removes_the_previous_run(tmp_path):
         RunDirectory(config).close()
         assert (run / "checkpoints" / "step-00000002").is_dir()
         assert (run / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+# --------------------------------------------------------------------------- a failed attempt writes nothing
+
+
+def _record(run: Path) -> dict[str, bytes]:
+    """Everything in a run directory but its lock (which records the last process that took it)."""
+    return {name: data for name, data in _tree(run).items() if name != RUN_LOCK}
+
+
+def _tiny_machine() -> Machine:
+    return Machine(device_type="cpu", host_available=1 << 20, host_total=1 << 20)
+
+
+@pytest.fixture
+def finished(tiny_model, tmp_path) -> tuple[Path, Path]:
+    """A model and a run directory holding a finished 4-step run (checkpoints at 2 and 4)."""
+    model, run = tiny_model("llama"), tmp_path / "run"
+    with Trainer(_config(model, run, checkpoint_every=2)) as t:
+        t.fit(random_batches(128, steps=4))
+    return model, run
+
+
+@pytest.mark.parametrize("attempt", ["no such step", "another optimizer", "does not fit"])
+def test_a_failed_resume_leaves_the_run_directory_byte_for_byte(finished, attempt):
+    """Regression: config.json was written before the resume target was checked."""
+    model, run = finished
+    before = _record(run)
+    config = _config(model, run, resume=True, keep=5)  # a change a resume may make, to be recorded
+    if attempt == "no such step":
+        with pytest.raises(ConfigError, match=r"there is no checkpoint directory .*step-00000007"):
+            Trainer(dataclasses.replace(config, run=dataclasses.replace(config.run, resume=7)))
+    elif attempt == "another optimizer":
+        with pytest.raises(ck.CheckpointMismatch, match=r"holds the state of optimizer 'layer_adam'"):
+            Trainer(dataclasses.replace(config, optim=OptimConfig(lr=1e-3, name="adamw_8bit")))
+    else:
+        with pytest.raises(ConfigError, match=r"no placement fits"):
+            Trainer(config, machine=_tiny_machine())
+    assert _record(run) == before
+    with Trainer(config) as t:  # the run resumes as it was; only now is its configuration rewritten
+        assert t.engine.steps_done == 4
+    assert json.loads((run / "config.json").read_text())["run"]["keep"] == 5
+
+
+def test_a_fresh_run_that_fails_keeps_a_previous_runs_record(finished, tmp_path):
+    """Neither a previous run's checkpoints (--overwrite) nor a config.json alone go before the run starts."""
+    model, run = finished
+    before = _record(run)
+    with pytest.raises(ConfigError, match=r"no placement fits"):
+        Trainer(_config(model, run, overwrite=True), machine=_tiny_machine())
+    assert _record(run) == before  # the checkpoints the overwrite would discard are still there
+    bare = tmp_path / "bare"
+    _started(_config(model, bare, keep=3)).close()  # a run that recorded its configuration, nothing else
+    (bare / "metrics.jsonl").unlink()
+    record = _record(bare)
+    with pytest.raises(ConfigError, match=r"no placement fits"):
+        Trainer(_config(model, bare), machine=_tiny_machine())
+    assert _record(bare) == record
+    with pytest.raises(ConfigError, match=r"no placement fits"):  # a directory it made goes again
+        Trainer(_config(model, tmp_path / "new"), machine=_tiny_machine())
+    assert not (tmp_path / "new").exists()
