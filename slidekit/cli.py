@@ -5,12 +5,19 @@
     slidekit finetune                # fine-tune the embedded demo model on the sample corpus
     slidekit finetune --model DIR --data FILE.jsonl --steps 500 --lr 2e-5
     slidekit finetune --config run.toml --lr 1e-5       # a TOML file, with flags taking precedence
+    slidekit finetune --learning-rate 1e-5 --max-steps 500 --output-dir runs/a   # HF's names work too
+    slidekit finetune --resume runs/a --keep 5          # continue runs/a with its saved config.json
     slidekit plan --model DIR --batch-size 16 --seq-len 1024   # memory needed, fits or not, best placement
     slidekit finetune --run-dir runs/a --trace runs/a/trace.json   # metrics and a Chrome trace
     slidekit report runs/a                              # loss curve and pipeline timeline -> runs/a/report.png
 
 Every option of ``finetune`` maps onto one field of ``slidekit.config``
-(``FLAGS`` below); a TOML file has the same shape as ``TrainConfig.to_dict()``.
+(``FLAGS`` below); a ``--config`` file (TOML, or JSON such as a run's saved
+``config.json``) has the same shape as ``TrainConfig.to_dict()``.
+``slidekit.cli_options`` makes the options: defaults in ``--help``, the names
+transformers' ``TrainingArguments`` uses (``ALIASES``), "did you mean" for an
+unknown one. ``--resume RUN_DIR`` restores a run's saved configuration, with
+the flags changing what a resume may change (``slidekit.resume_config``).
 ``tests/test_cli.py`` pins the option names.
 """
 
@@ -22,12 +29,13 @@ import os
 import signal
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slidekit.config import TrainConfig, from_dict, load_toml
-from slidekit.errors import SlidekitError
+from slidekit.cli_options import OptionParser, add_flags, given_values
+from slidekit.config import TrainConfig, from_dict
+from slidekit.errors import ConfigError, SlidekitError
 
 if TYPE_CHECKING:
     from slidekit.plugins import Plugins
@@ -58,6 +66,7 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--lr": ("optim.lr", float, "peak learning rate (default: 2e-3 for the demo model, 2e-5 otherwise)"),
     "--schedule": ("optim.schedule", str, "constant, linear or cosine"),
     "--warmup-steps": ("optim.warmup_steps", int, "linear warm-up steps"),
+    "--warmup-ratio": ("optim.warmup_ratio", float, "linear warm-up over this fraction of the steps"),
     "--weight-decay": ("optim.weight_decay", float, "decoupled weight decay (not on norms and biases)"),
     "--max-grad-norm": ("optim.max_grad_norm", float, "clip the global gradient norm"),
     "--on-nonfinite": ("optim.on_nonfinite", str, "stop or skip a step with NaN/Inf loss or gradients"),
@@ -77,7 +86,9 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--resume": (
         "run.resume",
         "optional",
-        "continue from the newest intact checkpoint in --run-dir, or from --resume STEP or --resume PATH",
+        "continue a run: --resume RUN_DIR restores its saved config.json (flags change what a resume may), "
+        "from its newest intact checkpoint; with --run-dir: its newest intact checkpoint, --resume STEP or "
+        "--resume PATH",
     ),
     "--export": ("run.export_dir", str, "write the fine-tuned model here as a Hugging Face directory"),
     "--export-dtype": ("run.export_dtype", str, "bfloat16, float16 or float32"),
@@ -97,11 +108,12 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OptionParser(
         prog="slidekit",
         description="Full-parameter LLM fine-tuning on one GPU, with the model sliding through it.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.commands = sub.choices  # unknown options get a "did you mean" from their command's options
 
     p = sub.add_parser("plugins", help="list every storage tier, optimizer, kernel set and model adapter")
     p.add_argument(
@@ -156,18 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
     """The options that describe a run (``FLAGS``), shared by ``finetune`` and ``plan``."""
     parser.add_argument(
-        "--config", default=None, metavar="FILE.toml", help="settings file; flags override it"
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="settings file, TOML or JSON (a run's config.json); flags override it (default: none)",
     )
-    for flag, (path, kind, text) in FLAGS.items():
-        if kind in ("flag", "noflag"):
-            const = kind == "flag"
-            parser.add_argument(flag, dest=path, action="store_const", const=const, default=None, help=text)
-        elif kind == "optional":
-            parser.add_argument(
-                flag, dest=path, nargs="?", const=True, default=None, metavar="STEP|PATH", help=text
-            )
-        else:
-            parser.add_argument(flag, dest=path, type=kind, default=None, help=text)
+    add_flags(parser, FLAGS)
     parser.add_argument(
         "--block", action="append", default=None, metavar="NAME", help="plugin to leave out (repeatable)"
     )
@@ -180,29 +186,49 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The TrainConfig a ``finetune`` command line describes: defaults, then the TOML file, then flags."""
-    values: dict[str, Any] = TrainConfig().to_dict()
-    if args.config:
-        for key, value in load_toml(args.config).items():
-            if isinstance(value, dict) and isinstance(values.get(key), dict):
-                values[key].update(value)
-            else:
-                values[key] = value
-    for path, _, _ in FLAGS.values():
-        given = getattr(args, path)
-        if given is not None:
-            section, _, name = path.rpartition(".")
-            (values[section] if section else values)[name] = given
-    if args.block:
-        values["plugins"]["block"] = args.block
-    for text in args.plugin_option or ():
-        from slidekit.plugins import parse_plugin_option
+def config_from_args(args: argparse.Namespace, notes: list[str] | None = None) -> TrainConfig:
+    """The TrainConfig a ``finetune`` command line describes: defaults, then the ``--config`` file, then
+    flags; with ``--resume RUN_DIR``, the run's saved configuration instead of the defaults, and the
+    changes a resume may make (``slidekit.resume_config``; what it says goes to ``notes``)."""
+    from slidekit.resume_config import flatten, resume_source, resumed_config, settings_file
+    from slidekit.run import saved_config
 
-        driver, key, value = parse_plugin_option(text)
-        options = values["plugins"]["options"] = dict(values["plugins"].get("options") or {})
-        options[driver] = {**options.get(driver, {}), key: value}
+    changes: dict[str, Any] = flatten(settings_file(args.config)) if args.config else {}
+    changes.update(given_values(args, FLAGS))
+    if args.block:
+        changes["plugins.block"] = args.block
+    restore = resume_source(changes.get("run.resume"), changes.get("run.dir"))
+    if args.plugin_option:  # onto the file's driver settings, or (resuming) the saved ones
+        saved = (saved_config(restore[0]) or {}).get("plugins", {}) if restore else {}
+        base = changes.get("plugins.options", saved.get("options"))
+        changes["plugins.options"] = _plugin_options(base, args.plugin_option)
+    if restore is not None:
+        run_dir, resume = restore
+        changes = {k: v for k, v in changes.items() if k not in ("run.dir", "run.resume")}
+        config, said = resumed_config(run_dir, changes, resume=resume)
+        if notes is not None:
+            notes += said
+        return config
+    values: dict[str, Any] = TrainConfig().to_dict()
+    for dotted, value in changes.items():
+        section, _, name = dotted.rpartition(".")
+        if section and not isinstance(values.get(section), dict):
+            values[section] = {}  # an unknown table: from_dict names it
+        (values[section] if section else values)[name] = value
     return from_dict(values, where=args.config or "command line")
+
+
+def _plugin_options(base: Any, given: Sequence[str]) -> dict[str, Any]:
+    """Driver settings: ``base`` (plugins.options) with each ``--plugin-option DRIVER.KEY=VALUE`` set."""
+    from slidekit.plugins import parse_plugin_option
+
+    if not isinstance(base, Mapping | None) or not all(isinstance(t, Mapping) for t in (base or {}).values()):
+        raise ConfigError(f"plugins.options must be a table of driver settings, got {base!r}")
+    options = {driver: dict(table) for driver, table in (base or {}).items()}
+    for text in given:
+        driver, key, value = parse_plugin_option(text)
+        options[driver] = {**options.get(driver, {}), key: value}
+    return options
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -266,7 +292,10 @@ def _plan(args: argparse.Namespace) -> int:
     from slidekit.planning import GIB, Machine, plan_run
     from slidekit.resolve import resolve_device
 
-    config = config_from_args(args)
+    notes: list[str] = []
+    config = config_from_args(args, notes)
+    for note in notes:
+        print(note)
     machine = Machine.probe(resolve_device(config.engine.device), config.engine.offload_dir, config.run.dir)
     given = {"device_free": args.gpu_gib, "host_available": args.ram_gib, "disk_free": args.disk_gib}
     what_if: dict[str, Any] = {k: int(v * GIB) for k, v in given.items() if v is not None}
@@ -277,7 +306,11 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _finetune(args: argparse.Namespace) -> int:
-    return finetune(config_from_args(args), progress=not args.quiet)
+    notes: list[str] = []
+    config = config_from_args(args, notes)
+    for note in notes:
+        print(note, flush=True)
+    return finetune(config, progress=not args.quiet)
 
 
 def finetune(

@@ -4,6 +4,8 @@ export, and a failed export leaves a checkpoint to export from."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import re
 import signal
@@ -41,6 +43,7 @@ PINNED_FINETUNE_OPTIONS = [
     "--lr",
     "--schedule",
     "--warmup-steps",
+    "--warmup-ratio",
     "--weight-decay",
     "--max-grad-norm",
     "--on-nonfinite",
@@ -69,14 +72,15 @@ PINNED_FINETUNE_OPTIONS = [
 ]
 
 
-def _options(command: str) -> list[str]:
+def _options(command: str, *, hidden: bool = False) -> list[str]:
+    """The options ``--help`` lists (``hidden``: the other names, aliases, which it does not)."""
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")  # argparse exposes no public accessor
     return [
         o
         for a in sub.choices[command]._actions
         for o in a.option_strings
-        if o.startswith("--") and o != "--help"
+        if o.startswith("--") and o != "--help" and (a.help == argparse.SUPPRESS) == hidden
     ]
 
 
@@ -436,3 +440,196 @@ def test_an_export_failing_after_training_leaves_a_checkpoint_and_says_where(tmp
     assert "nothing left to do" in capsys.readouterr().out
     for name, t in _weights(reference).items():
         assert torch.equal(_weights(out)[name], t), name
+
+
+# --------------------------------------------------------------------------- HF names, defaults, did you mean
+
+#: Every alias, pinned: an HF / TRL name, the slidekit flag it stands for (slidekit.cli_options).
+PINNED_ALIASES = {
+    "--learning-rate": "--lr",
+    "--gradient-accumulation-steps": "--grad-accum",
+    "--max-steps": "--steps",
+    "--per-device-train-batch-size": "--batch-size",
+    "--save-steps": "--checkpoint-every",
+    "--save-total-limit": "--keep",
+    "--eval-steps": "--eval-every",
+    "--output-dir": "--run-dir",
+    "--bf16": "--dtype",
+    "--lr-scheduler-type": "--schedule",
+    "--model-name-or-path": "--model",
+    "--num-train-epochs": "--epochs",
+}
+
+
+def test_aliases_are_pinned():
+    from slidekit.cli_options import ALIASES
+
+    assert ALIASES == PINNED_ALIASES
+
+
+def _field(config, dotted: str):
+    value = config.to_dict()
+    for part in dotted.split("."):
+        value = value[part]
+    return value
+
+
+#: (alias argv, the canonical argv it means, the field, the value it lands on)
+ALIAS_CASES = [
+    (["--learning-rate", "3e-4"], ["--lr", "3e-4"], "optim.lr", 3e-4),
+    (["--learning_rate", "3e-4"], ["--lr", "3e-4"], "optim.lr", 3e-4),  # HF's underscore spelling
+    (["--gradient-accumulation-steps", "3"], ["--grad-accum", "3"], "grad_accum", 3),
+    (["--max-steps", "7"], ["--steps", "7"], "steps", 7),
+    (["--max_steps=7"], ["--steps", "7"], "steps", 7),
+    (["--per-device-train-batch-size", "2"], ["--batch-size", "2"], "data.batch_size", 2),
+    (["--save-steps", "5"], ["--checkpoint-every", "5"], "run.checkpoint_every", 5),
+    (["--save-total-limit", "4"], ["--keep", "4"], "run.keep", 4),
+    (["--eval-steps", "6"], ["--eval-every", "6"], "data.eval_every", 6),
+    (["--output-dir", "runs/x"], ["--run-dir", "runs/x"], "run.dir", "runs/x"),
+    (["--bf16"], ["--dtype", "bfloat16"], "engine.compute_dtype", "bfloat16"),
+    (["--bf16", "True"], ["--dtype", "bfloat16"], "engine.compute_dtype", "bfloat16"),
+    (["--bf16", "false"], ["--dtype", "float32"], "engine.compute_dtype", "float32"),
+    (["--lr-scheduler-type", "cosine"], ["--schedule", "cosine"], "optim.schedule", "cosine"),
+    (["--lr-scheduler-type", "linear"], ["--schedule", "linear"], "optim.schedule", "linear"),
+    (
+        ["--lr_scheduler_type", "constant_with_warmup"],
+        ["--schedule", "constant"],
+        "optim.schedule",
+        "constant",
+    ),
+    (["--model-name-or-path", "demo"], ["--model", "demo"], "model.source", "demo"),
+    (["--warmup_steps", "3"], ["--warmup-steps", "3"], "optim.warmup_steps", 3),
+    (["--warmup_ratio", "0.1"], ["--warmup-ratio", "0.1"], "optim.warmup_ratio", 0.1),
+    (["--weight_decay", "0.1"], ["--weight-decay", "0.1"], "optim.weight_decay", 0.1),
+    (["--max_grad_norm", "0.5"], ["--max-grad-norm", "0.5"], "optim.max_grad_norm", 0.5),
+    (["--max-grad-norm", "0"], [], "optim.max_grad_norm", None),  # HF: "Set to 0 to disable"
+]
+
+
+@pytest.mark.parametrize(("alias", "canonical", "field", "value"), ALIAS_CASES)
+def test_each_hf_name_lands_on_its_field(alias, canonical, field, value):
+    got = config_from_args(build_parser().parse_args(["finetune", *alias]))
+    assert _field(got, field) == value
+    assert got == config_from_args(build_parser().parse_args(["finetune", *canonical]))
+
+
+def test_every_alias_is_tested():
+    from slidekit.cli import FLAGS
+    from slidekit.cli_options import ALIASES
+
+    tested = {argv[0].split("=")[0].replace("_", "-") for argv, *_ in ALIAS_CASES}
+    assert {a for a, flag in ALIASES.items() if flag in FLAGS} <= tested
+
+
+def test_an_alias_and_its_flag_together_are_refused(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["finetune", "--lr", "1e-3", "--learning-rate", "2e-3"])
+    assert exited.value.code == 2
+    assert (
+        "argument --learning-rate: --lr is given too, and sets the same option: give one"
+        in capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--bf16", "maybe"], "argument --bf16: takes true or false, got 'maybe'"),
+        (
+            ["--lr-scheduler-type", "polynomial"],
+            "argument --lr-scheduler-type: 'polynomial' has no slidekit schedule",
+        ),
+        (
+            ["--warmup-steps", "0.1"],
+            "0.1 is not a whole number of steps; for a fraction of the run's steps use --warmup-ratio 0.1",
+        ),
+    ],
+)
+def test_an_hf_value_slidekit_lacks_is_refused_saying_so(capsys, argv, message):
+    with pytest.raises(SystemExit) as exited:
+        main(["finetune", *argv])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_epochs_alias_waits_for_its_flag(monkeypatch):
+    """--num-train-epochs is --epochs: registered only where slidekit.cli.FLAGS has --epochs."""
+    from slidekit import cli
+
+    monkeypatch.delitem(cli.FLAGS, "--epochs", raising=False)
+    assert "--num-train-epochs" not in _options("finetune", hidden=True)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["finetune", "--num-train-epochs", "2"])
+    monkeypatch.setitem(cli.FLAGS, "--epochs", ("seed", int, "stand-in for the epochs flag"))
+    assert config_from_args(build_parser().parse_args(["finetune", "--num-train-epochs", "2"])).seed == 2
+
+
+def test_help_shows_every_default_and_the_hf_names(capsys):
+    with pytest.raises(SystemExit):
+        main(["finetune", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for fragment in (
+        "--steps STEPS optimizer steps (default: 150); also --max-steps",
+        "--seq-len SEQ_LEN tokens per row (default: 128)",
+        "--lr LR peak learning rate (default: 2e-3 for the demo model, 2e-5 otherwise); also --learning-rate",
+        "--max-grad-norm MAX_GRAD_NORM clip the global gradient norm (default: off)",
+        "(default: none, nothing is kept); also --output-dir",
+        "--dtype COMPUTE_DTYPE auto, float32 or bfloat16 (default: auto); also --bf16",
+        "--no-packing one padded document per row instead of packed rows (default: off)",
+        "--keep KEEP checkpoints to keep (default: 2); also --save-total-limit",
+        "--warmup-ratio WARMUP_RATIO linear warm-up over this fraction of the steps (default: 0)",
+    ):
+        assert fragment in text
+    from slidekit.cli import FLAGS
+
+    fields = {path for path, _, _ in FLAGS.values()}
+    parser = next(a for a in build_parser()._actions if a.dest == "command").choices["finetune"]
+    for action in parser._actions:
+        if action.help != argparse.SUPPRESS and action.dest in fields:
+            assert "(default: " in action.help, action.option_strings
+
+
+@pytest.mark.parametrize("command", ["finetune", "plan"])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--learnig-rate", "1e-3"], "unrecognized option --learnig-rate; did you mean --learning-rate?"),
+        (["--sed=3"], "unrecognized option --sed; did you mean --seed?"),
+        (["--stpes", "3"], "unrecognized option --stpes; did you mean --steps?"),
+        (
+            ["--fp16"],
+            "unrecognized option --fp16: slidekit computes in bfloat16 or float32 (--dtype, or --bf16)",
+        ),
+        (["--adam-epsilon", "1e-6"], "unrecognized option --adam-epsilon: set optim.eps in a --config file"),
+        (["--zzzzzz"], "unrecognized option --zzzzzz\n"),
+    ],
+)
+def test_an_unknown_option_gets_the_closest_name(capsys, command, argv, message):
+    with pytest.raises(SystemExit) as exited:
+        main([command, *argv])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"slidekit {command}: error: {message}" in err
+
+
+def test_unknown_settings_in_a_config_file_get_the_closest_name(tmp_path, capsys):
+    for text, hint in (
+        ("[optim]\nweight_decy = 0.1\n", "'weight_decy': did you mean 'weight_decay'?"),
+        ("lr = 1e-4\n", "'lr': did you mean 'lr' in [optim]?"),
+        ("[data]\nsteps = 3\n", "'steps': did you mean 'steps' at the top level, outside [data]?"),
+        ("[optimm]\nlr = 1e-4\n", "'optimm': did you mean 'optim'?"),
+    ):
+        toml = tmp_path / "run.toml"
+        toml.write_text(text)
+        assert main(["finetune", "--config", str(toml), "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"slidekit: error: {toml}: unknown setting") and hint in err, err
+
+
+def test_a_warmup_ratio_is_the_warmup_over_that_fraction_of_the_steps(tmp_path):
+    """--warmup-ratio 0.5 of 4 steps is --warmup-steps 2: the same learning rate at every step."""
+    rates = []
+    for name, flag in (("ratio", ["--warmup-ratio", "0.5"]), ("steps", ["--warmup-steps", "2"])):
+        run = tmp_path / name
+        assert main(["finetune", *DEMO, "--steps", "4", "--run-dir", str(run), *flag]) == 0
+        rates.append([json.loads(line)["lr"] for line in (run / "metrics.jsonl").read_text().splitlines()])
+    assert rates[0] == rates[1] == [5e-4, 1e-3, 1e-3, 1e-3]

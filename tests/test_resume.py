@@ -318,3 +318,47 @@ def test_a_changed_optimizer_is_said_plainly(tmp_path):
         t = _trainer(_config(tmp_path, resume=True))  # with the optimizer that wrote it, it resumes
     with t:
         assert t.engine.steps_done == 2
+
+
+DEMO = ["--seq-len", "32", "--batch-size", "2", "--lr", "1e-3", "--device", "cpu", "--quiet"]
+
+
+def _arrays(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return {name: ck.read(checkpoint, name) for name in ck.read_manifest(checkpoint).arrays}
+
+
+def test_resume_run_dir_continues_bitwise_with_more_steps(tmp_path, capsys):
+    """``--resume RUN_DIR --max-steps 4`` after a 2-step run is the 4-step run, bit for bit."""
+    from slidekit.cli import main
+
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    assert main(["finetune", *DEMO, "--steps", "4", "--run-dir", str(whole)]) == 0
+    assert main(["finetune", *DEMO, "--steps", "2", "--run-dir", str(part), "--checkpoint-every", "1"]) == 0
+    capsys.readouterr()
+    assert main(["finetune", "--resume", str(part), "--max-steps", "4", "--keep", "3", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert f"resuming the run in {part} with its saved configuration ({part / 'config.json'})" in out
+    changed = next(line for line in out.splitlines() if line.startswith("changed on the command line: "))
+    assert "run.keep 2 -> 3" in changed and "done: 2 steps" in out
+    assert (
+        "steps 2 -> 4 (the learning rate is constant after the warm-up: the run goes on at the same "
+        in changed
+    )
+    want, got = (
+        _arrays(whole / "checkpoints" / "step-00000004"),
+        _arrays(part / "checkpoints" / "step-00000004"),
+    )
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    losses = [
+        [json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (whole, part)
+    ]
+    assert losses[0] == losses[1]
+    saved = json.loads((part / "config.json").read_text())
+    assert saved["steps"] == 4 and saved["run"]["keep"] == 3 and saved["run"]["resume"] is True
+    assert sorted(p.name for p in (part / "checkpoints").iterdir()) == [
+        "step-00000002",
+        "step-00000003",
+        "step-00000004",
+    ]

@@ -15,6 +15,7 @@ import pytest
 
 from slidekit import EngineConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig, Trainer
 from slidekit import checkpoint as ck
+from slidekit.cli import main
 from slidekit.errors import ConfigError
 from slidekit.planning import Machine
 from slidekit.run import RUN_LOCK, RunDirectory, RunDirectoryBusy, discard_run
@@ -207,8 +208,8 @@ def finished(tiny_model, tmp_path) -> tuple[Path, Path]:
     return model, run
 
 
-@pytest.mark.parametrize("attempt", ["no such step", "another optimizer", "does not fit"])
-def test_a_failed_resume_leaves_the_run_directory_byte_for_byte(finished, attempt):
+@pytest.mark.parametrize("attempt", ["no such step", "another optimizer", "does not fit", "a refused change"])
+def test_a_failed_resume_leaves_the_run_directory_byte_for_byte(finished, capsys, attempt):
     """Regression: config.json was written before the resume target was checked."""
     model, run = finished
     before = _record(run)
@@ -219,9 +220,12 @@ def test_a_failed_resume_leaves_the_run_directory_byte_for_byte(finished, attemp
     elif attempt == "another optimizer":
         with pytest.raises(ck.CheckpointMismatch, match=r"holds the state of optimizer 'layer_adam'"):
             Trainer(dataclasses.replace(config, optim=OptimConfig(lr=1e-3, name="adamw_8bit")))
-    else:
+    elif attempt == "does not fit":
         with pytest.raises(ConfigError, match=r"no placement fits"):
             Trainer(config, machine=_tiny_machine())
+    else:
+        assert main(["finetune", "--resume", str(run), "--seq-len", "64", "--quiet"]) == 2
+        assert "data.seq_len: 128 -> 64" in capsys.readouterr().err
     assert _record(run) == before
     with Trainer(config) as t:  # the run resumes as it was; only now is its configuration rewritten
         assert t.engine.steps_done == 4
