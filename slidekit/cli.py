@@ -149,7 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
         ("--disk-gib", "disk free"),
     ):
         p.add_argument(
-            flag, type=float, default=None, metavar="GIB", help=f"plan for this much {what} (what-if)"
+            flag,
+            type=float,
+            default=None,
+            metavar="GIB",
+            help=f"plan for this much {what} (what-if; default: this machine's)",
         )
 
     r = sub.add_parser("report", help="draw a run's loss curve and pipeline timeline as a PNG")
@@ -175,14 +179,18 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     )
     add_flags(parser, FLAGS)
     parser.add_argument(
-        "--block", action="append", default=None, metavar="NAME", help="plugin to leave out (repeatable)"
+        "--block",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="plugin to leave out (repeatable; default: none)",
     )
     parser.add_argument(
         "--plugin-option",
         action="append",
         default=None,
         metavar="DRIVER.KEY=VALUE",
-        help="a driver's setting, e.g. my_tier.queue_depth=8 (repeatable; plugins.options in TOML)",
+        help="a driver's setting, e.g. my_tier.queue_depth=8 (repeatable; plugins.options in TOML; default: none)",
     )
 
 

@@ -30,7 +30,7 @@ __all__ = ["ALIASES", "NOT_TAKEN", "OptionParser", "add_flags", "given_values"]
 #: HF / TRL name -> the slidekit flag it is accepted for: only where the meaning is exactly that of
 #: transformers' ``TrainingArguments`` (checked against transformers 5.x), so the same value lands on
 #: the same setting. Flags named as HF names them already: --warmup-steps, --warmup-ratio,
-#: --weight-decay, --max-grad-norm (0 turns clipping off, as in HF), --seed.
+#: --weight-decay, --max-grad-norm (0 turns clipping off, as in HF), --seed, --report-to.
 ALIASES: dict[str, str] = {
     # "The initial learning rate for the optimizer": the peak rate the schedule scales.
     "--learning-rate": "--lr",
@@ -189,7 +189,7 @@ def _default_text(path: str, kind: Any) -> str:
         return "on" if value == (kind == "flag") else "off"  # "noflag" turns a True default off
     if kind == "optional":
         return "off" if value is False else str(value)
-    if value is None:
+    if value is None or value == []:
         return _UNSET.get(path, "none")
     return format(value, "g") if isinstance(value, float) else str(value)
 
@@ -214,7 +214,7 @@ def add_flags(parser: argparse.ArgumentParser, flags: Mapping[str, tuple[str, An
 
 
 #: Flags that have HF's name already, so take its underscore spelling too.
-_HF_NAMED = ("--warmup-steps", "--warmup-ratio", "--weight-decay", "--max-grad-norm")
+_HF_NAMED = ("--warmup-steps", "--warmup-ratio", "--weight-decay", "--max-grad-norm", "--report-to")
 
 
 def _add(parser: argparse.ArgumentParser, name: str, path: str, kind: Any, text: str, flag: str) -> None:

@@ -23,7 +23,8 @@ allowed, and said to change the arithmetic (maybe)
     ``model.source`` and ``data.path`` may point elsewhere (their contents are fingerprinted).
 allowed
     everything else: tiers, placement, window, buffers, timeouts, threads, checkpoint cadence and
-    retention, ``eval_every``, the export, the trace, the plugins.
+    retention, ``eval_every``, the export, the trace, the loggers (``report_to``), the plugins and
+    their drivers' settings (``plugins.options``; an optimizer's may change the arithmetic: said so).
 
 ``run.dir`` is RUN_DIR and ``run.resume`` the checkpoint asked for (the newest intact one by default);
 ``run.overwrite``, which lets an export replace a previous one, is never inherited, only given.
@@ -212,6 +213,8 @@ def _note(key: str, a: Any, b: Any, after: TrainConfig) -> str:
             f"{line} (the learning rate is constant after the warm-up: the run goes on at the same rate "
             f"and ends after step {b})"
         )
+    if key == "plugins.options":
+        return f"{line} (drivers' settings: an optimizer's may change the arithmetic of the remaining steps)"
     if key in ident.NOTED and key not in ("model.source", "data.path"):
         return f"{line} (may change the arithmetic: the rest of the run need not be bitwise the uninterrupted run)"
     return line

@@ -503,6 +503,7 @@ ALIAS_CASES = [
     (["--weight_decay", "0.1"], ["--weight-decay", "0.1"], "optim.weight_decay", 0.1),
     (["--max_grad_norm", "0.5"], ["--max-grad-norm", "0.5"], "optim.max_grad_norm", 0.5),
     (["--max-grad-norm", "0"], [], "optim.max_grad_norm", None),  # HF: "Set to 0 to disable"
+    (["--report_to", "none"], ["--report-to", "none"], "run.report_to", []),
 ]
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from slidekit.cli import build_parser, config_from_args, main
-from slidekit.config import DataConfig, OptimConfig, RunConfig, TrainConfig, from_dict
+from slidekit.config import DataConfig, OptimConfig, PluginConfig, RunConfig, TrainConfig, from_dict
 from slidekit.errors import ConfigError
 
 
@@ -238,3 +238,13 @@ def test_the_saved_config_json_is_a_config_file_too(tmp_path):
     copy.write_text((run / "config.json").read_text())
     plain, _ = _resumed("--config", str(copy))
     assert plain == resumed
+
+
+def test_driver_settings_given_on_resume_join_the_saved_ones(tmp_path):
+    run = tmp_path / "a"
+    saved = _saved(run)
+    with_options = dataclasses.replace(saved, plugins=PluginConfig(options={"my_tier": {"depth": 4}}))
+    (run / "config.json").write_text(json.dumps(with_options.to_dict(), indent=1) + "\n")
+    config, notes = _resumed("--resume", str(run), "--plugin-option", "my_tier.width=2")
+    assert config.plugins.options == {"my_tier": {"depth": 4, "width": 2}}
+    assert "plugins.options" in notes[-1] and "an optimizer's may change the arithmetic" in notes[-1]
