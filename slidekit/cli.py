@@ -134,13 +134,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--block", action="append", default=[], metavar="NAME", help="plugin to leave out (repeatable)"
     )
 
-    f = sub.add_parser("finetune", help="fine-tune a model (default: the embedded demo model and corpus)")
+    # No abbreviations: "--optim" is not silently "--optimizer"; an unknown option gets a "did you mean".
+    f = sub.add_parser(
+        "finetune", help="fine-tune a model (default: the embedded demo model and corpus)", allow_abbrev=False
+    )
     _add_run_options(f)
     f.add_argument("--quiet", action="store_true", help="no progress bar")
 
     p = sub.add_parser(
         "plan",
         help="GPU memory, host RAM and disk a run needs, whether it fits, and the fastest placement that does",
+        allow_abbrev=False,
     )
     _add_run_options(p)
     for flag, what in (

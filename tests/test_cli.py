@@ -602,6 +602,8 @@ def test_help_shows_every_default_and_the_hf_names(capsys):
         ),
         (["--adam-epsilon", "1e-6"], "unrecognized option --adam-epsilon: set optim.eps in a --config file"),
         (["--zzzzzz"], "unrecognized option --zzzzzz\n"),
+        # An abbreviation is not taken for the option it starts (argparse would: --optim as --optimizer).
+        (["--optim", "adamw_8bit"], "unrecognized option --optim; did you mean --optimizer?"),
     ],
 )
 def test_an_unknown_option_gets_the_closest_name(capsys, command, argv, message):
