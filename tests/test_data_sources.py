@@ -32,6 +32,9 @@ datasets = pytest.importorskip("datasets")
 QA = [("What is two plus two?", "Four."), ("Name a colour.", "Blue, for one."), ("Say hi.", "Hi!")] * 4
 CHAT = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in QA]
 SHAREGPT = [{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]} for q, a in QA]
+ALPACA = [
+    {"instruction": q, "input": "Be brief." if i % 2 else "", "output": a} for i, (q, a) in enumerate(QA)
+]
 TEXTS = [{"text": f"Document {i} says {'more ' * (i % 4)}and ends."} for i in range(12)]
 
 
@@ -158,7 +161,9 @@ def test_a_jsonl_file_has_no_splits(tmp_path, tok):
 # ------------------------------------------------------------------------------------- datasets sources
 
 
-@pytest.mark.parametrize("records", [TEXTS, CHAT, SHAREGPT], ids=["text", "chat", "sharegpt"])
+@pytest.mark.parametrize(
+    "records", [TEXTS, CHAT, SHAREGPT, ALPACA], ids=["text", "chat", "sharegpt", "alpaca"]
+)
 def test_a_save_to_disk_directory_gives_what_jsonl_gives(tmp_path, tok, records):
     directory = tmp_path / "ds"
     datasets.Dataset.from_list(records).save_to_disk(str(directory))
@@ -271,7 +276,8 @@ def test_a_configuration_of_a_cached_dataset(tmp_path, tok, monkeypatch):
     assert rows(spec("hf:local/multi:large"), tok).stats.documents == len(TEXTS)
     assert rows(spec("hf:local/multi:small"), tok).stats.documents == 4
     with pytest.raises(
-        ConfigError, match=r"multiple 'local/multi' configurations in the cache.*hf:NAME:CONFIG"
+        ConfigError,
+        match=r"multiple 'local/multi' configurations in the cache: (large, small|small, large); pick one: hf:local/multi:CONFIG",
     ):
         rows(spec("hf:local/multi"), tok)
 

@@ -62,8 +62,8 @@ def cache_dir() -> Path:
 
 def _hub_name(path: str) -> tuple[str, str | None]:
     """(NAME, CONFIG or None) of ``hf:NAME[:CONFIG]``."""
-    name, _, config = path[len(HUB_PREFIX) :].partition(":")
-    if not name or name.count("/") > 1 or (_ and not config):
+    name, sep, config = path[len(HUB_PREFIX) :].partition(":")
+    if not name or name.count("/") > 1 or (sep and not config):
         raise ConfigError(
             f"data path {path!r} is not hf:NAME or hf:NAME:CONFIG (e.g. hf:tatsu-lab/alpaca, hf:openai/gsm8k:main)"
         )
@@ -87,12 +87,14 @@ def _from_cache(path: str, split: str) -> tuple[Any, str]:
             hash="auto",
         )
     except ValueError as exc:
-        first = str(exc).splitlines()[0]
+        lines = str(exc).splitlines()
+        if "multiple" in lines[0]:
+            raise ConfigError(f"data path {path!r}: {lines[0]}; pick one: hf:{name}:CONFIG") from None
         raise ConfigError(
-            f"data path {path!r}: the dataset is not in the local Hugging Face cache {where} ({first}; "
-            f"{' '.join(str(exc).splitlines()[1:])}). slidekit never downloads during a run: load it once "
-            f"where there is a network (python -c \"import datasets; datasets.load_dataset('{name}')\"), "
-            "or save it with save_to_disk and pass that directory; pick a configuration with hf:NAME:CONFIG"
+            f"data path {path!r}: the dataset is not in the local Hugging Face cache {where} "
+            f"({'; '.join(lines)}). slidekit never downloads during a run: load it once where there is a "
+            f"network (python -c \"import datasets; datasets.load_dataset('{name}')\"), or save it with "
+            "save_to_disk and pass that directory"
         ) from None
     splits = list(builder.info.splits or {})
     if split not in splits:
