@@ -320,8 +320,8 @@ def _plan(args: argparse.Namespace) -> int:
     what_if: dict[str, Any] = {k: int(v * GIB) for k, v in given.items() if v is not None}
     machine = dataclasses.replace(machine, **what_if)
     report = plan_run(config, machine=machine)
-    print(data or f"steps: {steps.describe()}")
     print(report.render())
+    print(data or f"steps: {steps.describe()}")
     return 0 if report.fits else 1
 
 

@@ -54,7 +54,7 @@ def test_the_step_count_says_where_it_comes_from():
         "7 steps (steps; steps wins over epochs = 2, as max_steps does in transformers; 1.4 epochs of 5 steps)"
     )
     assert count_steps(None, None, batch_size=8, grad_accum=1).describe() == (
-        f"{DEFAULT_STEPS} steps (the default (DEFAULT_STEPS = {DEFAULT_STEPS}))"
+        f"{DEFAULT_STEPS} steps (the default: neither steps nor epochs set)"
     )
 
 

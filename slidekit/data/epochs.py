@@ -56,7 +56,7 @@ class StepCount:
         """One line for the log, e.g. "300 steps = 2 epochs of 150 steps"."""
         if self.source == "epochs":
             return f"{self.total} steps = {_epochs(self.epochs)} of {self.per_epoch} steps"
-        what = "steps" if self.source == "steps" else f"the default (DEFAULT_STEPS = {DEFAULT_STEPS})"
+        what = "steps" if self.source == "steps" else "the default: neither steps nor epochs set"
         line = f"{self.total} steps ({what}"
         if self.epochs is not None:
             line += f"; steps wins over epochs = {self.epochs:g}, as max_steps does in transformers"
