@@ -47,7 +47,7 @@ __all__ = ["FLAGS", "build_parser", "config_from_args", "finetune", "main", "res
 FLAGS: dict[str, tuple[str, Any, str]] = {
     "--model": ("model.source", str, "local Hugging Face model directory, or 'demo'"),
     "--random-init": ("model.random_init", "flag", "start from random weights (config.json only)"),
-    "--tokenizer": ("model.tokenizer", str, "tokenizer directory (default: the model directory's)"),
+    "--tokenizer": ("model.tokenizer", str, "tokenizer directory"),
     "--data": (
         "data.path",
         str,
@@ -59,7 +59,7 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--data-columns": (
         "data.columns",
         str,
-        "record fields read from other columns: 'text=body,prompt=question'",
+        "record fields read from other columns: 'text=body,prompt=question' (default: none)",
     ),
     "--completion-only": ("data.completion_only", "flag", "loss only on completions / assistant turns"),
     "--no-packing": ("data.packing", "noflag", "one padded document per row instead of packed rows"),
@@ -68,8 +68,12 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--seq-len": ("data.seq_len", int, "tokens per row"),
     "--batch-size": ("data.batch_size", int, "rows per micro-batch"),
     "--grad-accum": ("grad_accum", int, "micro-batches per optimizer step"),
-    "--steps": ("steps", int, "optimizer steps (default 150; wins over --epochs)"),
-    "--epochs": ("epochs", float, "passes over the training data: ceil(epochs x steps per epoch) steps"),
+    "--steps": ("steps", int, "optimizer steps"),
+    "--epochs": (
+        "epochs",
+        float,
+        "passes over the training data: ceil(epochs x steps per epoch) steps; --steps wins",
+    ),
     "--seed": ("seed", int, "data-order seed"),
     "--optimizer": ("optim.name", str, "optimizer driver"),
     "--lr": ("optim.lr", float, "peak learning rate (default: 2e-3 for the demo model, 2e-5 otherwise)"),

@@ -487,6 +487,7 @@ ALIAS_CASES = [
     (["--gradient-accumulation-steps", "3"], ["--grad-accum", "3"], "grad_accum", 3),
     (["--max-steps", "7"], ["--steps", "7"], "steps", 7),
     (["--max_steps=7"], ["--steps", "7"], "steps", 7),
+    (["--num_train_epochs", "2.5"], ["--epochs", "2.5"], "epochs", 2.5),
     (["--per-device-train-batch-size", "2"], ["--batch-size", "2"], "data.batch_size", 2),
     (["--save-steps", "5"], ["--checkpoint-every", "5"], "run.checkpoint_every", 5),
     (["--save-total-limit", "4"], ["--keep", "4"], "run.keep", 4),
