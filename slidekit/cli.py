@@ -47,12 +47,20 @@ __all__ = ["FLAGS", "build_parser", "config_from_args", "finetune", "main", "res
 FLAGS: dict[str, tuple[str, Any, str]] = {
     "--model": ("model.source", str, "local Hugging Face model directory, or 'demo'"),
     "--random-init": ("model.random_init", "flag", "start from random weights (config.json only)"),
+    "--tokenizer": ("model.tokenizer", str, "tokenizer directory"),
     "--data": (
         "data.path",
         str,
-        "JSONL file: text, prompt/completion or chat records (default: sample corpus)",
+        "JSONL file (text, prompt/completion, chat, ShareGPT or Alpaca records), a save_to_disk directory, "
+        "a .parquet/.csv/.json file, or hf:NAME[:CONFIG] from the local HF cache (default: sample corpus)",
     ),
-    "--data-format": ("data.format", str, "auto, text, prompt_completion or chat"),
+    "--data-format": ("data.format", str, "auto, text, prompt_completion, chat, sharegpt or alpaca"),
+    "--data-split": ("data.split", str, "split of a dataset with splits (default: train)"),
+    "--data-columns": (
+        "data.columns",
+        str,
+        "record fields read from other columns: 'text=body,prompt=question' (default: none)",
+    ),
     "--completion-only": ("data.completion_only", "flag", "loss only on completions / assistant turns"),
     "--no-packing": ("data.packing", "noflag", "one padded document per row instead of packed rows"),
     "--eval-fraction": ("data.eval_fraction", float, "fraction of documents held out for the eval loss"),
@@ -61,6 +69,11 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--batch-size": ("data.batch_size", int, "rows per micro-batch"),
     "--grad-accum": ("grad_accum", int, "micro-batches per optimizer step"),
     "--steps": ("steps", int, "optimizer steps"),
+    "--epochs": (
+        "epochs",
+        float,
+        "passes over the training data: ceil(epochs x steps per epoch) steps; --steps wins",
+    ),
     "--seed": ("seed", int, "data-order seed"),
     "--optimizer": ("optim.name", str, "optimizer driver"),
     "--lr": ("optim.lr", float, "peak learning rate (default: 2e-3 for the demo model, 2e-5 otherwise)"),
@@ -301,6 +314,7 @@ def _plan(args: argparse.Namespace) -> int:
     """Print the plan; exit status 1 when the requested placement does not fit."""
     import dataclasses
 
+    from slidekit.data.configured import planned_steps
     from slidekit.planning import GIB, Machine, plan_run
     from slidekit.resolve import resolve_device
 
@@ -308,12 +322,14 @@ def _plan(args: argparse.Namespace) -> int:
     config = config_from_args(args, notes)
     for note in notes:
         print(note)
+    config, steps, data = planned_steps(config)  # the Trainer's step count
     machine = Machine.probe(resolve_device(config.engine.device), config.engine.offload_dir, config.run.dir)
     given = {"device_free": args.gpu_gib, "host_available": args.ram_gib, "disk_free": args.disk_gib}
     what_if: dict[str, Any] = {k: int(v * GIB) for k, v in given.items() if v is not None}
     machine = dataclasses.replace(machine, **what_if)
     report = plan_run(config, machine=machine)
     print(report.render())
+    print(data or f"steps: {steps.describe()}")
     return 0 if report.fits else 1
 
 
@@ -358,9 +374,11 @@ def finetune(
                 + ", ".join(f"{k}={s.name}" for k, s in trainer.selections.items()),
                 flush=True,
             )
+            print(trainer.data_summary(), flush=True)
             if rescue is not None:
                 print(f"no --run-dir: the final checkpoint goes to {rescue} until the export is written")
-            left = config.steps - trainer.engine.steps_done
+            total = trainer.step_count.total
+            left = total - trainer.engine.steps_done
             result = trainer.fit()
             exported = _export_after_fit(trainer, config, result)
     except BaseException as exc:
@@ -377,7 +395,7 @@ def finetune(
             + loss_summary(result.losses)
         )
     elif left <= 0:
-        print(f"nothing left to do: the run already took its {config.steps} steps")
+        print(f"nothing left to do: the run already took its {total} steps")
     elif not result.interrupted:
         print("no step was run: the data ran out", file=sys.stderr)
         return 1
@@ -400,8 +418,8 @@ def _export_after_fit(trainer: Any, config: TrainConfig, result: Any) -> bool:
     if not rc.export_dir:
         return False
     run = trainer.run
-    done = trainer.engine.steps_done
-    if result.interrupted or done < config.steps:
+    done, total = trainer.engine.steps_done, trainer.step_count.total
+    if result.interrupted or done < total:
         why = f"stopped by {result.interrupted}" if result.interrupted else "the data ran out"
         where = (
             f"; its checkpoint is in {run.checkpoints}: continue with the same command and --run-dir "
@@ -410,7 +428,7 @@ def _export_after_fit(trainer: Any, config: TrainConfig, result: Any) -> bool:
             else ""
         )
         print(
-            f"not exported: the run {why} after step {done} of {config.steps}, and a partial run never "
+            f"not exported: the run {why} after step {done} of {total}, and a partial run never "
             f"replaces an export ({rc.export_dir} is left as it was){where}",
             file=sys.stderr,
         )

@@ -87,6 +87,9 @@ _UNSET = {
     "run.dir": "none, nothing is kept",
     "run.export_dir": "no export",
     "run.trace": "no trace",
+    "steps": "150",  # with --epochs: ceil(epochs x steps per epoch)
+    "epochs": "none, --steps decides",
+    "model.tokenizer": "the model directory's",
 }
 
 _GIVEN = "_given_by"  # namespace attribute: field -> the option string that set it

@@ -41,8 +41,16 @@ DEFAULT_LR = 2e-5
 #: The dtypes an export can write its weights in (``RunConfig.export_dtype``).
 EXPORT_DTYPES = ("bfloat16", "float16", "float32")
 
+#: Optimizer steps of a run that sets neither ``steps`` nor ``epochs``.
+DEFAULT_STEPS = 150
+
+#: The record fields ``DataConfig.columns`` may map to a column of the data (``field=column``).
+DATA_FIELDS = ("text", "prompt", "completion", "messages", "conversations", "instruction", "input", "output")
+
 __all__ = [
+    "DATA_FIELDS",
     "DEFAULT_LR",
+    "DEFAULT_STEPS",
     "DEMO_LR",
     "EXPORT_DTYPES",
     "DataConfig",
@@ -55,6 +63,7 @@ __all__ = [
     "from_dict",
     "load_config",
     "load_toml",
+    "parse_columns",
     "resident_fraction",
 ]
 
@@ -82,21 +91,26 @@ class ModelConfig:
     random_init: bool = False  # start from random weights instead of the directory's safetensors
     init_seed: int = 0  # seed of the random initialisation
     overrides: Mapping[str, Any] = field(default_factory=dict)  # config.json fields to override
+    tokenizer: str | None = None  # directory of the tokenizer; None: the model directory (the demo's own)
 
     def __post_init__(self) -> None:
         check_types("model", self)
         if not self.source:
             raise ConfigError("model.source is empty; give a model directory or 'demo'")
+        if self.tokenizer is not None and not self.tokenizer.strip():
+            raise ConfigError("model.tokenizer must be a tokenizer directory, or None for the model's own")
         _seed("model", "init_seed", self.init_seed)
         check_overrides(self.overrides)  # what needs no model; the rest when it loads
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataConfig:
-    """Training data: JSONL records packed into fixed-length rows."""
+    """Training data: records (JSONL, or a Hugging Face dataset) packed into fixed-length rows (docs/data.md)."""
 
-    path: str | None = None  # JSONL file (text, prompt/completion or chat messages); None = the sample corpus
-    format: str = "auto"  # "auto", "text", "prompt_completion" or "chat"
+    # A JSONL file; a directory saved by datasets' save_to_disk; a .parquet, .csv or .json (array) file;
+    # "hf:NAME" (or "hf:NAME:CONFIG") for a dataset in the local Hugging Face cache; None = the sample corpus
+    path: str | None = None
+    format: str = "auto"  # "auto", "text", "prompt_completion", "chat", "sharegpt" or "alpaca"
     seq_len: int = 128  # tokens per row
     batch_size: int = 8  # rows per micro-batch
     completion_only: bool = False  # loss only on completions / assistant turns
@@ -104,9 +118,23 @@ class DataConfig:
     eval_fraction: float = 0.0  # fraction of documents held out for the evaluation loss
     eval_every: int = 0  # steps between evaluations (0: only at the end, when eval_fraction > 0)
     seed: int = 0  # seeds the held-out split and, with the run's seed, the batch order
+    split: str = "train"  # the split of a dataset with splits (save_to_disk of a DatasetDict, hf:NAME)
+    # record field -> the data's column that holds it: a table, or the CLI's "text=body,prompt=question"
+    columns: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if isinstance(self.columns, str):  # the command line's spelling
+            object.__setattr__(self, "columns", parse_columns(self.columns))
         check_types("data", self)
+        if not self.split.strip():
+            raise ConfigError("data.split must name a split, such as 'train'")
+        for key, column in self.columns.items():
+            if key not in DATA_FIELDS:
+                raise ConfigError(
+                    f"data.columns maps {key!r}, which is no record field; the fields are {', '.join(DATA_FIELDS)}"
+                )
+            if not isinstance(column, str) or not column:
+                raise ConfigError(f"data.columns[{key!r}] must name a column, got {column!r}")
         _positive("data", "seq_len", self.seq_len)
         _positive("data", "batch_size", self.batch_size)
         _positive("data", "eval_every", self.eval_every, allow_zero=True)
@@ -385,13 +413,19 @@ class TrainConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     plugins: PluginConfig = field(default_factory=PluginConfig)
     run: RunConfig = field(default_factory=RunConfig)
-    steps: int = 150  # optimizer steps
+    # Optimizer steps; None: ``epochs`` decides, and without epochs DEFAULT_STEPS (150). Set together with
+    # epochs, steps wins (as max_steps over num_train_epochs in transformers' Trainer).
+    steps: int | None = None
     grad_accum: int = 1  # micro-batches (of data.batch_size rows each) per optimizer step
     seed: int = 0  # seeds the data order (model.init_seed seeds random weights)
+    epochs: float | None = None  # passes over the training data (data.batch_size * grad_accum rows per step)
 
     def __post_init__(self) -> None:
         check_types("train", self)
-        _positive("train", "steps", self.steps)
+        if self.steps is not None:
+            _positive("train", "steps", self.steps)
+        if self.epochs is not None:
+            _positive("train", "epochs", self.epochs)
         _positive("train", "grad_accum", self.grad_accum)
         _seed("train", "seed", self.seed)
 
@@ -491,6 +525,26 @@ def load_config(path: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: a configuration is a JSON object of settings, got {type(doc).__name__}")
     return doc
+
+
+def parse_columns(text: str) -> dict[str, str]:
+    """``DataConfig.columns`` from its command-line spelling ``field=column,field=column``.
+
+    ``"text=body,prompt=question"`` reads a record's ``text`` from column ``body`` and its ``prompt``
+    from ``question``; spaces around names are dropped. An empty string maps nothing."""
+    out: dict[str, str] = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        key, eq, column = (s.strip() for s in part.partition("="))
+        if not eq or not key or not column:
+            raise ConfigError(
+                f"data columns {text!r}: {part!r} is not field=column; write e.g. 'text=body,prompt=question'"
+            )
+        if key in out:
+            raise ConfigError(f"data columns {text!r} map {key!r} twice")
+        out[key] = column
+    return out
 
 
 def load_toml(path: str) -> dict[str, Any]:

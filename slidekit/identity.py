@@ -10,7 +10,7 @@ what decides which tokens a step sees, which update it applies, or what it start
     model.tokenizer         fingerprint of the tokenizer files
     model.<architecture>    model_type, layers, params, hidden_size, intermediate_size, heads, kv_heads,
                             head_dim, vocab_size, rms_eps, tie_embeddings, sliding_window, flags, rope
-    data.file               sha256 of the training data file (its path may change, its bytes may not)
+    data.file               sha256 of the training data (a file, or a dataset's files: its path may change, its bytes may not)
     data.format, data.seq_len, data.batch_size, data.completion_only, data.packing,
     data.eval_fraction, data.seed, grad_accum, seed
     optim.name              the optimizer (its state would not fit another's anyway)
@@ -182,22 +182,22 @@ def run_identity(
     ``files`` are the weights the run loads (``models.loading.weight_files``), when the caller has them
     already; by default they are looked up here. The data file's hash is the one the data reader took
     if it has read the file (``fingerprint.remember_sha256``), else the file is read for it."""
-    from slidekit.data import data_file
-    from slidekit.fingerprint import file_sha256, files_fingerprint, weights_fingerprint
-    from slidekit.models.loading import DEMO_MODEL, demo_dir, weight_files
+    from slidekit.data import data_fingerprint
+    from slidekit.data.configured import tokenizer_dir
+    from slidekit.fingerprint import files_fingerprint, weights_fingerprint
+    from slidekit.models.loading import DEMO_MODEL, weight_files
 
     mc = config.model
     demo = mc.source == DEMO_MODEL
     if files is None:
         files = {} if mc.random_init or demo else weight_files(model_dir)
-    data = data_file(config.data.path)
     return identity(
         config.to_dict(),
         model=architecture(spec),
         fingerprints={
             "model.weights": weights_fingerprint(files, init_seed=mc.init_seed),
-            "model.tokenizer": files_fingerprint(demo_dir() / "tokenizer" if demo else model_dir),
-            "data.file": file_sha256(data) if data.is_file() else None,
+            "model.tokenizer": files_fingerprint(tokenizer_dir(config, model_dir)),
+            "data.file": data_fingerprint(config.data.path, config.data.split),
         },
     )
 

@@ -14,6 +14,7 @@ builds the engine. ``fit`` runs the steps and returns the losses.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import time
 import warnings
@@ -26,8 +27,9 @@ import torch
 
 from slidekit import leftovers, owned
 from slidekit.config import TrainConfig
-from slidekit.data import Batch, PackedDataset
-from slidekit.data.configured import configured_datasets, model_tokenizer
+from slidekit.data import Batch, PackedDataset, StepCount
+from slidekit.data.configured import configured_datasets, configured_summary, model_tokenizer, run_step_count
+from slidekit.data.epochs import needs_rows
 from slidekit.devices import device_family
 from slidekit.engine import Engine
 from slidekit.engine.build import EngineParts, build_engine
@@ -41,7 +43,6 @@ from slidekit.lr_schedule import lr_factor
 from slidekit.modelcard import last_logged, model_card
 from slidekit.models.loading import (
     DEMO_MODEL,
-    demo_dir,
     fill_masters,
     weight_files,
 )
@@ -131,14 +132,24 @@ class Trainer:
         self._files: dict[str, Path] | None = None  # the model's weight files (weight_files), looked up once
         self._saving: list[Any] = []  # checkpoints not yet reported saved (SaveHandle)
         self._logged: dict[str, tuple[int, float]] = {}  # loss / eval_loss -> (step, value), for the card
+        self._tokenizer: Any | None = None
+        # The run's step count, fixed now (an epochs run reads its data here): config.steps holds it from here
+        # on, in the saved configuration too, and a resume of the same data counts the same.
+        rows = len(self.datasets()[0]) if needs_rows(config.steps, config.epochs) else None
+        self.step_count: StepCount = run_step_count(config, rows)
+        if config.steps != self.step_count.total:
+            self.config = config = dataclasses.replace(config, steps=self.step_count.total)
+        if self.step_count.source == "epochs":
+            self.notes.append(self.step_count.describe())
         try:
-            if config.run.export_dir:  # a target the export would refuse is refused before any training
-                check_target(
+            if config.run.export_dir:  # refused before any training: a target the export would refuse, and
+                check_target(  # a run without a tokenizer (the export writes it)
                     config.run.export_dir,
                     overwrite=config.run.overwrite,
                     guards=self._export_guards(),
                     dtype=config.run.export_dtype,
                 )
+                self.tokenizer()
             if config.run.dir:  # claimed (locked) before the engine is built: a second run is refused at once
                 hook = self._fault_hook
                 on_stage = (lambda stage, _detail: hook(f"checkpoint:{stage}")) if hook else None
@@ -281,9 +292,19 @@ class Trainer:
         if self._datasets is None:
             self._check_seq_len()
             self._datasets = configured_datasets(
-                self.config, self.tokenizer(), vocab_size=self.spec.vocab_size, model_dir=self.model_dir
+                self.config, self.tokenizer(), vocab_size=self.spec.vocab_size
             )
         return self._datasets
+
+    def data_summary(self) -> str:
+        """What ``config.data`` became (documents, tokens, labelled tokens, rows, truncation, steps per
+        epoch) and the run's step count: what ``slidekit finetune`` prints before the first step."""
+        train, held_out = self.datasets()
+        steps = self.step_count
+        if steps.per_epoch is None:  # a run of config.steps: its epochs are known once the data is
+            per_step = self.config.data.batch_size * self.config.grad_accum
+            steps = dataclasses.replace(steps, per_epoch=len(train) // per_step)
+        return configured_summary(self.config, train, held_out, steps)
 
     def _check_seq_len(self) -> None:
         why = seq_len_refusal(self.config.data.seq_len, self.spec.max_positions)
@@ -311,17 +332,18 @@ class Trainer:
     def fit(self, batches: Iterable[Batch] | None = None, *, steps: int | None = None) -> FitResult:
         """Train ``steps`` steps on ``batches`` (default: ``config.data``).
 
-        ``steps`` defaults to the steps left to ``config.steps``: all of them
-        for a fresh run, the rest for a resumed one.
+        ``steps`` defaults to the steps left of the run's step count
+        (``step_count``: ``config.steps``, or ``config.epochs`` passes over
+        ``config.data``): all of them for a fresh run, the rest for a resumed one.
 
         Each step takes ``config.grad_accum`` batches as micro-batches. The
-        learning-rate schedule counts steps across calls, over ``config.steps``.
+        learning-rate schedule counts steps across calls, over the run's step count.
         SIGINT, SIGTERM or SIGHUP ends the run after the current step (``interrupted``
         says which); a second one abandons the step. If anything raises, the
         trainer closes (threads, buffers and tier storage are released).
         """
         engine = self.engine
-        steps = max(0, self.config.steps - engine.steps_done) if steps is None else steps
+        steps = max(0, self.step_count.total - engine.steps_done) if steps is None else steps
         configured = batches is None
         data = (
             iter(batches)
@@ -475,8 +497,8 @@ class Trainer:
         return lr_factor(
             step,
             schedule=oc.schedule,
-            total=self.config.steps,
-            warmup=oc.warmup(self.config.steps),
+            total=self.step_count.total,
+            warmup=oc.warmup(self.step_count.total),
             min_ratio=oc.min_lr_ratio,
         )
 
@@ -491,10 +513,13 @@ class Trainer:
             raise ValueError("the evaluation batches hold no labelled token")
         return total / labelled
 
-    def tokenizer(self) -> Any | None:
-        """The model's tokenizer (the demo's for the demo model), or None when the directory has none."""
-        directory = demo_dir() / "tokenizer" if self.config.model.source == DEMO_MODEL else self.model_dir
-        return model_tokenizer(directory)
+    def tokenizer(self) -> Any:
+        """The run's tokenizer: ``model.tokenizer``, else the model directory's (the demo's for the demo
+        model), loaded once. A directory without one is a ConfigError naming it and the fix (``--tokenizer``):
+        training on ``config.data`` and exporting need it; ``fit()`` on batches of token ids does not."""
+        if self._tokenizer is None:
+            self._tokenizer = model_tokenizer(self.config, self.model_dir)
+        return self._tokenizer
 
     def export(self, out: str, *, dtype: str = "bfloat16", overwrite: bool = False) -> Path:
         """Write the current weights as a Hugging Face model directory (see ``slidekit.export``).
@@ -527,6 +552,7 @@ class Trainer:
         hook = self._fault_hook
         on_stage = (lambda stage, _detail: hook(f"export:{stage}")) if hook else None
         try:
+            tokenizer = self.tokenizer()  # an export is a whole model directory: no tokenizer, no export
             target = check_target(out, overwrite=overwrite, guards=self._export_guards(), dtype=dtype)
         except ConfigError as exc:
             raise ConfigError(f"{exc}; {where}" if saved is not None else str(exc)) from None
@@ -535,10 +561,10 @@ class Trainer:
                 target,
                 hf_config=copy.deepcopy(self.hf_config),
                 state=engine.master_state(),
-                tokenizer=self.tokenizer(),
+                tokenizer=tokenizer,
                 info={
                     "step": engine.steps_done,
-                    "steps": self.config.steps,
+                    "steps": self.step_count.total,
                     "model": self.config.model.source,
                 },
                 source_dir=self.model_dir,

@@ -18,6 +18,7 @@ import torch
 
 from slidekit import checkpoint as ck
 from slidekit.cli import build_parser, config_from_args, finetune, main
+from slidekit.data.configured import run_step_count
 from slidekit.export import ExportError
 from slidekit.hookspecs import hookimpl
 from slidekit.models.loading import load_hf_config
@@ -28,8 +29,11 @@ PINNED_FINETUNE_OPTIONS = [
     "--config",
     "--model",
     "--random-init",
+    "--tokenizer",
     "--data",
     "--data-format",
+    "--data-split",
+    "--data-columns",
     "--completion-only",
     "--no-packing",
     "--eval-fraction",
@@ -38,6 +42,7 @@ PINNED_FINETUNE_OPTIONS = [
     "--batch-size",
     "--grad-accum",
     "--steps",
+    "--epochs",
     "--seed",
     "--optimizer",
     "--lr",
@@ -176,7 +181,7 @@ def test_toml_values_of_the_wrong_type_are_one_clear_line(tmp_path, capsys):
     assert main(["finetune", "--config", str(toml), "--quiet"]) == 2
     assert (
         capsys.readouterr().err
-        == f"slidekit: error: {toml}: train.steps must be an integer, got 'ten' (str)\n"
+        == f"slidekit: error: {toml}: train.steps must be an integer or None (left out), got 'ten' (str)\n"
     )
 
 
@@ -270,13 +275,14 @@ def test_the_demo_with_no_arguments_learns_within_its_work_budget():
     hf_config, _ = load_hf_config(cfg.model.source)
     spec = Plugins().adapter_for(hf_config.model_type).descriptor.factory(hf_config)
     tokens = cfg.data.batch_size * cfg.data.seq_len * cfg.grad_accum
-    assert cfg.steps * model_flops(spec, tokens, cfg.data.seq_len) <= DEMO_FLOPS_BUDGET
+    steps = run_step_count(cfg, None).total  # no --steps, no --epochs: DEFAULT_STEPS
+    assert steps * model_flops(spec, tokens, cfg.data.seq_len) <= DEMO_FLOPS_BUDGET
     proc = subprocess.run(
         [sys.executable, "-m", "slidekit.cli", "finetune"], capture_output=True, text=True, timeout=1800
     )  # the timeout only turns a hang into a failure
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("done:"))
-    assert line.startswith(f"done: {cfg.steps} steps in "), line  # the run the budget is about
+    assert line.startswith(f"done: {steps} steps in "), line  # the run the budget is about
     first, last = (float(x) for x in line.split("loss ")[1].split(" (")[0].split(" -> "))
     assert last < first - 1.0, line  # clearly lower: more than one nat
     assert "loss=" in proc.stderr and "tok_s=" in proc.stderr  # the progress bar
@@ -481,6 +487,7 @@ ALIAS_CASES = [
     (["--gradient-accumulation-steps", "3"], ["--grad-accum", "3"], "grad_accum", 3),
     (["--max-steps", "7"], ["--steps", "7"], "steps", 7),
     (["--max_steps=7"], ["--steps", "7"], "steps", 7),
+    (["--num_train_epochs", "2.5"], ["--epochs", "2.5"], "epochs", 2.5),
     (["--per-device-train-batch-size", "2"], ["--batch-size", "2"], "data.batch_size", 2),
     (["--save-steps", "5"], ["--checkpoint-every", "5"], "run.checkpoint_every", 5),
     (["--save-total-limit", "4"], ["--keep", "4"], "run.keep", 4),

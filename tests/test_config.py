@@ -70,7 +70,7 @@ def test_to_dict_is_plain_data():
 
 
 PINNED_FIELDS = {
-    "ModelConfig": ["source", "random_init", "init_seed", "overrides"],
+    "ModelConfig": ["source", "random_init", "init_seed", "overrides", "tokenizer"],
     "DataConfig": [
         "path",
         "format",
@@ -81,6 +81,8 @@ PINNED_FIELDS = {
         "eval_fraction",
         "eval_every",
         "seed",
+        "split",
+        "columns",
     ],
     "OptimConfig": [
         "name",
@@ -113,7 +115,7 @@ PINNED_FIELDS = {
         "loss_chunk",
         "timeout_s",
     ],
-    "TrainConfig": ["model", "data", "optim", "engine", "plugins", "run", "steps", "grad_accum", "seed"],
+    "TrainConfig": ["model", "data", "optim", "engine", "plugins", "run", "steps", "grad_accum", "seed", "epochs"],
 }
 
 
@@ -139,7 +141,7 @@ _OWNERS = {
 @pytest.mark.parametrize(
     ("toml", "match"),
     [
-        ('steps = "ten"', r"train\.steps must be an integer, got 'ten' \(str\)"),
+        ('steps = "ten"', r"train\.steps must be an integer or None \(left out\), got 'ten' \(str\)"),
         ("[data]\nseq_len = 64.5", r"data\.seq_len must be an integer, got 64\.5 \(float\)"),
         ('[engine]\nwindow = "3"', r"engine\.window must be an integer, got '3' \(str\)"),
         ('[optim]\nbetas = "ab"', r"optim\.betas must be a list of 2 finite numbers, got 'ab' \(str\)"),

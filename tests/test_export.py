@@ -23,8 +23,12 @@ from slidekit.export import (
     export_model,
     remove_leftovers,
 )
+from slidekit.models.loading import demo_dir
 from slidekit.testing.asserts import rel_error
 from slidekit.testing.models import FAMILIES, random_batches
+
+#: The tiny models have no tokenizer, and an export writes one: the demo's will do.
+TOKENIZER = str(demo_dir() / "tokenizer")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -32,7 +36,7 @@ def test_exported_model_gives_slidekits_logits(family, tiny_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
     cfg = TrainConfig(
-        model=ModelConfig(source=str(tiny_model(family))),
+        model=ModelConfig(source=str(tiny_model(family)), tokenizer=TOKENIZER),  # an export writes one
         optim=OptimConfig(lr=1e-3),
         engine=EngineConfig(device="cpu", compute_dtype="float32"),
     )
@@ -358,7 +362,7 @@ def test_a_failed_export_says_where_the_weights_are(tiny_model, tmp_path, with_r
 
     run = tmp_path / "run"
     cfg = TrainConfig(
-        model=ModelConfig(source=str(tiny_model("llama"))),
+        model=ModelConfig(source=str(tiny_model("llama")), tokenizer=TOKENIZER),
         optim=OptimConfig(lr=1e-3),
         engine=EngineConfig(device="cpu"),
         run=RunConfig(dir=str(run) if with_run_dir else None),

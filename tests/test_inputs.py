@@ -16,16 +16,21 @@ from slidekit.testing.models import random_batches
 VOCAB, POSITIONS = 128, 64  # the tiny models'
 
 
-def _ids(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+def _ids(*shape: int, dtype: torch.dtype = torch.int64, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _lab(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Labels of ``_ids``' shape that are not its inputs (the same seed would be the copy-the-input mistake)."""
+    return _ids(*shape, dtype=dtype, seed=1)
 
 
 def _good() -> tuple[torch.Tensor, torch.Tensor]:
-    return _ids(2, 24), _ids(2, 24)
+    return _ids(2, 24), _lab(2, 24)
 
 
 def _labels_with(value: int) -> torch.Tensor:
-    labels = _ids(2, 24)
+    labels = _lab(2, 24)
     labels[1, 5] = value
     return labels
 
@@ -50,7 +55,7 @@ BAD = {
     "bool labels": ([(_ids(2, 24), _ids(2, 24).bool())], TypeError, "labels has dtype torch.bool"),
     "empty": ([(_ids(0, 24), _ids(0, 24))], ValueError, r"\(0, 24\) is empty"),
     "too long": (
-        [(_ids(1, POSITIONS + 1), _ids(1, POSITIONS + 1))],
+        [(_ids(1, POSITIONS + 1), _lab(1, POSITIONS + 1))],
         ValueError,
         "65 tokens per row, more than .* 64",
     ),
@@ -67,6 +72,11 @@ BAD = {
         "labels hold -1, .* nor -100",
     ),
     "nothing labelled": ([(_ids(2, 24), torch.full((2, 24), -100))], ValueError, "no labelled token"),
+    "Hugging Face-style labels (the inputs)": (
+        [(_ids(2, 24), _ids(2, 24))],
+        ValueError,
+        r"labels equal input_ids at every labelled position.*copy its input.*Batch\.from_hf",
+    ),
     "the second micro-batch is bad": (
         [_good(), (_ids(2, 40), _ids(2, 24))],
         ValueError,
@@ -83,7 +93,7 @@ def test_bad_input_is_refused_with_its_cause(case):
 
 
 def test_good_input_counts_its_labelled_tokens():
-    labels = _ids(3, 40)
+    labels = _lab(3, 40)
     labels[0, :7] = -100
     micro = [_good(), (_ids(3, 40, dtype=torch.int32), labels.to(torch.int32))]
     assert check_step(micro, vocab_size=VOCAB, max_positions=POSITIONS) == 2 * 24 + 3 * 40 - 7

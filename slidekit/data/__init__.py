@@ -1,16 +1,27 @@
-"""Training data: JSONL records, tokenized, loss-masked, packed (or padded) into rows, split, batched.
+"""Training data: records, tokenized, loss-masked, packed (or padded) into rows, split, batched.
 
-The package, by concern: ``formats`` (records of a JSONL file), ``tokens`` (token ids and the loss
-mask), ``packing`` (framing, rows, the held-out split), ``datasets`` (datasets and batches).
+The package, by concern: ``formats`` (records of a JSONL file; ShareGPT and Alpaca mapped to chat),
+``hub`` (Hugging Face datasets sources, the optional extra ``slidekit[hf]``), ``sources`` (which
+reader a path takes), ``tokens`` (the tokenizer, token ids and the loss mask), ``packing`` (framing,
+rows, the held-out split), ``datasets`` (datasets and batches, ``Batch`` and its label convention),
+``epochs`` (the run's step count), ``summary`` (what the run prints about its data), ``configured``
+(all of it for a ``TrainConfig``). The user's guide is docs/data.md.
 
-Formats (one JSON object per line; detected from the first record, then required on every line)::
+Formats (one JSON object per line, or one row of a dataset; detected from the first record, or a
+dataset's columns, then required on every record)::
 
     {"text": "..."}                                    plain text: every token carries loss
     {"prompt": "...", "completion": "..."}             prompt, then completion (no separator added)
     {"messages": [{"role": "user", "content": "..."}, ...]}   rendered by the tokenizer's chat template
+    {"conversations": [{"from": "human", "value": "..."}, ...]}   ShareGPT, mapped to chat
+    {"instruction": "...", "input": "...", "output": "..."}       Alpaca, mapped to chat
 
 Roles are "system", "user" and "assistant"; other fields of a record are ignored. Malformed input
-raises ``ConfigError`` naming ``file:line`` and what was expected.
+raises ``ConfigError`` naming ``file:line`` (or ``source:row N``) and what was expected.
+
+Labels. ``Batch`` labels are already shifted: ``labels[b, t]`` is the token after ``input_ids[b, t]``.
+Hugging Face-style batches (``labels == input_ids``, the model shifts) go through ``Batch.from_hf``;
+a Batch built from them directly is refused (it would train the model to copy its input).
 
 Loss mask. Each token carries a flag "predicting this token carries loss". Without
 ``completion_only`` every token does. With it: for prompt/completion records only the completion
@@ -50,15 +61,19 @@ batches are one pass in file order.
     train, held_out = build_datasets(DataSpec(path="d.jsonl", seq_len=512, eval_fraction=0.05), tok)
     batch = next(train.batches(batch_size=8, seed=0))
 
-Test: ``python -m pytest -q tests/test_data.py``.
+Test: ``python -m pytest -q tests/test_data.py tests/test_data_sources.py tests/test_data_summary.py
+tests/test_epochs.py tests/test_hf_labels.py``.
 """
 
 from __future__ import annotations
 
 from slidekit.data.datasets import Batch, DataSpec, DataStats, PackedDataset, build_datasets
+from slidekit.data.epochs import StepCount, count_steps, steps_per_epoch
 from slidekit.data.formats import FORMATS, data_file, detect_format, iter_records, read_records, read_texts
 from slidekit.data.packing import split_documents
-from slidekit.data.tokens import Documents, load_tokenizer, tokenize_records
+from slidekit.data.sources import data_fingerprint, is_datasets_source, open_records
+from slidekit.data.summary import describe_data
+from slidekit.data.tokens import Documents, has_vocabulary, load_tokenizer, tokenize_records
 
 __all__ = [
     "FORMATS",
@@ -67,13 +82,21 @@ __all__ = [
     "DataStats",
     "Documents",
     "PackedDataset",
+    "StepCount",
     "build_datasets",
+    "count_steps",
     "data_file",
+    "data_fingerprint",
+    "describe_data",
     "detect_format",
+    "has_vocabulary",
+    "is_datasets_source",
     "iter_records",
     "load_tokenizer",
+    "open_records",
     "read_records",
     "read_texts",
     "split_documents",
+    "steps_per_epoch",
     "tokenize_records",
 ]

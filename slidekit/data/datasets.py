@@ -1,4 +1,11 @@
-"""Datasets and batches: the packed rows of a data file, split, and served as micro-batches.
+"""Datasets and batches: the packed rows of a data source, split, and served as micro-batches.
+
+The label convention. A ``Batch`` holds labels *already shifted*: ``labels[b, t]`` is the token
+that follows ``input_ids[b, t]``, so the engine takes the loss of position t against labels[b, t]
+as they are. Hugging Face models take ``labels == input_ids`` and shift inside the model; a batch
+built that way must go through ``Batch.from_hf``, which shifts. A Batch whose labels equal its
+inputs at every labelled position, where shifted labels could not (the next token differs), is
+refused: trained as given, the model would learn to copy its input.
 
 A row gives ``input_ids = row[:-1]`` and ``labels = row[1:]``, label -100 where the target carries
 no loss. Rows without a single labelled token are dropped (a step must have something to learn
@@ -6,24 +13,26 @@ from); packed training data must fill at least one row. Training batches are end
 a fresh permutation of the rows from a generator seeded by the ``batches`` seed. Evaluation batches
 are one pass in file order.
 
-Test: ``python -m pytest -q tests/test_data.py``.
+Test: ``python -m pytest -q tests/test_data.py tests/test_hf_labels.py tests/test_data_summary.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from slidekit.data.formats import FORMATS, read_records
+from slidekit.data.formats import FORMATS
 from slidekit.data.packing import frame_documents, pack_rows, pad_rows, split_documents
+from slidekit.data.sources import open_records
 from slidekit.data.tokens import Documents, tokenize_records
 from slidekit.errors import ConfigError
-from slidekit.inputs import IGNORE_INDEX, check_pair
+from slidekit.inputs import IGNORE_INDEX, check_pair, check_shifted, shift_hf_labels
 
 __all__ = ["Batch", "DataSpec", "DataStats", "PackedDataset", "build_datasets"]
 
@@ -32,7 +41,10 @@ __all__ = ["Batch", "DataSpec", "DataStats", "PackedDataset", "build_datasets"]
 class Batch:
     """One micro-batch: ``input_ids`` and ``labels``, integer tensors (B, T); label -100 where no loss is taken.
 
-    ``labels[b, t]`` is the token that follows ``input_ids[b, t]``. Batches of
+    ``labels[b, t]`` is the token that follows ``input_ids[b, t]``: labels are already shifted, unlike
+    Hugging Face's ``labels == input_ids`` (the model shifts). For HF-style tensors use
+    ``Batch.from_hf(input_ids, labels=None, attention_mask=None)``; a Batch built directly from
+    HF-style labels (equal to the inputs wherever they carry loss) is refused with that advice. Batches of
     one step (``grad_accum``) may differ in B and T; padding them to the
     longest row, with label -100 on the padding, changes nothing (causal
     attention: a real token never sees the padding after it). The model's
@@ -45,14 +57,31 @@ class Batch:
 
     def __post_init__(self) -> None:
         check_pair(self.input_ids, self.labels)
+        check_shifted(self.input_ids, self.labels)
+
+    @classmethod
+    def from_hf(
+        cls,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> Batch:
+        """A Batch from Hugging Face-style tensors, (B, T) each: ``labels`` (default: ``input_ids``) are
+        those a transformers causal LM takes, unshifted, -100 for no loss; ``attention_mask`` 0 marks
+        padding, whose labels become -100. Shifted as transformers shifts: ``labels[b, t]`` becomes
+        ``labels[b, t + 1]`` and the last position carries no loss, so the loss equals the HF model's.
+        Padding must be on the right (slidekit's attention is causal, with no mask)."""
+        return cls(input_ids, shift_hf_labels(input_ids, labels, attention_mask))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DataSpec:
     """What ``build_datasets`` builds."""
 
-    path: str | Path  # the JSONL file (``~`` is expanded)
-    format: str = "auto"  # one of FORMATS; "auto" reads it off the first record
+    path: str | Path  # the JSONL file or a datasets source (``slidekit.data.sources``; ``~`` is expanded)
+    format: str = "auto"  # one of FORMATS; "auto" reads it off the first record (or the columns)
+    split: str = "train"  # the split of a dataset with splits
+    columns: Mapping[str, str] = field(default_factory=dict)  # record field -> the column that holds it
     seq_len: int = 128  # tokens per row (each row holds seq_len + 1: inputs and shifted labels)
     completion_only: bool = False  # loss on completions / assistant turns only (not for "text")
     packing: bool = True  # concatenate documents into full rows; False: one padded document per row
@@ -78,6 +107,9 @@ class DataStats:
     rows: int  # rows kept
     truncated: int = 0  # documents cut to seq_len + 1 (packing=False)
     dropped_rows: int = 0  # rows without a single labelled token, left out
+    cut_labels: int = 0  # labelled tokens the truncation cut off (packing=False)
+    emptied: int = 0  # documents whose every labelled token the truncation cut off (among dropped_rows)
+    format: str = ""  # the records' format (FORMATS), when known
 
 
 class PackedDataset:
@@ -143,11 +175,12 @@ class PackedDataset:
         """Frame, pack (or pad) and keep the rows that carry loss, for the documents in ``index``."""
         ids, loss, offsets = frame_documents(docs, index, tokenizer, completion_only)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        truncated = 0
+        truncated, cut, emptied = 0, 0, 0
         if packing:
             rows, rows_loss = pack_rows(ids, loss, seq_len + 1, pad)
         else:
             rows, rows_loss, truncated = pad_rows(ids, loss, offsets, seq_len + 1, pad)
+            cut, emptied = _truncation_losses(loss, offsets, seq_len + 1)
         keep = rows_loss[:, 1:].any(axis=1)
         stats = DataStats(
             documents=len(index),
@@ -156,6 +189,8 @@ class PackedDataset:
             rows=int(keep.sum()),
             truncated=truncated,
             dropped_rows=int((~keep).sum()),
+            cut_labels=cut,
+            emptied=emptied,
         )
         return cls(torch.from_numpy(rows[keep]), torch.from_numpy(rows_loss[keep]), stats)
 
@@ -166,8 +201,17 @@ class PackedDataset:
         return cls.from_documents(docs, np.arange(len(docs)), tokenizer, seq_len=seq_len)
 
 
+def _truncation_losses(loss: np.ndarray, offsets: np.ndarray, width: int) -> tuple[int, int]:
+    """(labelled targets cut off, documents left with none) when each framed document is cut to ``width``."""
+    sums = np.concatenate([[0], np.cumsum(loss, dtype=np.int64)])
+    starts, lengths = offsets[:-1], np.diff(offsets)
+    before = sums[offsets[1:]] - sums[starts + 1]  # targets: every token but the row's first
+    after = sums[starts + np.minimum(lengths, width)] - sums[starts + 1]
+    return int((before - after).sum()), int(((before > 0) & (after == 0)).sum())
+
+
 def _split_dataset(
-    docs: Documents, index: np.ndarray, spec: DataSpec, tokenizer: Any, name: str
+    docs: Documents, index: np.ndarray, spec: DataSpec, tokenizer: Any, name: str, fmt: str
 ) -> PackedDataset:
     ds = PackedDataset.from_documents(
         docs,
@@ -177,13 +221,22 @@ def _split_dataset(
         packing=spec.packing,
         completion_only=spec.completion_only,
     )
+    ds.stats = dataclasses.replace(ds.stats, format=fmt)
+    width = spec.seq_len + 1
+    if not len(ds) and ds.stats.emptied:
+        raise ConfigError(
+            f"the {len(index)} {name} documents of {spec.path} carry labelled tokens, but only beyond "
+            f"seq_len + 1 = {width} tokens: packing is off, so each document is cut there ({ds.stats.truncated} "
+            f"{'was' if ds.stats.truncated == 1 else 'were'}), which removed every labelled token (all "
+            f"{ds.stats.cut_labels}); raise data.seq_len "
+            "(CLI: --seq-len) or turn packing on (drop --no-packing)"
+        )
     if not len(ds):
         why = " (completion_only: none has a completion or an assistant turn)" if spec.completion_only else ""
         raise ConfigError(
             f"the {len(index)} {name} documents of {spec.path} carry no labelled token{why}; "
             "add data, turn completion_only off or change eval_fraction"
         )
-    width = spec.seq_len + 1
     if spec.packing and name == "training" and ds.stats.tokens < width:
         raise ConfigError(
             f"the {len(index)} {name} documents of {spec.path} hold {ds.stats.tokens} tokens (with BOS/EOS), "
@@ -195,9 +248,9 @@ def _split_dataset(
 
 def build_datasets(spec: DataSpec, tokenizer: Any) -> tuple[PackedDataset, PackedDataset | None]:
     """(train, eval) from ``spec``: eval is None when ``eval_fraction`` is 0."""
-    fmt, records = read_records(spec.path, spec.format)  # one pass over the file
+    fmt, records = open_records(spec.path, spec.format, split=spec.split, columns=spec.columns)  # one pass
     docs = tokenize_records(records, fmt, tokenizer, completion_only=spec.completion_only)
     train_idx, eval_idx = split_documents(len(docs), spec.eval_fraction, spec.seed)
-    train = _split_dataset(docs, train_idx, spec, tokenizer, "training")
-    held_out = _split_dataset(docs, eval_idx, spec, tokenizer, "held-out") if eval_idx.size else None
+    train = _split_dataset(docs, train_idx, spec, tokenizer, "training", fmt)
+    held_out = _split_dataset(docs, eval_idx, spec, tokenizer, "held-out", fmt) if eval_idx.size else None
     return train, held_out

@@ -11,7 +11,13 @@ carries no loss). When a template is not prefix-stable (it renders earlier turns
 later ones exist) the span starts where the content does. Spans are found on characters and mapped
 to tokens with the fast tokenizer's offsets; a token straddling the boundary counts as the
 assistant's. A template that does not reproduce an assistant's content is refused
-(``completion_only`` cannot be honoured there).
+(``completion_only`` cannot be honoured there). ShareGPT and Alpaca records arrive as chat messages
+(``slidekit.data.formats``) and take the chat path.
+
+``load_tokenizer`` loads only a directory that holds a tokenizer's vocabulary (``VOCAB_FILES``) and
+refuses one that encodes text to nothing: transformers builds an *empty* tokenizer (one token, id 0)
+from a directory with a config.json of some model types (Qwen2, Qwen3) and no tokenizer files, which
+tokenized every document to ``[0]``.
 
 Test: ``python -m pytest -q tests/test_data.py``.
 """
@@ -26,19 +32,53 @@ from typing import Any
 
 import numpy as np
 
+from slidekit.data.formats import CHAT_FORMATS
 from slidekit.errors import ConfigError
 
-__all__ = ["Documents", "load_tokenizer", "tokenize_records"]
+__all__ = ["VOCAB_FILES", "Documents", "has_vocabulary", "load_tokenizer", "tokenize_records"]
+
+#: Files that hold a tokenizer's vocabulary (one is enough): tokenizers' JSON, SentencePiece, BPE, WordPiece,
+#: Mistral's tekken. tokenizer_config.json alone holds none.
+VOCAB_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tekken.json",
+)
+
+#: A text every real vocabulary encodes to some tokens.
+_PROBE = "Hello world, 12."
 
 
-def load_tokenizer(directory: Path) -> Any:
-    """The fast tokenizer saved in a model directory (offline)."""
+def has_vocabulary(directory: str | Path) -> bool:
+    """Whether ``directory`` holds one of the ``VOCAB_FILES`` (or a ``*.tiktoken`` file)."""
+    path = Path(directory).expanduser()
+    return path.is_dir() and (
+        any((path / name).is_file() for name in VOCAB_FILES) or any(path.glob("*.tiktoken"))
+    )
+
+
+def load_tokenizer(directory: str | Path, label: str = "") -> Any:
+    """The fast tokenizer saved in ``directory`` (offline); ConfigError when there is none or it is empty.
+    ``label`` names the directory in errors (e.g. "the model directory")."""
     from transformers import AutoTokenizer
 
+    name = f"{label} {str(directory)!r}" if label else repr(str(directory))
+    fix = "pass the directory of the model's tokenizer (CLI: --tokenizer DIR, config: model.tokenizer)"
+    if not has_vocabulary(directory):
+        raise ConfigError(
+            f"{name} holds no tokenizer: none of {', '.join(VOCAB_FILES)}; {fix}, e.g. the base model's"
+        )
     try:
-        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as exc:
-        raise ConfigError(f"cannot load a tokenizer from {str(directory)!r}: {exc}") from exc
+        raise ConfigError(f"cannot load a tokenizer from {name}: {exc}; {fix}") from exc
+    if not tokenizer(_PROBE, add_special_tokens=False)["input_ids"]:
+        raise ConfigError(f"the tokenizer in {name} encodes text to no token (an empty vocabulary); {fix}")
+    return tokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +168,7 @@ def _encode(
         return tokenizer(texts, add_special_tokens=False, verbose=False, **kw)  # verbose: no length warning
 
     payloads = [p for _, p in chunk]
+    fmt = "chat" if fmt in CHAT_FORMATS else fmt
     if fmt == "text":
         return tok(payloads)["input_ids"], [None] * len(chunk)
     if fmt == "prompt_completion":
@@ -162,10 +203,13 @@ def tokenize_records(
     chunk_size: int = 1024,
 ) -> Documents:
     """Tokenize ``(where, payload)`` records of format ``fmt``, ``chunk_size`` at a time, into flat arrays."""
-    if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
+    if fmt in CHAT_FORMATS and not getattr(tokenizer, "chat_template", None):
+        what = {"chat": '{"messages": [...]}', "sharegpt": 'ShareGPT, {"conversations": [...]}'}.get(
+            fmt, "Alpaca, rendered as a user and an assistant message"
+        )
         raise ConfigError(
-            'the data holds chat records ({"messages": [...]}) but the tokenizer has no chat template; use '
-            "a tokenizer with one (chat_template in tokenizer_config.json) or write prompt/completion records"
+            f"the data holds chat records ({what}) but the tokenizer has no chat template; use a tokenizer "
+            "with one (chat_template in tokenizer_config.json) or write prompt/completion records"
         )
     if completion_only and fmt == "text":
         raise ConfigError(
