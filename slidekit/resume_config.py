@@ -141,6 +141,10 @@ def resumed_config(
     merged = copy.deepcopy(before.to_dict())
     for dotted, value in changes.items():
         _put(merged, dotted, value)
+    if "epochs" in changes and "steps" not in changes and changes["epochs"] != before.epochs:
+        # The saved steps are the count the epochs gave; a new epoch count is counted again from the data
+        # (slidekit.data.epochs), as a fresh run's is, or the saved steps would silently win over it.
+        _put(merged, "steps", None)
     _put(merged, "run.dir", str(run_dir))
     _put(merged, "run.resume", resume)
     if "run.overwrite" not in changes:
@@ -185,6 +189,13 @@ def _refusals(before: TrainConfig, after: TrainConfig, changed: list[str]) -> li
 
 
 def _refusal(key: str, a: Any, b: Any, before: TrainConfig, after: TrainConfig) -> str:
+    if key in ("optim.schedule_steps", "optim.warmup_steps") and after.steps is None:
+        return (
+            f"epochs: {before.epochs!r} -> {after.epochs!r} (the run's {before.steps} steps decide its "
+            f"{'warm-up' if key == 'optim.warmup_steps' else before.optim.schedule + ' schedule'}, and another "
+            "epoch count would change the learning rate of every remaining step. Only a constant schedule "
+            f"without a warm-up ratio may be extended: keep the epochs, or give --max-steps {before.steps})"
+        )
     if key == "optim.schedule_steps":
         return (
             f"steps: {a} -> {b} (the {before.optim.schedule} schedule spans the run's {a} steps and the run "
@@ -208,10 +219,17 @@ def _refusal(key: str, a: Any, b: Any, before: TrainConfig, after: TrainConfig) 
 
 def _note(key: str, a: Any, b: Any, after: TrainConfig) -> str:
     line = f"{key} {a!r} -> {b!r}"
+    if key == "steps" and b is None:  # a new epoch count: its own note says what happens
+        return f"steps {a!r}: counted again from the epochs"
     if key == "steps":  # only a constant schedule gets here (identity's optim.schedule_steps)
         return (
             f"{line} (the learning rate is constant after the warm-up: the run goes on at the same rate "
             f"and ends after step {b})"
+        )
+    if key == "epochs":
+        return (
+            f"{line} (the run's length is counted again from the data: epochs x steps per epoch; the learning "
+            "rate is constant after the warm-up, so the run goes on at the same rate)"
         )
     if key == "plugins.options":
         return f"{line} (drivers' settings: an optimizer's may change the arithmetic of the remaining steps)"

@@ -248,3 +248,27 @@ def test_driver_settings_given_on_resume_join_the_saved_ones(tmp_path):
     config, notes = _resumed("--resume", str(run), "--plugin-option", "my_tier.width=2")
     assert config.plugins.options == {"my_tier": {"depth": 4, "width": 2}}
     assert "plugins.options" in notes[-1] and "an optimizer's may change the arithmetic" in notes[-1]
+
+
+def test_a_new_epoch_count_is_counted_again_from_the_data_or_refused(tmp_path):
+    """The saved steps are what the epochs gave: a new --epochs drops them (the Trainer counts the run again
+    from the data) under a constant schedule, and is refused under a decaying one or a warm-up ratio; the
+    saved epoch count given again changes nothing."""
+    run = tmp_path / "a"
+    _saved(run)
+    config, notes = _resumed("--resume", str(run), "--epochs", "3")
+    assert config.steps is None and config.epochs == 3.0
+    assert "epochs None -> 3.0 (the run's length is counted again from the data" in notes[-1]
+    assert "steps 40: counted again from the epochs" in notes[-1]
+    kept, _ = _resumed("--resume", str(run), "--epochs", "3", "--max-steps", "50")  # steps given: they win
+    assert kept.steps == 50
+    for optim in ({"schedule": "cosine"}, {"warmup_ratio": 0.1}):
+        run = tmp_path / str(optim)
+        _saved(run, **optim)
+        with pytest.raises(ConfigError, match=r"epochs: None -> 3\.0 \(the run's 40 steps decide its"):
+            _resumed("--resume", str(run), "--epochs", "3")
+    again = tmp_path / "b"
+    saved = _saved(again)
+    (again / "config.json").write_text(json.dumps({**saved.to_dict(), "epochs": 3.0}, indent=1) + "\n")
+    same, _ = _resumed("--resume", str(again), "--epochs", "3")
+    assert same.steps == 40  # the same epochs: the saved count stands

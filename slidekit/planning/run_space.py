@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from slidekit.config import DEFAULT_STEPS
+
 if TYPE_CHECKING:
     from slidekit.config import TrainConfig
 
@@ -45,7 +47,8 @@ def checkpoint_writes(config: TrainConfig) -> int:
     if not rc.dir:
         return 0
     every = rc.checkpoint_every
-    return config.steps // every + (1 if config.steps % every else 0) if every else 1
+    steps = config.steps if config.steps is not None else DEFAULT_STEPS  # None: epochs decide, once data is read
+    return steps // every + (1 if steps % every else 0) if every else 1
 
 
 def checkpoint_copies(keep: int | None, writes: int, existing: int) -> int:
