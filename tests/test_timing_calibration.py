@@ -73,3 +73,8 @@ def test_the_profile_states_what_the_records_give():
 def test_the_table_has_a_row_per_cell(cells):
     table = calibration.markdown(cells).splitlines()
     assert len(table) == 2 + len(cells) and all(row.count("|") == 8 for row in table)
+
+
+def test_the_documented_table_is_the_one_the_model_gives(cells):
+    """docs/planning.md shows this very table (regenerate: python benchmarks/calibrate_rates.py --markdown)."""
+    assert calibration.markdown(cells) in (ROOT / "docs" / "planning.md").read_text(encoding="utf-8")
