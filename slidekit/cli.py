@@ -172,6 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="GIB",
             help=f"plan for this much {what} (what-if; default: this machine's)",
         )
+    p.add_argument(
+        "--gpu",
+        default=None,
+        metavar="NAME",
+        help="plan for this GPU (a profile: h200, rtx4090; memory and rates), CUDA here or not (what-if)",
+    )
+    p.add_argument(
+        "--preset",
+        default=None,
+        metavar="NAME",
+        help="plan a published model shape (slidekit.tools.presets, e.g. llama-3.1-70b) instead of --model",
+    )
 
     r = sub.add_parser("report", help="draw a run's loss curve and pipeline timeline as a PNG")
     r.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a finetune run")
@@ -312,22 +324,33 @@ def _report(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     """Print the plan; exit status 1 when the requested placement does not fit."""
-    import dataclasses
+    import tempfile
 
     from slidekit.data.configured import planned_steps
-    from slidekit.planning import GIB, Machine, plan_run
-    from slidekit.resolve import resolve_device
+    from slidekit.planning import plan_run
+    from slidekit.planning.what_if import plan_machine
 
     notes: list[str] = []
     config = config_from_args(args, notes)
     for note in notes:
         print(note)
-    config, steps, data = planned_steps(config)  # the Trainer's step count
-    machine = Machine.probe(resolve_device(config.engine.device), config.engine.offload_dir, config.run.dir)
-    given = {"device_free": args.gpu_gib, "host_available": args.ram_gib, "disk_free": args.disk_gib}
-    what_if: dict[str, Any] = {k: int(v * GIB) for k, v in given.items() if v is not None}
-    machine = dataclasses.replace(machine, **what_if)
-    report = plan_run(config, machine=machine)
+    with tempfile.TemporaryDirectory(prefix="slidekit-plan-") as tmp:
+        name = None
+        if args.preset:
+            if getattr(args, "model.source") is not None:
+                from slidekit.errors import ConfigError
+
+                raise ConfigError("give --model or --preset, not both (--preset plans a published shape)")
+            from slidekit.tools.presets import write_config
+
+            write_config(args.preset, Path(tmp), config.data.seq_len)
+            config = dataclasses.replace(config, model=dataclasses.replace(config.model, source=tmp))
+            name = f"preset {args.preset}"
+        config, steps, data = planned_steps(config)  # the Trainer's step count
+        machine, gpu = plan_machine(
+            config, gpu=args.gpu, gpu_gib=args.gpu_gib, ram_gib=args.ram_gib, disk_gib=args.disk_gib
+        )
+        report = plan_run(config, machine=machine, gpu=gpu, model_name=name)
     print(report.render())
     print(data or f"steps: {steps.describe()}")
     return 0 if report.fits else 1

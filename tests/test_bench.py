@@ -56,6 +56,7 @@ PUBLISHED_B = {
     "qwen2.5-7b": 7.62,
     "qwen2.5-14b": 14.77,
     "llama-3.1-8b": 8.03,
+    "llama-3.1-70b": 70.55,
     "mistral-small-24b": 23.57,
 }
 

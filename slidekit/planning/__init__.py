@@ -6,7 +6,12 @@
     layout      the run's ``Layout``: every buffer the engine allocates, per unit and for the run
     estimate    the ``Estimate``: a layout's bytes plus a step's transient work, against a ``Machine``
     machine     what the machine has (``Machine.probe``)
-    planner     the ``Planner``: layouts, estimates, the fastest placement that fits
+    planner     the ``Planner``: layouts, estimates, predictions, the fastest placement that fits
+    rates       what a machine sustains (``Rates``), each figure with its source
+    profiles    known GPUs' memory and rates (``--gpu h200``, ``--gpu rtx4090``)
+    simulate    the engine's schedule replayed in virtual time
+    timing      a layout's predicted step (``predict_step``, ``StepPrediction``)
+    what_if     planning for a GPU this machine lacks
     roles       tiers by the role their medium gives them (the core names no bundled tier)
     run_space   the run directory's room for checkpoints
     report      what ``slidekit plan`` prints (``plan_run``)
@@ -35,9 +40,12 @@ from slidekit.planning.placement import (
     spread_host_units,
     unit_pieces,
 )
-from slidekit.planning.planner import RESIDENT_RESERVE, Planner
+from slidekit.planning.planner import RESIDENT_RESERVE, TIE, Planner
+from slidekit.planning.profiles import PROFILES, GpuProfile, profile
+from slidekit.planning.rates import Rates, UpdateRate
 from slidekit.planning.report import PlanReport, plan_run
 from slidekit.planning.schedule import BWD, FWD, HEAD, Visit, schedule
+from slidekit.planning.timing import StepPrediction, StepWork, predict_step
 
 __all__ = [
     "BWD",
@@ -47,19 +55,26 @@ __all__ = [
     "GIB",
     "GRANULE",
     "HEAD",
+    "PROFILES",
     "RESIDENT_RESERVE",
     "RUNTIME_HOST",
+    "TIE",
     "UPLOAD_CHUNK",
     "Drivers",
     "EngineSettings",
     "Estimate",
+    "GpuProfile",
     "Layout",
     "Machine",
     "MemoryPlan",
     "Placement",
     "PlanReport",
     "Planner",
+    "Rates",
+    "StepPrediction",
+    "StepWork",
     "UnitPlace",
+    "UpdateRate",
     "Visit",
     "Workload",
     "fmt_gib",
@@ -67,6 +82,8 @@ __all__ = [
     "plan_memory",
     "plan_residency",
     "plan_run",
+    "predict_step",
+    "profile",
     "ring_numel",
     "schedule",
     "spread_host_units",

@@ -119,12 +119,18 @@ class Estimate:
             f"free{shared}: {self.run_dir_fix}"
         ]
 
+    def host_need(self, machine: Machine) -> int:
+        """Bytes of host RAM the placement needs on ``machine`` (on the CPU the device's buffers too)."""
+        return self.host_bytes + (self.device_bytes if machine.device_free is None else 0)
+
+    def host_fits(self, machine: Machine) -> bool:
+        """Whether the machine's RAM holds the placement (whatever the GPU and the disk say)."""
+        return self.host_need(machine) <= machine.host_available
+
     def _placement_shortfalls(self, machine: Machine) -> list[str]:
         out = []
-        host_need = self.host_bytes
-        if machine.device_free is None:  # CPU: "device" buffers are host memory
-            host_need += self.device_bytes
-        else:
+        host_need = self.host_need(machine)
+        if machine.device_free is not None:
             need = self.device_bytes * (1 + DEVICE_HEADROOM) + DEVICE_SLACK
             if need > machine.device_free:
                 out.append(

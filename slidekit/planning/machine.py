@@ -1,6 +1,9 @@
-"""What the machine has for a run: free device memory, available RAM, free disk where the run writes.
+"""What the machine has for a run: free device memory, available RAM, free disk where the run writes,
+and (``rates``) what it sustains, for the step-time model.
 
-``Machine.probe`` measures it; tests and what-if planning build one by hand.
+``Machine.probe`` measures it (and takes the rates of a known GPU's profile,
+``slidekit.planning.profiles``); tests and what-if planning build one by hand
+(``what_if`` names the figures given rather than probed).
 """
 
 from __future__ import annotations
@@ -9,8 +12,12 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from slidekit.telemetry import proc_sizes
+
+if TYPE_CHECKING:
+    from slidekit.planning.rates import Rates
 
 __all__ = ["GIB", "Machine", "fmt_gib"]
 
@@ -34,6 +41,9 @@ class Machine:
     run_dir_free: int | None = None  # free space where run.dir lives; None: no run directory
     run_dir_checkpoints: int = 0  # step-* checkpoints already in the run directory
     run_dir_shares_disk: bool = False  # the run directory is on the offload directory's file system
+    rates: Rates | None = None  # what it sustains (None: unknown, the planner then ranks by a fixed rule)
+    gpu: str = ""  # the GPU's name (a profile's name in a what-if)
+    what_if: frozenset[str] = frozenset()  # the figures given, not probed: "gpu", "ram", "disk"
 
     @classmethod
     def probe(cls, device: object, offload_dir: str | None, run_dir: str | None = None) -> Machine:
@@ -43,9 +53,15 @@ class Machine:
         dev = torch.device(str(device))
         free = total = None
         kind = "cpu"
+        gpu, rates = "", None
         if dev.type == "cuda":
+            from slidekit.planning.profiles import profile_for_device
+
             free, total = torch.cuda.mem_get_info(dev)
             kind = "rocm" if torch.version.hip else "cuda"
+            gpu = torch.cuda.get_device_name(dev)
+            known = profile_for_device(gpu)
+            rates = known.rates if known is not None else None
         info = proc_sizes("/proc/meminfo")
         host_total = info.get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         host_available = info.get("MemAvailable", host_total)
@@ -70,15 +86,25 @@ class Machine:
             run_dir_free=run_free,
             run_dir_checkpoints=existing,
             run_dir_shares_disk=shared,
+            rates=rates,
+            gpu=gpu,
         )
 
     def describe(self) -> str:
+        """The machine in one line; a figure given for a what-if says so, and is compared with nothing."""
         parts = []
         if self.device_free is not None:
-            parts.append(f"GPU {fmt_gib(self.device_free)} free of {fmt_gib(self.device_total or 0)}")
-        parts.append(f"RAM {fmt_gib(self.host_available)} available of {fmt_gib(self.host_total)}")
+            name = f"{self.gpu} " if self.gpu else ""
+            if "gpu" in self.what_if:
+                parts.append(f"GPU {name}{fmt_gib(self.device_free)} free (what-if)")
+            else:
+                parts.append(f"GPU {name}{fmt_gib(self.device_free)} free of {fmt_gib(self.device_total or 0)}")
+        if "ram" in self.what_if:
+            parts.append(f"RAM {fmt_gib(self.host_available)} available (what-if)")
+        else:
+            parts.append(f"RAM {fmt_gib(self.host_available)} available of {fmt_gib(self.host_total)}")
         if self.disk_free is not None:
-            parts.append(f"disk {fmt_gib(self.disk_free)} free")
+            parts.append(f"disk {fmt_gib(self.disk_free)} free" + (" (what-if)" if "disk" in self.what_if else ""))
         if self.run_dir_free is not None:
             parts.append(f"run directory {fmt_gib(self.run_dir_free)} free")
         return ", ".join(parts)

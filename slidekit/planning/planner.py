@@ -5,12 +5,19 @@ placement that fits.
 settings, what the drivers declare); ``layout(placement, machine)`` decides
 which units are resident (``residency``) and where each unit's state goes;
 ``estimate`` adds up the layout's bytes and a step's transient work on each
-medium; ``recommend`` walks the placements from fastest to slowest (more
-units resident on the GPU; activations on the device, then in RAM; state in
-RAM, then a growing share on disk) and returns the first that fits. The
-trainer refuses a configuration that does not fit before it allocates
-anything, with the numbers and that recommendation; a run directory that
-lacks room for its checkpoints is refused up front too.
+medium; ``predict`` prices a layout's step on a machine's rates
+(``slidekit.planning.timing``); ``recommend`` returns the placement that fits
+with the shortest predicted step: it fills the fastest tier first, per unit
+(as many units resident on the GPU as fit, then their state in RAM, then on
+disk the smallest share of units that makes RAM suffice, spread over the
+model), with activations on the device or on a host tier, and lets the
+predicted step choose among those; where predictions tie (within
+``TIE``), or the machine has no rates, the fixed order decides: more units
+resident first, activations on the device before a host tier, state in RAM
+before a growing share on disk. The trainer refuses a configuration that
+does not fit before it allocates anything, with the numbers and that
+recommendation; a run directory that lacks room for its checkpoints is
+refused up front too.
 
     slidekit plan --model DIR --batch-size 8 --seq-len 1024      # what a run needs, and what fits
 
@@ -39,6 +46,7 @@ from slidekit.planning.layout import (
 from slidekit.planning.machine import Machine
 from slidekit.planning.placement import place_state, plan_residency
 from slidekit.planning.run_space import checkpoint_bytes, checkpoint_writes, run_dir_need
+from slidekit.planning.timing import StepPrediction, StepWork, predict_step
 
 if TYPE_CHECKING:
     from slidekit.config import TrainConfig
@@ -46,10 +54,12 @@ if TYPE_CHECKING:
     from slidekit.plugins import Plugins
     from slidekit.resolve import RunSetup
 
-__all__ = ["RESIDENT_RESERVE", "Planner"]
+__all__ = ["RESIDENT_RESERVE", "TIE", "Planner"]
 
 #: "auto" residency leaves max(RESIDENT_RESERVE, 5% of the device) free beyond the plan.
 RESIDENT_RESERVE = 4 << 30
+#: Predicted steps within this share of the fastest tie: the fixed order picks among them.
+TIE = 0.01
 
 
 class Planner:
@@ -59,7 +69,8 @@ class Planner:
     parameters; ``media`` maps tier names to "device", "host" or "disk". ``device_updates``: the
     optimizer can update units on the device (only then can units be resident). ``keep_grads``: every
     unit's gradients stay on the host until the step ends (global-norm clipping, skipping non-finite
-    steps). ``device_tier``: the tier resident units keep their state on.
+    steps). ``device_tier``: the tier resident units keep their state on. ``optimizer`` (its name, for
+    its update rate) and ``clip`` (clipping by the global norm) are what the step-time model needs.
     """
 
     def __init__(
@@ -84,6 +95,8 @@ class Planner:
         disk_tier: str | None = None,
         checkpoint_keep: int | None = None,
         checkpoint_writes: int = 0,
+        optimizer: str = "",
+        clip: bool = False,
     ) -> None:
         if state_layout is None:
             if state_bytes is None:
@@ -122,16 +135,30 @@ class Planner:
         self.state_per_param = sum(self.state) / sum(self.numels)
         self.checkpoint_keep = checkpoint_keep  # run.keep (None: every checkpoint is kept)
         self.checkpoint_writes = checkpoint_writes  # checkpoints the run writes at most (0: no run.dir)
+        self.optimizer = optimizer
+        self.clip = clip
 
     @classmethod
     def for_run(
-        cls, config: TrainConfig, setup: RunSetup, *, optimizer: UnitOptimizer, plugins: Plugins
+        cls,
+        config: TrainConfig,
+        setup: RunSetup,
+        *,
+        optimizer: UnitOptimizer,
+        plugins: Plugins,
+        what_if: bool = False,
     ) -> Planner:
-        """The planner of a configured run: its model, workload, engine settings and drivers."""
+        """The planner of a configured run: its model, workload, engine settings and drivers.
+
+        ``what_if``: planning for a device this machine lacks (``slidekit plan --gpu``): tiers of the
+        device's own memory count as available, since only that device could say otherwise."""
         from slidekit.planning.roles import tier_for
 
         ec, dc, oc = config.engine, config.data, config.optim
-        roles = {m: tier_for(plugins, m, setup.family) for m in ("device", "host", "disk")}
+        roles = {
+            m: tier_for(plugins, m, setup.family, assume_available=what_if and m == "device")
+            for m in ("device", "host", "disk")
+        }
         host = roles["host"].name if roles["host"] else ""
         device = host if setup.family == "cpu" else roles["device"].name if roles["device"] else ""
         return cls(
@@ -153,6 +180,8 @@ class Planner:
             disk_tier=roles["disk"].name if roles["disk"] else "",
             checkpoint_keep=config.run.keep,
             checkpoint_writes=checkpoint_writes(config),
+            optimizer=optimizer.name,
+            clip=oc.max_grad_norm is not None,
         )
 
     # ------------------------------------------------------------------ pieces
@@ -299,12 +328,100 @@ class Planner:
     def recommend(
         self, base: Placement, machine: Machine, disk_tier: str | None = None
     ) -> Estimate | None:
-        """The fastest placement that fits ``machine``, or None. ``disk_tier`` (default: the disk role's
-        tier, ``slidekit.planning.roles``) may hold optimizer state where the machine has an offload
-        directory."""
+        """The placement that fits ``machine`` with the shortest predicted step, or None (see the module
+        doc). ``disk_tier`` (default: the disk role's tier, ``slidekit.planning.roles``) may hold
+        optimizer state where the machine has an offload directory. Without rates for the machine
+        (``Machine.rates``) or on the CPU: the first that fits in the fixed order."""
         disk_tier = disk_tier or self.drivers.disk_tier
-        for placement in self.candidates(base, disk_tier if machine.disk_free is not None else None):
-            est = self.estimate(placement, machine)
-            if est.placement_fits(machine):  # no placement gives the run directory more room
-                return est
-        return None
+        disk = disk_tier if machine.disk_free is not None else None
+        rates = machine.rates
+        if rates is None or self.device_type == "cpu":
+            for placement in self.candidates(base, disk):
+                est = self.estimate(placement, machine)
+                if est.placement_fits(machine):  # no placement gives the run directory more room
+                    return est
+            return None
+        fitting = [
+            est
+            for placement in self.split_candidates(base, disk, machine)
+            if (est := self.estimate(placement, machine)).placement_fits(machine)
+        ]
+        if not fitting:
+            return None
+        seconds = [self.predict_layout(est, machine) for est in fitting]
+        best = min(seconds)
+        return next(est for est, t in zip(fitting, seconds, strict=True) if t <= best * (1 + TIE))
+
+    def predict_layout(self, est: Estimate, machine: Machine) -> float:
+        """The predicted step of an estimate's layout on ``machine`` (infinite without a prediction)."""
+        pred = self.predict(est.layout, machine) if est.layout is not None else None
+        return float("inf") if pred is None else pred.seconds
+
+    def split_candidates(self, base: Placement, disk_tier: str | None, machine: Machine) -> list[Placement]:
+        """``candidates`` plus, for each residency and activation tier, the smallest share of units'
+        state on ``disk_tier`` that lets host RAM hold the rest (state goes to disk by whole units,
+        ``place_state``), in the same order: the split the fastest-tier-first rule gives."""
+        out = self.candidates(base, disk_tier)
+        if not disk_tier:
+            return out
+        units = len(self.numels)
+        exact = []
+        for placement in dict.fromkeys(
+            dataclasses.replace(c, state_offload_tier=None, state_offload_fraction=0.0) for c in out
+        ):
+            if placement.activation_tier == disk_tier:
+                continue
+            least = self._least_on_disk(placement, disk_tier, machine)
+            if least is not None and least > 0:
+                exact.append(
+                    dataclasses.replace(
+                        placement, state_offload_tier=disk_tier, state_offload_fraction=least / units
+                    )
+                )
+        merged = sorted(
+            dict.fromkeys([*out, *exact]),
+            key=lambda c: (c.activation_tier == disk_tier, c.state_offload_fraction),
+        )
+        return merged
+
+    def _least_on_disk(self, placement: Placement, disk_tier: str, machine: Machine) -> int | None:
+        """The fewest units whose state must go to ``disk_tier`` for host RAM to hold ``placement``
+        (None: not even all of it is enough)."""
+
+        def host_fits(k: int) -> bool:
+            place = dataclasses.replace(
+                placement,
+                state_offload_tier=disk_tier if k else None,
+                state_offload_fraction=k / len(self.numels),
+            )
+            return self.estimate(place, machine).host_fits(machine)
+
+        lo, hi = 0, len(self.numels)
+        if not host_fits(hi):
+            return None
+        while lo < hi:  # host bytes only fall as units move to disk
+            mid = (lo + hi) // 2
+            if host_fits(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    # ------------------------------------------------------------------ step time
+
+    @property
+    def work(self) -> StepWork:
+        """What a step computes, as the step-time model needs it."""
+        return StepWork.of(
+            self.spec,
+            self.workload,
+            optimizer=self.optimizer,
+            state_bytes_per_param=self.state_per_param,
+            clip=self.clip,
+        )
+
+    def predict(self, layout: Layout, machine: Machine) -> StepPrediction | None:
+        """``layout``'s predicted step on ``machine``'s rates; None on the CPU or without rates."""
+        if machine.rates is None or self.device_type == "cpu":
+            return None
+        return predict_step(layout, machine.rates, self.work)

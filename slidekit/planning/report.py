@@ -1,5 +1,8 @@
-"""What ``slidekit plan`` prints: the run, the machine, the requested placement's layout and estimate,
-and the fastest placement that fits. Loads no weight.
+"""What ``slidekit plan`` prints: the run, the machine, the requested placement's layout, estimate and
+predicted step, and the placement that fits with the shortest predicted step. Loads no weight.
+
+With a GPU profile (``slidekit plan --gpu NAME``) the plan is a what-if for that GPU, whether or
+not this machine has one (``slidekit.planning.what_if``), and it lists the rates and their sources.
 """
 
 from __future__ import annotations
@@ -9,15 +12,17 @@ from typing import TYPE_CHECKING
 
 from slidekit.inputs import seq_len_refusal
 from slidekit.planning.estimate import Estimate
-from slidekit.planning.layout import Placement
+from slidekit.planning.layout import Layout, Placement
 from slidekit.planning.machine import Machine
 from slidekit.planning.planner import Planner
+from slidekit.planning.timing import StepPrediction
 
 if TYPE_CHECKING:
     from slidekit.config import TrainConfig
+    from slidekit.planning.profiles import GpuProfile
     from slidekit.plugins import Plugins
 
-__all__ = ["PlanReport", "plan_run"]
+__all__ = ["PlanReport", "plan_run", "split_line"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -29,56 +34,118 @@ class PlanReport:
     requested: Estimate
     recommended: Estimate | None
     refusals: tuple[str, ...] = ()  # what makes the run impossible whatever the memory (e.g. too long rows)
+    requested_step: StepPrediction | None = None  # None: no rates for this machine, or the CPU
+    recommended_step: StepPrediction | None = None
+    rates_note: str = ""  # the rates and their sources (a what-if), or why there is no prediction
+    floor: tuple[str, ...] = ()  # when nothing fits: the most offloaded placement, then what it still lacks
 
     @property
     def fits(self) -> bool:
         return not self.refusals and self.requested.fits(self.machine)
 
     def render(self) -> str:
-        lines = [self.summary, f"machine: {self.machine.describe()}", ""]
+        lines = [self.summary, f"machine: {self.machine.describe()}"]
+        if self.rates_note:
+            lines.append(self.rates_note)
+        lines.append("")
         device = "GPU" if self.machine.device_free is not None else "compute device (host RAM)"
         lines.append(f"requested placement: {self.requested.placement.flags()}")
         if self.requested.layout is not None:
             lines.append(self.requested.layout.describe())
         lines.append(self.requested.table(device))
         problems = [*self.refusals, *self.requested.shortfalls(self.machine)]
+        lines += _prediction(self.requested, self.requested_step, fits=not problems)
         lines.append("verdict: fits" if not problems else "verdict: does NOT fit")
         lines += [f"  {p}" for p in problems]
         rec = self.recommended
         if rec is None:
+            if self.floor:
+                lines.append(
+                    f"\nno placement fits, not even the most offloaded ({self.floor[0]}), which lacks:"
+                )
+                lines += [f"  {p}" for p in self.floor[1:]]
             lines.append(
-                "\nno placement fits: lower --batch-size (raise --grad-accum to keep the tokens per step), "
-                "use --optimizer adamw_8bit, or give --offload-dir so optimizer state can go to disk"
+                ("" if self.floor else "\n")
+                + "no placement fits: lower --batch-size (raise --grad-accum to keep the tokens per step), "
+                "use --optimizer adamw_8bit, or give --offload-dir so optimizer state can go to disk "
+                "(FP32 masters always stay in host RAM)"
             )
         elif rec.placement != self.requested.placement or problems:
-            lines.append(f"\nfastest placement that fits: {rec.placement.flags()}")
+            best = (
+                "with the shortest predicted step" if self.recommended_step is not None else "(fixed order)"
+            )
+            lines.append(f"\nfastest placement that fits {best}: {rec.placement.flags()}")
             lines.append(rec.table(device))
+            lines += _prediction(rec, self.recommended_step, fits=True)
         return "\n".join(lines)
 
 
+def split_line(layout: Layout) -> str:
+    """Where the units' masters and state went, tier by tier, and where activations go."""
+    units = len(layout.units)
+    resident = sum(u.resident for u in layout.units)
+    ram = sum(u.slides and u.state_medium == "host" for u in layout.units)
+    disk = sum(u.slides and u.state_medium == "disk" for u in layout.units)
+    acts = (
+        "the device"
+        if layout.activation_medium == "device"
+        else f"{layout.activation_tier} ({layout.activation_medium})"
+    )
+    return (
+        f"  split: {resident} of {units} units resident on the GPU (master and state there), {ram} with "
+        f"master and state in RAM, {disk} with master in RAM and state on disk; boundary activations on {acts}"
+    )
+
+
+def _prediction(est: Estimate, step: StepPrediction | None, *, fits: bool) -> list[str]:
+    if est.layout is None:
+        return []
+    out = [split_line(est.layout)]
+    if step is not None:
+        text = step.describe()
+        out.append(text if fits else text.replace("predicted step", "predicted step if it fit", 1))
+    return out
+
+
 def plan_run(
-    config: TrainConfig, *, plugins: Plugins | None = None, machine: Machine | None = None
+    config: TrainConfig,
+    *,
+    plugins: Plugins | None = None,
+    machine: Machine | None = None,
+    gpu: GpuProfile | None = None,
+    model_name: str | None = None,
 ) -> PlanReport:
-    """Plan ``config`` on this machine (or on ``machine``) without loading any weight."""
+    """Plan ``config`` on this machine (or on ``machine``) without loading any weight. ``gpu``: plan for
+    that profile's GPU (``machine`` then from ``slidekit.planning.what_if.what_if_machine``);
+    ``model_name``: how the summary names the model (default: its source)."""
+    from slidekit.planning.what_if import what_if_machine, what_if_setup
     from slidekit.plugins import Plugins
     from slidekit.resolve import build_optimizer, resolve
 
     plugins = plugins or Plugins(entry_points=config.plugins.entry_points, block=config.plugins.block)
-    setup = resolve(config, plugins)
+    setup = what_if_setup(config, plugins) if gpu is not None else resolve(config, plugins)
     optimizer = build_optimizer(config, setup)
-    planner = Planner.for_run(config, setup, optimizer=optimizer, plugins=plugins)
-    machine = machine or Machine.probe(setup.device, config.engine.offload_dir, config.run.dir)
+    planner = Planner.for_run(config, setup, optimizer=optimizer, plugins=plugins, what_if=gpu is not None)
+    if machine is None:
+        here = Machine.probe("cpu" if gpu else setup.device, config.engine.offload_dir, config.run.dir)
+        machine = what_if_machine(gpu, here) if gpu is not None else here
     placement = Placement.of(config.engine)
     requested = planner.estimate(placement, machine)
     recommended = planner.recommend(placement, machine)
     spec, dc = setup.spec, config.data
     summary = (
-        f"model: {config.model.source} ({spec.family}, {spec.num_layers} layers, {_count(spec.num_params)} "
-        f"parameters); micro-batches of {dc.batch_size} x {dc.seq_len} tokens, {config.grad_accum} per step; "
-        f"{str(setup.compute_dtype)[6:]} on {setup.device}\n"
-        f"drivers: optimizer {optimizer.name} ({planner.state_per_param:.2f} B/param of state), kernels "
+        f"model: {model_name or config.model.source} ({spec.family}, {spec.num_layers} layers, "
+        f"{_count(spec.num_params)} parameters); micro-batches of {dc.batch_size} x {dc.seq_len} tokens, "
+        f"{config.grad_accum} per step; {str(setup.compute_dtype)[6:]} on {setup.device}"
+        + (f" ({gpu.name}, what-if)" if gpu is not None else "")
+        + f"\ndrivers: optimizer {optimizer.name} ({planner.state_per_param:.2f} B/param of state), kernels "
         f"{setup.selections['kernels'].name}"
     )
+    floor: tuple[str, ...] = ()
+    if recommended is None:
+        disk = planner.drivers.disk_tier if machine.disk_free is not None else None
+        last = planner.candidates(placement, disk)[-1]
+        floor = (last.flags(), *planner.estimate(last, machine).shortfalls(machine))
     refusals = []
     why = seq_len_refusal(dc.seq_len, spec.max_positions)
     if why:  # a model limit, not a memory one: no placement changes it
@@ -89,6 +156,30 @@ def plan_run(
         requested=requested,
         recommended=recommended,
         refusals=tuple(refusals),
+        requested_step=_predict(planner, requested, machine),
+        recommended_step=None if recommended is None else _predict(planner, recommended, machine),
+        rates_note=_rates_note(machine, planner, gpu),
+        floor=floor,
+    )
+
+
+def _predict(planner: Planner, est: Estimate, machine: Machine) -> StepPrediction | None:
+    return None if est.layout is None else planner.predict(est.layout, machine)
+
+
+def _rates_note(machine: Machine, planner: Planner, gpu: GpuProfile | None) -> str:
+    if planner.device_type == "cpu":
+        return "step time: not predicted on the CPU (the step-time model covers GPUs)"
+    if machine.rates is None:
+        return (
+            f"step time: not predicted: no rates for this GPU ({machine.gpu or 'unknown'}); placements in "
+            "the fixed order (--gpu h200 or --gpu rtx4090 plans with a profile's rates)"
+        )
+    if gpu is None:
+        return f"rates: {machine.rates.name} (docs/planning.md)"
+    return (
+        f"GPU profile {gpu.name}: {gpu.description}; memory {gpu.memory_source}\n"
+        f"rates: {machine.rates.name}\n{machine.rates.describe()}"
     )
 
 

@@ -21,11 +21,18 @@ from slidekit.plugins import Plugins, Selection
 __all__ = ["device_tier", "tier_for"]
 
 
-def tier_for(plugins: Plugins, medium: str, device_type: str) -> Selection | None:
-    """The available tier of ``medium`` with the highest priority that serves ``device_type``, or None."""
+def tier_for(
+    plugins: Plugins, medium: str, device_type: str, *, assume_available: bool = False
+) -> Selection | None:
+    """The available tier of ``medium`` with the highest priority that serves ``device_type``, or None.
+
+    ``assume_available``: take the highest-priority one whatever this machine says of it (a what-if for
+    a device this machine lacks, whose own memory's tier only that device could probe)."""
     for reg in plugins.drivers("tier"):
         if reg.descriptor.medium != medium or device_type not in reg.descriptor.devices:
             continue
+        if assume_available:
+            return Selection(reg, f"tier {reg.name!r} for {device_type}, assumed available (what-if)", True)
         ok, _ = plugins.availability("tier", reg.name)
         if ok:
             return plugins.select("tier", reg.name, device_type)

@@ -1,0 +1,235 @@
+"""The step-time model: a ``Layout``'s predicted step on a machine's ``Rates``, and its parts.
+
+``predict_step(layout, rates, work)`` prices every unit's work from the
+rates (``unit_costs``) and replays the engine's schedule with those costs
+(``slidekit.planning.simulate``), several steps until it repeats, so that
+what overlaps what is the engine's own order: uploads ahead of the compute
+into free cache units, a unit's gradients down and its host update under
+the backward of the units after it (two ring buffers between them), the
+next forward's uploads waiting for each unit's update, deferred updates
+(clipping, skipping) under the next forward, resident units updated on the
+device after the backward. The result, a ``StepPrediction``, is the steady
+step (start to start), the drain a run's last step adds, the work of each
+lane and how much of each the compute stream waited for (``exposed``; the
+rest is hidden under compute).
+
+Costs per unit and step (``StepWork``: the model's shape and the run's tokens):
+
+    forward     2 x parameters x tokens + 4 x heads x head_dim x seq x tokens FLOPs at layer_tflops
+    backward    3 x the forward (recompute from the boundary, then backward)
+    head        6 x vocab x hidden x tokens at head_tflops (loss and gradients in one visit)
+    gradients   zeroed and their norm taken: 4 B/param at device_gbps, once a step
+    upload      the FP32 master, 4 B/param at h2d_gbps
+    down        the gradients, compute dtype, at d2h_gbps, one ring piece at a time
+    update      host: parameters / the optimizer's params/s; device (resident units): its bytes per
+                parameter at device_gbps; clipping adds a 4 B/param pass (host_gbps / device_gbps)
+    streamed    state on a disk tier: read and written back at disk_read/write_gbps, the update
+                taking the longer of that and its CPU time
+    activations on a tier: each layer's input written in the forward, read in the backward, over the
+                bus (a host tier) or the disk
+
+What it ignores: contention for host memory between the optimizer and the
+bus copies; the bus shared by uploads and activation reads beyond taking
+turns; kernel-launch gaps inside a visit (they are in the calibrated
+rates); the compute rate's dependence on the batch and the GPU's clocks
+(one rate per kind of matmul, calibrated on all-resident steps);
+checkpoints and evaluation. ``docs/planning.md`` has the calibration
+against the measured steps. Test: ``pytest tests/test_timing.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slidekit.models.base import ArchSpec
+from slidekit.planning.layout import Layout, Workload
+from slidekit.planning.rates import CLIP_PASS_BYTES, GRAD_PASS_BYTES, Rates
+from slidekit.planning.simulate import Piece, UnitCost, simulate
+
+__all__ = ["LABELS", "StepPrediction", "StepWork", "predict_step", "unit_costs"]
+
+#: What each lane's work is called in a prediction's parts.
+LABELS = {
+    "compute": "device compute",
+    "upload": "uploads",
+    "grad copy": "gradient copies",
+    "host update": "host updates",
+    "disk": "disk streaming",
+    "activations": "activation transfers",
+    "host": "host overhead",
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepWork:
+    """What a step computes, as the step-time model needs it: the model's shape and the run's tokens."""
+
+    tokens: int  # per micro-batch
+    micro: int  # micro-batches per step
+    seq_len: int
+    hidden_size: int
+    attention_width: int  # heads x head_dim
+    head_params: int  # vocab x hidden: the LM head's matrix (the tied embedding's)
+    tied: bool  # the LM head is the embedding (one more, pinned, cache unit)
+    optimizer: str  # the optimizer's name (its rate in ``Rates.updates``)
+    state_bytes_per_param: float  # for an optimizer without a rate
+    clip: bool  # clipping by the global norm: one more pass over each gradient before its update
+
+    @classmethod
+    def of(
+        cls, spec: ArchSpec, workload: Workload, *, optimizer: str, state_bytes_per_param: float, clip: bool
+    ) -> StepWork:
+        return cls(
+            tokens=workload.tokens,
+            micro=workload.grad_accum,
+            seq_len=workload.seq_len,
+            hidden_size=spec.hidden_size,
+            attention_width=spec.num_heads * spec.head_dim,
+            head_params=spec.vocab_size * spec.hidden_size,
+            tied=spec.tie_embeddings,
+            optimizer=optimizer,
+            state_bytes_per_param=state_bytes_per_param,
+            clip=clip,
+        )
+
+    def layer_flops(self, numel: int) -> float:
+        """FLOPs of one decoder layer's forward over one micro-batch (the model-FLOPs convention)."""
+        return 2.0 * numel * self.tokens + 4.0 * self.attention_width * self.seq_len * self.tokens
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepPrediction:
+    """A layout's predicted step: the steady period and what it is made of (see the module doc)."""
+
+    seconds: float  # one step, start to start, once the run is steady
+    drain_s: float  # after the last step returns, until every update is applied
+    tokens: int  # tokens per step
+    work: dict[str, float]  # seconds of work per lane in one step (keys: ``LABELS``)
+    exposed: dict[str, float]  # seconds of the step the compute stream waited for each lane
+    rates: str  # the name of the rates it was priced with
+
+    @property
+    def compute_s(self) -> float:
+        return self.work.get("compute", 0.0)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def bound(self) -> str:
+        """What sets the step: the device's compute, or the lane the compute waits for most."""
+        waits = {k: v for k, v in self.exposed.items() if k != "host"}
+        if not waits or max(waits.values()) < 0.05 * self.seconds:
+            return "compute"
+        return max(waits, key=lambda k: waits[k])
+
+    def mean_over(self, steps: int) -> float:
+        """The mean step of ``steps`` timed steps whose last ends once every update is applied (what
+        ``slidekit bench`` reports): the steady step plus the drain spread over them."""
+        if steps < 1:
+            raise ValueError(f"steps must be at least 1, got {steps}")
+        return self.seconds + self.drain_s / steps
+
+    def describe(self) -> str:
+        """Two lines: the step, its tokens/s and what bounds it; each lane's work and how much of it the
+        compute stream waited for."""
+        head = (
+            f"predicted step {_sec(self.seconds)} ({self.tokens_per_s:,.0f} tokens/s), bound by "
+            f"{LABELS[self.bound]} (rates: {self.rates})"
+        )
+        parts = []
+        for kind, label in LABELS.items():
+            busy, waited = self.work.get(kind, 0.0), self.exposed.get(kind, 0.0)
+            if kind == "compute":
+                parts.append(f"{label} {_sec(busy)}")
+            elif busy > 0 or waited > 0:
+                shown = f"{_sec(waited)} exposed" if waited >= 0.0005 else "hidden"
+                parts.append(f"{label} {_sec(busy)} ({shown})")
+        tail = f"; a run's last step adds {_sec(self.drain_s)} of updates" if self.drain_s >= 0.0005 else ""
+        return f"  {head}\n    " + "; ".join(parts) + tail
+
+
+def _sec(seconds: float) -> str:
+    if seconds >= 100:
+        return f"{seconds:.0f} s"
+    return f"{seconds:.1f} s" if seconds >= 10 else f"{seconds:.3f} s"
+
+
+def unit_costs(layout: Layout, rates: Rates, work: StepWork) -> list[UnitCost]:
+    """Seconds of every unit's work in a step on ``rates`` (the table in the module doc)."""
+    tflops_layer, tflops_head = rates.layer_tflops * 1e12, rates.head_tflops * 1e12
+    dev, h2d, d2h = rates.device_gbps * 1e9, rates.h2d_gbps * 1e9, rates.d2h_gbps * 1e9
+    host_bw = rates.host_gbps * 1e9
+    rate = rates.update(work.optimizer, work.state_bytes_per_param)
+    clip = CLIP_PASS_BYTES if work.clip else 0
+    layers = sum(u.kind == "layer" for u in layout.units)
+    acts_lane, write_bw, read_bw = {
+        "host": ("d2h", d2h, h2d),
+        "disk": ("disk", rates.disk_write_gbps * 1e9, rates.disk_read_gbps * 1e9),
+    }.get(layout.activation_medium, ("d2h", 0.0, 0.0))
+    per_act = layout.activation_bytes / max(layers * work.micro, 1)
+    s = layout.itemsize
+    out = []
+    for u in layout.units:
+        fwd = bwd = 0.0
+        if u.kind == "layer":
+            fwd = work.layer_flops(u.numel) / tflops_layer
+            bwd = 3 * fwd
+        elif u.kind == "head":
+            bwd = 6.0 * work.head_params * work.tokens / tflops_head
+        else:  # the embedding's backward: a scatter-add of the input gradient
+            bwd = 3.0 * work.tokens * work.hidden_size * s / dev
+        pieces: tuple[Piece, ...] = ()
+        if u.slides:
+            per_param_state = u.state_bytes / u.numel if u.numel else 0.0
+            disk = (
+                (1 / (rates.disk_read_gbps * 1e9) + 1 / (rates.disk_write_gbps * 1e9)) if u.streamed else 0.0
+            )
+            pieces = tuple(
+                Piece(
+                    down_s=(b - a) * s / d2h,
+                    update_s=(b - a) / rate.host_params_per_s + (b - a) * clip / host_bw,
+                    disk_s=(b - a) * per_param_state * disk,
+                )
+                for a, b in u.pieces
+            )
+        on_tier = u.kind == "layer" and write_bw > 0
+        out.append(
+            UnitCost(
+                kind=u.kind,
+                resident=u.resident,
+                fwd_s=fwd,
+                bwd_s=bwd,
+                grad_pass_s=u.numel * GRAD_PASS_BYTES / dev,
+                upload_s=0.0 if u.resident else u.numel * 4 / h2d,
+                pieces=pieces,
+                device_update_s=u.numel * (rate.device_bytes_per_param + clip) / dev if u.resident else 0.0,
+                act_write_s=per_act / write_bw if on_tier else 0.0,
+                act_read_s=per_act / read_bw if on_tier else 0.0,
+                act_lane=acts_lane,
+            )
+        )
+    return out
+
+
+def predict_step(layout: Layout, rates: Rates, work: StepWork) -> StepPrediction:
+    """The steady step of ``layout`` on ``rates`` for ``work`` (see the module doc)."""
+    result = simulate(
+        unit_costs(layout, rates, work),
+        window=layout.window.window,
+        prefetch=layout.prefetch,
+        ring=layout.ring_buffers,
+        tied=work.tied,
+        defer=layout.unit_grads,
+        micro=work.micro,
+        step_overhead_s=rates.step_overhead_s,
+    )
+    return StepPrediction(
+        seconds=result.seconds,
+        drain_s=result.drain_s,
+        tokens=work.tokens * work.micro,
+        work=dict(result.busy),
+        exposed=dict(result.exposed),
+        rates=rates.name,
+    )

@@ -1,0 +1,450 @@
+"""The step-time model: its parts against hand arithmetic, its bounds, the planner's choice by predicted
+step, the GPU profiles, and `slidekit plan` for a GPU this machine lacks.
+
+The calibration against the measured H200 steps is ``tests/test_timing_calibration.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from slidekit.cli import main
+from slidekit.config import DataConfig, EngineConfig, ModelConfig, OptimConfig, TrainConfig
+from slidekit.errors import ConfigError
+from slidekit.models.base import ArchSpec
+from slidekit.planning import GIB, TIE, Machine, Placement, Planner, Rates, UpdateRate, Workload, plan_run
+from slidekit.planning.profiles import PROFILES, profile, profile_for_device
+from slidekit.planning.rates import CLIP_PASS_BYTES, GRAD_PASS_BYTES
+from slidekit.planning.simulate import Piece, UnitCost, simulate
+from slidekit.planning.timing import predict_step, unit_costs
+from slidekit.planning.what_if import what_if_machine
+from slidekit.plugins import Plugins
+from slidekit.testing.models import tiny_config
+
+MEDIA = {"ram": "host", "posix": "disk", "gds": "disk", "gpu": "device"}
+
+#: Round figures, so that every expected second below is plain arithmetic.
+RATES = Rates(
+    name="test",
+    layer_tflops=2.0,
+    head_tflops=1.0,
+    device_gbps=100.0,
+    h2d_gbps=10.0,
+    d2h_gbps=10.0,
+    host_gbps=20.0,
+    disk_read_gbps=1.0,
+    disk_write_gbps=0.5,
+    step_overhead_s=1e-4,
+    updates={"adam": UpdateRate(host_params_per_s=1e9, device_bytes_per_param=28.0, source="test")},
+)
+
+
+def _spec(family: str = "llama", **overrides: object) -> ArchSpec:
+    hf = tiny_config(family, **overrides)
+    return Plugins().adapter_for(hf.model_type).descriptor.factory(hf)
+
+
+def _planner(spec: ArchSpec, *, batch: int = 4, seq: int = 32, accum: int = 1, **kw: object) -> Planner:
+    args: dict[str, object] = {
+        "compute_itemsize": 2,
+        "state_bytes": lambda n: 8 * n,
+        "media": MEDIA,
+        "device_type": "cuda",
+        "optimizer": "adam",
+    }
+    args.update(kw)
+    return Planner(spec, Workload(batch_size=batch, seq_len=seq, grad_accum=accum), **args)  # type: ignore[arg-type]
+
+
+def _machine(
+    gpu: float = 80.0, ram: float = 64.0, disk: float | None = None, rates: Rates | None = RATES
+) -> Machine:
+    return Machine(
+        device_type="cuda",
+        device_free=int(gpu * GIB),
+        device_total=int(gpu * GIB),
+        host_available=int(ram * GIB),
+        host_total=int(ram * GIB),
+        disk_free=None if disk is None else int(disk * GIB),
+        rates=rates,
+    )
+
+
+def _rates(**changes: object) -> Rates:
+    return dataclasses.replace(RATES, **changes)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- the model's parts
+
+
+def test_all_resident_is_compute_only_and_matches_the_arithmetic():
+    """Every unit resident: the step is the device's work, unit by unit, plus the per-step host time."""
+    spec = _spec("llama", num_hidden_layers=4)
+    p = _planner(spec, batch=2, seq=16, accum=3)
+    layout = p.layout(Placement(gpu_resident="all"), _machine())
+    pred = predict_step(layout, RATES, p.work)
+    tokens, micro = 2 * 16, 3
+    attention = 4 * spec.num_heads * spec.head_dim * 16 * tokens
+    layers = sum(4 * (2 * u.numel * tokens + attention) for u in spec.units if u.kind == "layer") / 2e12
+    head = 6 * spec.vocab_size * spec.hidden_size * tokens / 1e12
+    embed = 3 * tokens * spec.hidden_size * 2 / 100e9
+    passes = sum(u.numel for u in spec.units) * (GRAD_PASS_BYTES + 28) / 100e9
+    compute = micro * (layers + head + embed) + passes
+    assert pred.compute_s == pytest.approx(compute, rel=1e-9)
+    assert pred.seconds == pytest.approx(compute + RATES.step_overhead_s, rel=1e-9)
+    assert pred.exposed == pytest.approx({"host": RATES.step_overhead_s})
+    assert set(pred.work) == {"compute", "host"} and pred.drain_s == 0 and pred.bound == "compute"
+    assert pred.tokens == tokens * micro and pred.tokens_per_s == pytest.approx(pred.tokens / pred.seconds)
+
+
+def test_every_unit_on_the_host_is_bound_by_its_updates():
+    spec = _spec("llama", num_hidden_layers=6)
+    p = _planner(spec)
+    slow = _rates(
+        updates={"adam": UpdateRate(host_params_per_s=1e4, device_bytes_per_param=28.0, source="t")}
+    )
+    layout = p.layout(Placement(gpu_resident="none"), _machine())
+    pred = predict_step(layout, slow, p.work)
+    updates = sum(u.numel for u in spec.units) / 1e4
+    assert pred.work["host update"] == pytest.approx(updates)
+    assert pred.bound == "host update"
+    assert updates <= pred.seconds <= updates + sum(pred.work.values())  # the optimizer lane is serial
+    # The next forward needs unit 0 first, which the backward order updates last: a run's last step
+    # ends once it is applied, so the drain is at least that update.
+    assert pred.drain_s >= spec.units[0].numel / 1e4 * (1 - 1e-9)
+
+
+def test_state_on_disk_is_bound_by_streaming_it():
+    spec = _spec("llama", num_hidden_layers=6)
+    p = _planner(spec)
+    place = Placement(gpu_resident="none", state_offload_tier="posix", state_offload_fraction=1.0)
+    layout = p.layout(place, _machine(disk=10))
+    assert all(u.streamed for u in layout.units)
+    slow = _rates(disk_read_gbps=1e-3, disk_write_gbps=1e-3)
+    pred = predict_step(layout, slow, p.work)
+    state = 8 * sum(u.numel for u in spec.units)
+    assert pred.work["disk"] == pytest.approx(2 * state / 1e6)  # read and written back, 1 MB/s each
+    assert pred.bound == "disk" and pred.seconds >= pred.work["disk"] * (1 - 1e-9)
+
+
+def test_slow_uploads_bound_the_step_and_resident_units_take_them_away():
+    spec = _spec("llama", num_hidden_layers=6)
+    p = _planner(spec)
+    slow = _rates(h2d_gbps=1e-3)
+    none = predict_step(p.layout(Placement(gpu_resident="none"), _machine()), slow, p.work)
+    once = sum(u.numel for u in spec.units) * 4 / 1e6  # every master up at least once a step
+    assert none.bound == "upload" and none.seconds >= once
+    half = predict_step(p.layout(Placement(gpu_resident="0.5"), _machine()), slow, p.work)
+    assert half.work["upload"] < none.work["upload"] and half.seconds < none.seconds
+
+
+def test_clipping_adds_one_pass_over_each_gradient_and_defers_the_updates():
+    spec = _spec("llama", num_hidden_layers=4)
+    plain = _planner(spec)
+    clipped = _planner(spec, keep_grads=True, clip=True)
+    a = predict_step(plain.layout(Placement(gpu_resident="none"), _machine()), RATES, plain.work)
+    layout = clipped.layout(Placement(gpu_resident="none"), _machine())
+    assert layout.unit_grads
+    b = predict_step(layout, RATES, clipped.work)
+    extra = sum(u.numel for u in spec.units) * CLIP_PASS_BYTES / 20e9
+    assert b.work["host update"] - a.work["host update"] == pytest.approx(extra, rel=1e-9)
+    # deferred: every update waits for the end of the step, so a run's last step waits for all of them
+    assert b.drain_s >= b.work["host update"] * (1 - 1e-9) > a.drain_s
+
+
+def test_activations_on_a_tier_cross_the_bus_each_way():
+    spec = _spec("llama", num_hidden_layers=4)
+    p = _planner(spec, batch=8, seq=64, accum=2)
+    layout = p.layout(Placement(gpu_resident="all", activation_tier="ram"), _machine())
+    pred = predict_step(layout, RATES, p.work)
+    assert pred.work["activations"] == pytest.approx(2 * layout.activation_bytes / 10e9)
+    on_disk = p.layout(Placement(gpu_resident="all", activation_tier="posix"), _machine(disk=1))
+    disk = predict_step(on_disk, RATES, p.work)
+    assert disk.work["activations"] == pytest.approx(on_disk.activation_bytes * (1 / 1e9 + 1 / 0.5e9))
+
+
+def test_an_optimizer_without_a_rate_is_priced_by_the_bytes_it_moves():
+    rate = RATES.update("mystery", 2.0)
+    assert rate.host_params_per_s == pytest.approx(20e9 / (2 + 8 + 4)) and "estimated" in rate.source
+    assert RATES.update("adam", 8.0) is RATES.updates["adam"]
+
+
+def test_rates_refuse_figures_that_are_not_positive():
+    with pytest.raises(ConfigError, match=r"h2d_gbps must be positive, got 0\.0"):
+        _rates(h2d_gbps=0.0)
+    with pytest.raises(ConfigError, match="step_overhead_s must be >= 0"):
+        _rates(step_overhead_s=-1.0)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layers=st.integers(1, 6),
+    tied=st.booleans(),
+    window=st.integers(2, 4),
+    buffers=st.integers(1, 3),
+    accum=st.integers(1, 3),
+    resident=st.sampled_from(["none", "0.25", "0.5", "all"]),
+    clip=st.booleans(),
+    acts=st.sampled_from(["device", "ram", "posix"]),
+    fraction=st.sampled_from([0.0, 0.5, 1.0]),
+    scale=st.floats(1e-3, 1e3),
+)
+def test_the_replay_accounts_for_every_second(
+    layers, tied, window, buffers, accum, resident, clip, acts, fraction, scale
+):
+    """Whatever the layout: the step is its compute plus what the compute waited for, lane by lane, and
+    no serial lane works longer than a step (the replay is steady)."""
+    spec = _spec("qwen2" if tied else "llama", num_hidden_layers=layers)
+    p = _planner(spec, accum=accum, window=window, grad_buffers=buffers, keep_grads=clip, clip=clip)
+    place = Placement(
+        gpu_resident=resident,
+        activation_tier=acts,
+        state_offload_tier="posix" if fraction else None,
+        state_offload_fraction=fraction,
+    )
+    layout = p.layout(place, _machine(disk=10))
+    rates = _rates(h2d_gbps=10.0 * scale, disk_read_gbps=scale, disk_write_gbps=scale / 2)
+    pred = predict_step(layout, rates, p.work)
+    assert pred.seconds > 0 and pred.drain_s >= 0 and min(pred.exposed.values(), default=0) >= 0
+    assert pred.compute_s + sum(pred.exposed.values()) == pytest.approx(pred.seconds, rel=1e-9)
+    for lane in ("compute", "upload", "grad copy", "host update", "disk"):
+        assert pred.work.get(lane, 0.0) <= pred.seconds * (1 + 1e-9), lane
+
+
+def test_simulate_refuses_too_few_steps():
+    unit = UnitCost(kind="layer", resident=False, pieces=(Piece(0.1, 0.1),))
+    with pytest.raises(ValueError, match="at least 3 simulated steps"):
+        simulate([unit] * 3, window=2, prefetch=1, ring=1, tied=False, defer=False, micro=1,
+                 step_overhead_s=0, max_steps=2)  # fmt: skip
+
+
+def test_unit_costs_price_each_piece_of_a_large_unit():
+    spec = _spec("llama", num_hidden_layers=2, vocab_size=4096)  # embedding and head larger than a layer
+    p = _planner(spec)
+    layout = p.layout(Placement(gpu_resident="none"), _machine())
+    costs = unit_costs(layout, RATES, p.work)
+    for u, c in zip(layout.units, costs, strict=True):
+        assert len(c.pieces) == len(u.pieces) > 0
+        assert sum(x.down_s for x in c.pieces) == pytest.approx(u.numel * 2 / 10e9)
+        assert sum(x.update_s for x in c.pieces) == pytest.approx(u.numel / 1e9)
+        assert c.upload_s == pytest.approx(u.numel * 4 / 10e9)
+    assert len(costs[-1].pieces) > 1  # the head comes down in layer-sized pieces
+
+
+# ---------------------------------------------------------------------------- the planner's choice
+
+
+def test_without_rates_the_fixed_order_decides():
+    spec = _spec("llama", num_hidden_layers=8, vocab_size=512)
+    p = _planner(spec)
+    est = p.recommend(Placement(), _machine(rates=None))
+    assert est is not None and est.placement.gpu_resident == "all"
+    assert p.predict(est.layout, _machine(rates=None)) is None  # type: ignore[arg-type]
+
+
+def test_the_predicted_step_chooses_where_the_fixed_order_would_not():
+    """A GPU that holds either the activations or one more resident unit: with slow host updates the
+    extra resident (activations in RAM) wins on time, while the fixed order puts activations first."""
+    big = {
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    }
+    spec = _spec(
+        "llama", num_hidden_layers=8, vocab_size=32000, head_dim=128, max_position_embeddings=512, **big
+    )
+    p = _planner(spec, batch=64, seq=512)
+    slow = _rates(
+        updates={"adam": UpdateRate(host_params_per_s=1e6, device_bytes_per_param=28.0, source="t")}
+    )
+    found = None
+    for gib in range(20, 80):  # a GPU where activations in RAM leave room for more residents
+        machine = dataclasses.replace(_machine(gpu=gib), rates=slow)
+        on_device = sum(p.residency(Placement(), machine))
+        in_ram = sum(p.residency(Placement(activation_tier="ram"), machine))
+        if 0 < on_device < in_ram < len(spec.units):
+            found = machine
+            break
+    assert found is not None
+    fixed = p.recommend(Placement(), dataclasses.replace(found, rates=None))
+    timed = p.recommend(Placement(), found)
+    assert fixed is not None and timed is not None
+    assert fixed.placement.activation_tier == "device" and timed.placement.activation_tier == "ram"
+    assert sum(timed.resident) > sum(fixed.resident)
+    # and it is the fastest of every placement that fits, within the tie band
+    seconds = [
+        p.predict_layout(e, found)
+        for c in p.split_candidates(Placement(), None, found)
+        if (e := p.estimate(c, found)).placement_fits(found)
+    ]
+    assert p.predict_layout(timed, found) <= min(seconds) * (1 + TIE)
+    assert p.predict_layout(timed, found) < p.predict_layout(fixed, found)
+
+
+def test_ties_keep_the_fixed_order():
+    spec = _spec("llama", num_hidden_layers=4)
+    p = _planner(spec)
+    est = p.recommend(Placement(gpu_resident="none"), _machine())
+    assert est is not None and est.placement.gpu_resident == "all"  # "auto" holds them all too: a tie
+
+
+def test_the_split_puts_the_fewest_units_state_on_disk():
+    """RAM short of all the state: the planner moves whole units' state to disk, the fewest that make RAM
+    suffice (not the next quarter), which is also the fastest."""
+    spec = _spec("llama", num_hidden_layers=10)
+    p = _planner(spec, device_updates=False)  # nothing can be resident: RAM holds every master
+    place = Placement(gpu_resident="none")
+    full = p.estimate(place, _machine())
+    ram = full.host_bytes - 0.3 * full.host["state"]
+    machine = dataclasses.replace(_machine(disk=10), host_available=int(ram), host_total=int(ram))
+    est = p.recommend(place, machine)
+    assert est is not None and est.placement.state_offload_tier == "posix"
+    units = len(spec.units)
+    k = round(est.placement.state_offload_fraction * units)
+    assert 0 < k < units and est.host_fits(machine)
+    fewer = dataclasses.replace(est.placement, state_offload_fraction=(k - 1) / units)
+    assert not p.estimate(fewer, machine).host_fits(machine)
+    coarse = p.recommend(place, dataclasses.replace(machine, rates=None))  # the quarter grid
+    assert (
+        coarse is not None and coarse.placement.state_offload_fraction >= est.placement.state_offload_fraction
+    )
+    assert p.predict_layout(est, machine) <= p.predict_layout(coarse, machine) * (1 + TIE)
+
+
+# ---------------------------------------------------------------------------- profiles
+
+
+def test_profiles_say_where_every_figure_comes_from():
+    fields = [f.name for f in dataclasses.fields(Rates) if f.name not in ("name", "updates", "sources")]
+    for name, gpu in PROFILES.items():
+        assert profile(name) is gpu and profile(name.upper()) is gpu
+        assert set(gpu.rates.sources) == set(fields), name
+        assert {"layer_adam", "adamw_8bit"} <= set(gpu.rates.updates)
+        assert 0 < gpu.device_free < gpu.device_total
+    h200, rtx = PROFILES["h200"].rates, PROFILES["rtx4090"].rates
+    assert all(s.startswith("measured") for s in h200.sources.values())
+    sources = [
+        *rtx.sources.values(),
+        *(u.source for u in rtx.updates.values()),
+        PROFILES["rtx4090"].memory_source,
+    ]
+    assert not any(s.startswith("measured") for s in sources)  # nothing of it was measured here
+    assert all(s.startswith(("derived", "assumed", "published")) for s in sources)
+    assert rtx.layer_tflops < h200.layer_tflops and rtx.h2d_gbps < h200.h2d_gbps
+    with pytest.raises(ConfigError, match=r"unknown GPU profile .b300.*h200, rtx4090"):
+        profile("b300")
+
+
+def test_a_probed_gpu_gets_its_profiles_rates():
+    assert profile_for_device("NVIDIA H200") is PROFILES["h200"]
+    assert profile_for_device("NVIDIA GeForce RTX 4090") is PROFILES["rtx4090"]
+    assert profile_for_device("NVIDIA A100-SXM4-80GB") is None
+
+
+# ---------------------------------------------------------------------------- slidekit plan, what-ifs
+
+
+def test_plan_says_what_if_and_compares_no_given_figure_with_this_machine(capsys):
+    """--ram-gib beyond this machine's RAM printed "RAM 123.60 GiB available of 23.54 GiB"."""
+    assert main(["plan", "--device", "cpu", "--ram-gib", "123.6", "--disk-gib", "7"]) == 0
+    out = capsys.readouterr().out
+    assert "RAM 123.60 GiB available (what-if)" in out and "available of" not in out
+    with pytest.raises(ConfigError, match="--gpu-gib plans for a GPU"):
+        from slidekit.planning.what_if import plan_machine
+
+        plan_machine(TrainConfig(engine=EngineConfig(device="cpu")), gpu_gib=10)
+
+
+def test_plan_for_a_gpu_this_machine_lacks(capsys):
+    """`slidekit plan --gpu h200` plans for the H200 whether or not CUDA is here, with its rates."""
+    assert main(["plan", "--gpu", "h200", "--batch-size", "2", "--seq-len", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU h200 139.29 GiB free (what-if)" in out and "on cuda (h200, what-if)" in out
+    assert "kernels triton_cuda" in out and "rates: h200 (measured)" in out
+    assert "predicted step" in out and "split: " in out and "verdict: fits" in out
+    assert main(["plan", "--gpu", "h200", "--device", "cpu"]) == 2  # a what-if for a GPU computes there
+    assert "--gpu plans for a CUDA device" in capsys.readouterr().err
+    assert main(["plan", "--gpu", "b300"]) == 2
+    assert main(["plan", "--preset", "tiny", "--model", "demo"]) == 2
+    assert "give --model or --preset" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def llama70b(tmp_path_factory):
+    from slidekit.tools.presets import write_config
+
+    path = tmp_path_factory.mktemp("llama-3.1-70b")
+    write_config("llama-3.1-70b", path, 1024)
+    return path
+
+
+def _what_if(
+    model, gpu: str, ram: float, tmp_path, *, optimizer: str = "layer_adam", disk: float | None = 4000
+):
+    here = Machine(device_type="cpu", host_available=GIB, host_total=GIB, disk_free=None)
+    machine = what_if_machine(PROFILES[gpu], here, ram_gib=ram, disk_gib=disk)
+    config = TrainConfig(
+        model=ModelConfig(source=str(model)),
+        data=DataConfig(batch_size=8, seq_len=1024),
+        engine=EngineConfig(offload_dir=str(tmp_path / "off")),
+        optim=OptimConfig(name=optimizer),
+    )
+    return plan_run(config, machine=machine, gpu=PROFILES[gpu])
+
+
+@pytest.mark.parametrize("optimizer", ["layer_adam", "adamw_8bit"])
+def test_llama_70b_what_ifs(llama70b, tmp_path, optimizer):
+    """The boxes users grow into (docs/planning.md): one H200 with 256 or 512 GiB of RAM, an RTX 4090
+    with 256 GiB. Which placement each gets and its predicted step; more RAM is never slower."""
+    steps = {}
+    for ram in (256, 512):
+        report = _what_if(llama70b, "h200", ram, tmp_path, optimizer=optimizer)
+        rec, step = report.recommended, report.recommended_step
+        assert rec is not None and step is not None and rec.fits(report.machine), ram
+        assert 0 < sum(rec.resident) < len(rec.resident)  # the GPU holds some units, not all
+        assert report.requested_step is not None
+        text = report.render()
+        assert "fastest placement that fits with the shortest predicted step" in text and "split:" in text
+        steps[ram] = (step.seconds, rec.placement.state_offload_fraction, step.bound)
+    assert steps[512][0] <= steps[256][0] * (1 + TIE)  # more RAM never slower
+    assert steps[512][1] <= steps[256][1]  # ... and never more state on disk
+    if optimizer == "layer_adam":  # 12 B/param of masters and state: both boxes stream state from disk
+        assert steps[256][1] > steps[512][1] > 0 and steps[256][2] == "disk"
+    else:  # 6 B/param: 512 GiB holds it all in RAM
+        assert steps[512][1] == 0 and steps[512][2] != "disk"
+    # without a disk the 256 GiB box cannot hold the state at all
+    assert _what_if(llama70b, "h200", 256, tmp_path, optimizer=optimizer, disk=None).recommended is None
+    # the RTX 4090 box: its 256 GiB cannot hold the FP32 masters (4 B/param), whatever goes to disk
+    rtx = _what_if(llama70b, "rtx4090", 256, tmp_path, optimizer=optimizer)
+    assert rtx.recommended is None and not rtx.fits
+    assert rtx.floor and any(line.startswith("host RAM") and "masters" in line for line in rtx.floor[1:])
+    assert "not even the most offloaded" in rtx.render()
+    # with room for the masters it fits; its device computes the same step far slower than the H200
+    bigger = _what_if(llama70b, "rtx4090", 512, tmp_path, optimizer=optimizer)
+    h200 = _what_if(llama70b, "h200", 512, tmp_path, optimizer=optimizer).recommended_step
+    assert bigger.recommended_step is not None and h200 is not None
+    assert bigger.recommended_step.compute_s > 4 * h200.compute_s
+
+
+def test_llama_70b_preset_through_the_command_line(tmp_path, capsys):
+    off = tmp_path / "off"
+    args = ["plan", "--preset", "llama-3.1-70b", "--gpu", "h200", "--ram-gib", "512", "--disk-gib", "4000"]
+    code = main([*args, "--offload-dir", str(off), "--batch-size", "8", "--seq-len", "1024"])
+    out = capsys.readouterr().out
+    assert code == 1  # the requested placement (all state in RAM) does not fit; the recommendation does
+    assert "model: preset llama-3.1-70b (llama, 80 layers, 70.55B parameters)" in out
+    assert "predicted step if it fit" in out and "fastest placement that fits" in out
+    predictions = [line for line in out.splitlines() if line.startswith("  predicted step")]
+    assert len(predictions) == 2 and "--state-offload-tier posix" in out
+
+
+def test_the_cpu_gets_no_prediction():
+    report = plan_run(TrainConfig(engine=EngineConfig(device="cpu")))
+    assert report.requested_step is None and "not predicted on the CPU" in report.render()
+    assert torch.device("cpu").type == report.machine.device_type
