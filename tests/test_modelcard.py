@@ -18,7 +18,11 @@ import torch
 from slidekit import DataConfig, EngineConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig, Trainer
 from slidekit.export import MANIFEST, export_model
 from slidekit.modelcard import base_model_id, last_logged, model_card
+from slidekit.models.loading import demo_dir
 from slidekit.testing.models import random_batches, save_tiny_model
+
+#: The tiny models have no tokenizer, and an export writes one: the demo's will do.
+TOKENIZER = str(demo_dir() / "tokenizer")
 
 
 class _Records(logging.Handler):
@@ -71,7 +75,7 @@ def test_an_export_carries_the_generation_config_a_dtype_and_a_card(
 
     src = model_with_generation_config
     cfg = TrainConfig(
-        model=ModelConfig(source=str(src)),
+        model=ModelConfig(source=str(src), tokenizer=TOKENIZER),
         optim=OptimConfig(lr=1e-3, schedule="cosine", warmup_steps=1, weight_decay=0.1, max_grad_norm=1.0),
         engine=EngineConfig(device="cpu", compute_dtype="float32"),
         steps=3,
@@ -138,7 +142,7 @@ def test_the_demo_export_has_no_generation_config_and_its_card_has_the_eval_loss
 def test_an_export_after_a_resume_that_trains_nothing_takes_the_losses_from_the_run(tiny_model, tmp_path):
     run = tmp_path / "run"
     cfg = TrainConfig(
-        model=ModelConfig(source=str(tiny_model("llama"))),
+        model=ModelConfig(source=str(tiny_model("llama")), tokenizer=TOKENIZER),
         optim=OptimConfig(lr=1e-3),
         engine=EngineConfig(device="cpu", compute_dtype="float32"),
         run=RunConfig(dir=str(run)),
