@@ -29,6 +29,8 @@ from slidekit.config import TrainConfig
 from slidekit.data import Batch, PackedDataset
 from slidekit.data.configured import configured_datasets, model_tokenizer
 from slidekit.devices import device_family
+from slidekit.distributed import DataParallel
+from slidekit.distributed.weights import fill_shards
 from slidekit.engine import Engine
 from slidekit.engine.build import EngineParts, build_engine
 from slidekit.errors import ConfigError, ModelLoadError
@@ -41,7 +43,6 @@ from slidekit.lr_schedule import lr_factor
 from slidekit.models.loading import (
     DEMO_MODEL,
     demo_dir,
-    fill_masters,
     weight_files,
 )
 from slidekit.owned import Leftover
@@ -87,12 +88,14 @@ class Trainer:
         progress: bool = False,
         fault_hook: Callable[[str], None] | None = None,
         machine: Machine | None = None,
+        parallel: DataParallel | None = None,
     ) -> None:
         """Build everything a run needs. ``fault_hook(lane)`` is called before every pipeline task
         ("h2d", "d2h", "optim") and every visit of the main thread ("main"): a seam for fault and
         delay injection in tests. ``machine`` stands in for this machine's measured memory and disk
         (what-if planning, tests); the run is refused when it does not fit (``slidekit.planning``)."""
         self.config = config
+        self.parallel = parallel  # this process's rank of a data-parallel run (slidekit.distributed)
         self._machine = machine
         self.planner: Planner | None = None
         self.estimate: Estimate | None = None
@@ -187,6 +190,7 @@ class Trainer:
             timeout_s=ec.timeout_s,
             task_hook=self._fault_hook,
             offload_dir=ec.offload_dir,
+            parallel=self.parallel,
         )
         return build_engine(layout, parts)
 
@@ -251,7 +255,8 @@ class Trainer:
                 f"{str(self.model_dir)!r} has no model.safetensors or model.safetensors.index.json; "
                 "set model.random_init (CLI: --random-init) to start from random weights"
             )
-        fill_masters(self.spec, self._engine.host.masters, files, mc.init_seed)
+        shards = None if self._engine.collectives is None else self._engine.collectives.shards
+        fill_shards(self.spec, self._engine.host.masters, shards, files, mc.init_seed)
         self._engine.sync_resident()
 
     # ------------------------------------------------------------------ data
@@ -341,6 +346,8 @@ class Trainer:
                         self.checkpoint()
                     self.run.wait()
         except BaseException as exc:
+            if self.parallel is not None:  # the other ranks must not wait for this one
+                self.parallel.report(exc)
             bar.close()
             if trace is not None:
                 trace.close(error=exc)
