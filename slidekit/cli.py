@@ -254,7 +254,10 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _finetune(args: argparse.Namespace) -> int:
-    return finetune(config_from_args(args), progress=not args.quiet)
+    from slidekit.distributed.launch import quiet_unless_rank_zero
+
+    with quiet_unless_rank_zero():  # under torchrun, rank 0 alone prints (slidekit.distributed.launch)
+        return finetune(config_from_args(args), progress=not args.quiet)
 
 
 def finetune(
@@ -321,6 +324,10 @@ def rescue_dir(config: TrainConfig) -> Path | None:
     """The run directory ``finetune`` gives a run that exports without one: ``OUT.slidekit-run`` beside OUT."""
     if not config.run.export_dir or config.run.dir:
         return None
+    from slidekit.distributed import env_world
+
+    if (world := env_world()) is not None and world[1] > 1:
+        return None  # data-parallel: no checkpoints yet (slidekit.distributed.launch.refuse_run_dir)
     target = Path(os.path.realpath(Path(config.run.export_dir).expanduser()))
     if not target.name:  # the root: refused as a target anyway
         return None

@@ -30,6 +30,7 @@ from slidekit.data import Batch, PackedDataset
 from slidekit.data.configured import configured_datasets, model_tokenizer
 from slidekit.devices import device_family
 from slidekit.distributed import DataParallel
+from slidekit.distributed.launch import describe, launch, on_rank_zero, rank_batches, refuse_run_dir
 from slidekit.distributed.weights import fill_shards
 from slidekit.engine import Engine
 from slidekit.engine.build import EngineParts, build_engine
@@ -94,16 +95,21 @@ class Trainer:
         ("h2d", "d2h", "optim") and every visit of the main thread ("main"): a seam for fault and
         delay injection in tests. ``machine`` stands in for this machine's measured memory and disk
         (what-if planning, tests); the run is refused when it does not fit (``slidekit.planning``)."""
+        self._owned_parallel: DataParallel | None = None
+        if parallel is None:  # under torchrun (WORLD_SIZE > 1): this rank's device and the run's groups
+            config, parallel = launch(config)
+            self._owned_parallel = parallel
         self.config = config
         self.parallel = parallel  # this process's rank of a data-parallel run (slidekit.distributed)
         self._machine = machine
         self.planner: Planner | None = None
         self.estimate: Estimate | None = None
         self._fault_hook = fault_hook
-        self.progress = progress
+        self.progress = progress and (parallel is None or parallel.rank == 0)  # rank 0's bar only
         self.plugins = plugins or Plugins(
             entry_points=config.plugins.entry_points, block=config.plugins.block
         )
+        self.plugins = on_rank_zero(self.plugins, parallel)  # loggers and other lifecycle hooks: rank 0's
         self.setup = setup = resolve(config, self.plugins)
         self.device, self.compute_dtype, self.spec = setup.device, setup.compute_dtype, setup.spec
         self.hf_config, self.model_dir = setup.hf_config, setup.model_dir
@@ -112,6 +118,8 @@ class Trainer:
         self.lr: float = effective_lr(config.model.source, config.optim.lr)
         if config.optim.lr is None:
             self.notes.append(f"learning rate {self.lr:g} (the default for this model; set optim.lr / --lr)")
+        if parallel is not None:
+            self.notes.append(describe(parallel, config.data.batch_size, config.grad_accum))
 
         self._tiers: dict[str, StorageTier] = {}
         self._engine: Engine | None = None
@@ -123,6 +131,7 @@ class Trainer:
         self._guards: list[Any] | None = None  # what an export may not replace (export_guards), once
         self._files: dict[str, Path] | None = None  # the model's weight files (weight_files), looked up once
         try:
+            refuse_run_dir(config, parallel)  # data-parallel checkpoints are not built yet
             if config.run.export_dir:  # a target the export would refuse is refused before any training
                 check_target(
                     config.run.export_dir,
@@ -151,7 +160,9 @@ class Trainer:
                     self.notes.append("resumed with changed settings: " + "; ".join(changed))
             else:
                 self._load_weights()
-        except BaseException:
+        except BaseException as exc:
+            if self.parallel is not None:  # the other ranks must not wait for this one
+                self.parallel.report(exc)
             run = self.run
             self.close()
             fresh = config.run.resume_target() is None
@@ -278,7 +289,8 @@ class Trainer:
     def default_batches(self) -> Iterator[Batch]:
         """Endless shuffled training batches from ``config.data`` (the sample corpus when no path is set)."""
         dc = self.config.data
-        return self.datasets()[0].batches(dc.batch_size, dc.seed + self.config.seed)
+        batches = self.datasets()[0].batches(dc.batch_size, dc.seed + self.config.seed)
+        return rank_batches(batches, self.parallel)  # data-parallel: every world-th batch, from the rank's
 
     def eval_loss(self) -> float | None:
         """Loss on the held-out split of ``config.data`` (None when there is none)."""
@@ -328,8 +340,11 @@ class Trainer:
             with GracefulStop() as stop:
                 for step in range(1, steps + 1):
                     micro = list(itertools.islice(data, self.config.grad_accum))
-                    if stop.signal or len(micro) < self.config.grad_accum:
-                        break  # interrupted, or the data ran out: no partial step
+                    go = not stop.signal and len(micro) == self.config.grad_accum
+                    if self.parallel is not None:  # data-parallel: every rank takes the step, or none does
+                        go = self.parallel.agree(go)
+                    if not go:
+                        break  # interrupted, or the data ran out (on any rank): no partial step
                     t_step = time.perf_counter()
                     starts.append(t_step)
                     metrics = self._step(engine, step, micro, result)
@@ -487,6 +502,11 @@ class Trainer:
             )
         else:
             where = "the trained weights are still in this Trainer: fix the problem and call export() again"
+        state = None
+        if self.parallel is not None:  # every rank lends its shards (a collective); rank 0 writes the export
+            state = engine.master_state()
+            if self.parallel.rank != 0:
+                return Path(out)
         hook = self._fault_hook
         on_stage = (lambda stage, _detail: hook(f"export:{stage}")) if hook else None
         try:
@@ -497,7 +517,7 @@ class Trainer:
             return export_model(
                 target,
                 hf_config=copy.deepcopy(self.hf_config),
-                state=engine.master_state(),
+                state=engine.master_state() if state is None else state,
                 tokenizer=self.tokenizer(),
                 info={
                     "step": engine.steps_done,
@@ -527,6 +547,9 @@ class Trainer:
         for tier in self._tiers.values():
             tier.close()
         self._tiers.clear()
+        if self._owned_parallel is not None:
+            parallel, self._owned_parallel = self._owned_parallel, None
+            parallel.close()
 
     def __enter__(self) -> Trainer:
         return self

@@ -181,9 +181,14 @@ class DataParallel:
                 "WORLD_SIZE > 1 needs MASTER_ADDR and MASTER_PORT (an integer); launch with "
                 "`torchrun --nproc-per-node N -m slidekit finetune ...`, which sets them"
             ) from None
-        store = dist.TCPStore(
-            host, port, size, is_master=rank == 0, timeout=timedelta(seconds=timeout_s), wait_for_workers=True
-        )
+        # torchrun's agent hosts the store itself (TORCHELASTIC_USE_AGENT_STORE): every rank is a client.
+        agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True"
+        store: dist.Store = dist.TCPStore(
+            host, port, size, is_master=rank == 0 and not agent, timeout=timedelta(seconds=timeout_s),
+            multi_tenant=True,
+        )  # fmt: skip
+        # The agent's store outlives a restart of the workers: each attempt keeps its own keys.
+        store = dist.PrefixStore(f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
         return cls.init(store, rank=rank, world=size, device=device, backend=backend, timeout_s=timeout_s)
 
     # ------------------------------------------------------------------ failures

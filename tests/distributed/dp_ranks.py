@@ -125,6 +125,10 @@ class Job:
     fail_step: int = 2  # ... during this step
     fault: str = "raise"  # "raise" (Injected), "exit" (the process dies), "data" (its batches raise)
     engine: dict[str, Any] = field(default_factory=dict)
+    run: dict[str, Any] = field(default_factory=dict)  # RunConfig fields
+    configured: bool = (
+        False  # train on config.data (the sample corpus), each rank its share, not on ``_batches``
+    )
 
 
 class Injected(RuntimeError):
@@ -143,7 +147,7 @@ def train(rank: int, world: int, store: str, job: Job) -> dict[str, Any]:
     """Train ``job`` as rank ``rank`` of ``world`` (1: the single-process reference of the same global batch)."""
     import torch.distributed as dist
 
-    from slidekit import EngineConfig, ModelConfig, OptimConfig, TrainConfig, Trainer
+    from slidekit import DataConfig, EngineConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig, Trainer
     from slidekit.distributed import DataParallel
 
     config = TrainConfig(
@@ -157,6 +161,8 @@ def train(rank: int, world: int, store: str, job: Job) -> dict[str, Any]:
             timeout_s=job.timeout_s,
             **job.engine,
         ),
+        data=DataConfig(batch_size=job.batch, seq_len=job.seq_len),
+        run=RunConfig(**job.run),
         steps=job.steps,
         grad_accum=job.micro * (job.ranks if world == 1 else 1),
     )
@@ -190,7 +196,7 @@ def train(rank: int, world: int, store: str, job: Job) -> dict[str, Any]:
             if job.fail_rank == rank and job.fault == "data":
                 mine = failing(mine)
             init = t.state_dict() if world == 1 else None
-            result = t.fit(mine)
+            result = t.fit() if job.configured else t.fit(mine)
             host = t.engine.host
             return {
                 "losses": result.losses,
