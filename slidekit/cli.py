@@ -275,6 +275,7 @@ def finetune(
     final checkpoint is written before the export and removed once the export is in place, so an export
     that fails, or a run stopped by a signal, leaves a checkpoint to resume from, and says where.
     """
+    from slidekit.distributed.launch import rank_zero
     from slidekit.run import discard_run
     from slidekit.trainer import Trainer
 
@@ -301,7 +302,7 @@ def finetune(
         if fresh and rescue is not None:
             _forget(rescue, mention=str(rescue) not in str(exc))
         raise
-    if rescue is not None and exported:
+    if rescue is not None and exported and rank_zero():  # data-parallel: every rank wrote there, one removes it
         discard_run(rescue, checkpoints=True)
     if result.interrupted:
         print(f"stopped by {result.interrupted} after {len(result.losses)} steps")
@@ -324,10 +325,6 @@ def rescue_dir(config: TrainConfig) -> Path | None:
     """The run directory ``finetune`` gives a run that exports without one: ``OUT.slidekit-run`` beside OUT."""
     if not config.run.export_dir or config.run.dir:
         return None
-    from slidekit.distributed import env_world
-
-    if (world := env_world()) is not None and world[1] > 1:
-        return None  # data-parallel: no checkpoints yet (slidekit.distributed.launch.refuse_run_dir)
     target = Path(os.path.realpath(Path(config.run.export_dir).expanduser()))
     if not target.name:  # the root: refused as a target anyway
         return None

@@ -30,7 +30,8 @@ from slidekit.data import Batch, PackedDataset
 from slidekit.data.configured import configured_datasets, model_tokenizer
 from slidekit.devices import device_family
 from slidekit.distributed import DataParallel
-from slidekit.distributed.launch import describe, launch, on_rank_zero, rank_batches, refuse_run_dir
+from slidekit.distributed.checkpoints import resume_run, run_directory
+from slidekit.distributed.launch import describe, launch, on_rank_zero, rank_batches
 from slidekit.distributed.weights import fill_shards
 from slidekit.engine import Engine
 from slidekit.engine.build import EngineParts, build_engine
@@ -131,7 +132,6 @@ class Trainer:
         self._guards: list[Any] | None = None  # what an export may not replace (export_guards), once
         self._files: dict[str, Path] | None = None  # the model's weight files (weight_files), looked up once
         try:
-            refuse_run_dir(config, parallel)  # data-parallel checkpoints are not built yet
             if config.run.export_dir:  # a target the export would refuse is refused before any training
                 check_target(
                     config.run.export_dir,
@@ -142,7 +142,7 @@ class Trainer:
             if config.run.dir:  # claimed (locked) before the engine is built: a second run is refused at once
                 hook = self._fault_hook
                 on_stage = (lambda stage, _detail: hook(f"checkpoint:{stage}")) if hook else None
-                self.run = RunDirectory(config, progress=on_stage)
+                self.run = run_directory(config, parallel, progress=on_stage)  # data-parallel: rank 0's, or a part
             reclaimed = leftovers.reclaim(config)  # before planning: what killed runs left is free again
             self._kept_leftovers = reclaimed.kept
             self.notes += reclaimed.notes(config.engine.offload_dir)
@@ -152,7 +152,7 @@ class Trainer:
             target = config.run.resume_target()
             if target is not None:
                 assert self.run is not None
-                meta = self.run.resume(self._engine, target, self.identity())
+                meta = resume_run(self.run, self._engine, target, self.identity(), parallel)
                 self._consumed = int(meta["batches_consumed"])
                 self.notes.append(f"resumed from step {self._engine.steps_done} ({self.run.resumed_from})")
                 changed = changed_settings(meta.get("config", {}), config.to_dict())

@@ -266,6 +266,40 @@ class DataParallel:
                 continue  # another host's rank, or the store is gone: nothing to tell
         return gone
 
+    # ------------------------------------------------------------------ checkpoint parts
+
+    def report_part(self, step: int, error: BaseException | None) -> None:
+        """This rank's part of checkpoint ``step`` is committed (``error`` None) or failed."""
+        self.store.set(f"ckpt/{step}/{self.rank}", "ok" if error is None else _describe(error))
+
+    def wait_parts(self, step: int) -> None:
+        """Block until every other rank reported its part of checkpoint ``step`` committed (rank 0's writer,
+        before it commits the checkpoint); raise ``CheckpointError`` naming a rank that failed or did not
+        report within ``timeout_s``, or ``PeerFailed`` when a rank failed outright."""
+        from slidekit.checkpoint import CheckpointError
+
+        pending = [r for r in range(self.world) if r != self.rank]
+        start = time.monotonic()
+        while pending:
+            for r in list(pending):
+                key = f"ckpt/{step}/{r}"
+                if self.store.check([key]):
+                    said = self.store.get(key).decode(errors="replace")
+                    if said != "ok":
+                        raise CheckpointError(
+                            f"rank {r} could not write its part of checkpoint step {step}: {said}"
+                        )
+                    pending.remove(r)
+            if not pending:
+                return
+            self.check_peers()
+            if time.monotonic() - start > self.timeout_s:
+                raise CheckpointError(
+                    f"ranks {pending} did not report their part of checkpoint step {step} within "
+                    f"{self.timeout_s:g} s; the checkpoint is not committed (raise engine.timeout_s for slow storage)"
+                )
+            time.sleep(CHECK_S)
+
     # ------------------------------------------------------------------ scalars and agreements
 
     def all_reduce(self, values: list[float], dtype: torch.dtype = torch.float64) -> list[float]:

@@ -49,7 +49,7 @@ __all__ = [
     "on_rank_zero",
     "quiet_unless_rank_zero",
     "rank_batches",
-    "refuse_run_dir",
+    "rank_zero",
 ]
 
 #: Overrides the backend of the gradient and weight collectives: "gloo" or "nccl".
@@ -103,16 +103,6 @@ def launch(config: TrainConfig) -> tuple[TrainConfig, DataParallel | None]:
     parallel = DataParallel.from_env(device, backend=backend, timeout_s=config.engine.timeout_s)
     assert parallel is not None and parallel.rank == rank and parallel.world == size
     return config, parallel
-
-
-def refuse_run_dir(config: TrainConfig, parallel: DataParallel | None) -> None:
-    """Refuse a run directory for a data-parallel run: its checkpoints (every rank's shards, committed
-    together) are not built yet, and a checkpoint of one rank's shards would not resume."""
-    if parallel is not None and config.run.dir:
-        raise ConfigError(
-            f"run.dir={config.run.dir!r}: checkpoints of a data-parallel run (world size {parallel.world}) are "
-            "not built yet (docs/data-parallel.md); run without run.dir (CLI: --run-dir), or on one process"
-        )
 
 
 def rank_batches(batches: Iterable[T], parallel: DataParallel | None) -> Iterator[T]:
@@ -178,9 +168,14 @@ def on_rank_zero(plugins: Plugins, parallel: DataParallel | None) -> Plugins:
     return cast("Plugins", _RankPlugins(plugins))
 
 
+def rank_zero() -> bool:
+    """Whether this process is rank 0 of a torchrun world, or no rank at all (one process)."""
+    world = env_world()
+    return world is None or world[0] == 0
+
+
 def quiet_unless_rank_zero() -> contextlib.AbstractContextManager[Any]:
     """Standard output discarded on the ranks other than 0 of a torchrun world (the CLI's messages)."""
-    world = env_world()
-    if world is None or world[0] == 0:
+    if rank_zero():
         return contextlib.nullcontext()
     return contextlib.redirect_stdout(open(os.devnull, "w"))

@@ -119,7 +119,7 @@ class Engine(Uploads, Updates):
         self.timeline = Timeline(streams.cuda)
         self._checkpoint: tuple[Any, dict[int, list[str]]] | None = None  # (SaveHandle, names per unit)
         self.collectives = collectives
-        self._gathers: dict[int, Future[Any]] = {}  # resident unit -> the gather of its update
+        self._stale: set[int] = set()  # resident units whose other ranks' shards are still to be gathered
         self.sync_resident()
 
     # ================================================================== the step

@@ -54,7 +54,7 @@ class Updates:
     updates_applied: int
     _checkpoint: tuple[Any, dict[int, list[str]]] | None
     collectives: Collectives | None  # data-parallel ranks' collectives (None: one process)
-    _gathers: dict[int, Future[Any]]  # resident unit -> the gather of its update (data-parallel)
+    _stale: set[int]  # resident units whose other shards are still to be gathered (data-parallel)
 
     def _finish_unit(self, unit: int, slot: Slot, c: StepState) -> None:
         """After a unit's backward: add its gradient norm, copy the gradients down, update it.
@@ -181,16 +181,6 @@ class Updates:
         the step); returns the squared norm of this rank's shard, once the reduction is complete."""
         return float(self._reduce(unit, slot, computed))
 
-    def _gather_resident(self, unit: int, computed: Any) -> Any:
-        """h2d lane, data-parallel: a resident unit's updated shards gathered into its own slot (the h2d
-        lane issues every weight gather, so all ranks issue them in one order)."""
-        assert self.collectives is not None
-        s, slot = self.streams, self.window.resident[unit]
-        with self.timeline.host("gather", unit), s.use(s.h2d):
-            s.wait(s.h2d, computed)  # the update on the compute stream wrote this rank's shard
-            self.collectives.gather_weights(unit, slot.params)
-        return s.record(s.h2d)
-
     def _update(
         self,
         unit: int,
@@ -276,9 +266,8 @@ class Updates:
         self._apply(unit, slot.grads[a:b], lr=lr, count=count, scale=scale, lowp_out=params if lowp else None)
         if not lowp:
             params.copy_(self.host.masters[unit])
-        if self.collectives is not None:
-            done = self.streams.record(self.streams.compute)
-            self._gathers[unit] = self.pipeline.submit("h2d", self._gather_resident, unit, done, unit=unit)
+        if self.collectives is not None:  # the other ranks' shards come at the unit's next request
+            self._stale.add(unit)
 
     def _apply(
         self,
@@ -316,17 +305,16 @@ class Updates:
         self.host.state.update(unit, step, start, stop)
 
     def sync_resident(self) -> None:
-        """Refresh resident units' compute-dtype weights from their masters (after loading or restoring)."""
+        """Refresh resident units' compute-dtype weights from their masters (after loading or restoring).
+
+        Data-parallel: this rank's shard now; the other ranks' at the unit's next request
+        (``_resident_gather``), so that loading and restoring need no collective."""
         for unit, slot in self.window.resident.items():
             a = self._shard_start(unit)
             master = self.host.masters[unit]
             slot.params[a : a + master.numel()].copy_(master)
-            if self.collectives is not None:  # every rank's shard: the h2d lane issues all gathers
-                done = self.streams.record(self.streams.compute)
-                fut = self.pipeline.submit("h2d", self._gather_resident, unit, done, unit=unit)
-                self.streams.wait(
-                    self.streams.compute, self.pipeline.result(fut, f"the gather of unit {unit}")
-                )
+            if self.collectives is not None:
+                self._stale.add(unit)
 
     def _drop_deferred(self, c: StepState) -> None:
         """Skip the step: wait for the downloads, apply nothing. Masters and state stay as they were."""

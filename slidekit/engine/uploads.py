@@ -46,7 +46,7 @@ class Uploads:
     _loads: dict[int, tuple[Slot, Future[Any] | None]]
     _tied_slot: Slot | None
     collectives: Collectives | None  # data-parallel ranks' collectives (None: one process)
-    _gathers: dict[int, Future[Any]]  # resident unit -> the gather of its update (data-parallel)
+    _stale: set[int]  # resident units whose other ranks' shards are still to be gathered (data-parallel)
 
     def _request(self, k: int, *, wait: bool = True) -> bool:
         """Make sure visit ``k``'s parameters are (being) loaded into a slot.
@@ -64,7 +64,7 @@ class Uploads:
         if own is not None:  # always loaded, never evicted (data-parallel: gathered after its update)
             if self._is_tied_embed(visit.unit):
                 self._tied_slot = own
-            self._loads[k] = (own, self._gathers.pop(visit.unit, None))
+            self._loads[k] = (own, self._resident_gather(visit.unit))
             return True
         if self._is_tied_embed(visit.unit) and self._tied_slot is not None:
             self._loads[k] = (self._tied_slot, None)
@@ -127,6 +127,25 @@ class Uploads:
         if self.collectives is not None:
             with self.timeline.host("gather", unit):
                 self.collectives.gather_weights(unit, slot.params)
+
+    def _resident_gather(self, unit: int) -> Future[Any] | None:
+        """The gather a resident unit waits for before its next use, queued now if its shards changed
+        (data-parallel; requests come in the visits' order, the same on every rank)."""
+        if unit not in self._stale:
+            return None
+        self._stale.discard(unit)
+        done = self.streams.record(self.streams.compute)  # after the update that wrote this rank's shard
+        return self.pipeline.submit("h2d", self._gather_resident, unit, done, unit=unit)
+
+    def _gather_resident(self, unit: int, computed: Any) -> Any:
+        """h2d lane, data-parallel: a resident unit's updated shards gathered into its own slot (the h2d
+        lane issues every weight gather, so all ranks issue them in one order)."""
+        assert self.collectives is not None
+        s, slot = self.streams, self.window.resident[unit]
+        with self.timeline.host("gather", unit), s.use(s.h2d):
+            s.wait(s.h2d, computed)  # the update on the compute stream wrote this rank's shard
+            self.collectives.gather_weights(unit, slot.params)
+        return s.record(s.h2d)
 
     def _staging(self) -> torch.Tensor:
         assert self.upload_stage is not None, "the layout plans no upload staging for a cast upload"

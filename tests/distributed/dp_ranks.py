@@ -126,9 +126,9 @@ class Job:
     fault: str = "raise"  # "raise" (Injected), "exit" (the process dies), "data" (its batches raise)
     engine: dict[str, Any] = field(default_factory=dict)
     run: dict[str, Any] = field(default_factory=dict)  # RunConfig fields
-    configured: bool = (
-        False  # train on config.data (the sample corpus), each rank its share, not on ``_batches``
-    )
+    fit_steps: int | None = None  # steps this run trains (None: what is left of ``steps``)
+    skip_steps: int = 0  # steps whose batches an earlier run took (a resumed run skips them)
+    configured: bool = False  # train on config.data (the sample corpus), not on ``_batches``
 
 
 class Injected(RuntimeError):
@@ -193,16 +193,20 @@ def train(rank: int, world: int, store: str, job: Job) -> dict[str, Any]:
             trainer_ref.append(t)
             batches = _batches(job, t.spec.vocab_size)
             mine = batches if world == 1 else batches[rank::world]
+            per_step = job.micro * (job.ranks if world == 1 else 1)
+            mine = mine[job.skip_steps * per_step :]
             if job.fail_rank == rank and job.fault == "data":
                 mine = failing(mine)
             init = t.state_dict() if world == 1 else None
-            result = t.fit() if job.configured else t.fit(mine)
+            result = t.fit(None if job.configured else mine, steps=job.fit_steps)
             host = t.engine.host
             return {
                 "losses": result.losses,
                 "grad_norms": result.grad_norms,
                 "state": t.state_dict(),
                 "init": init,
+                "steps_done": t.engine.steps_done,
+                "notes": list(t.notes),
                 "master_numel": sum(m.numel() for m in host.masters),
                 "state_bytes": sum(host.state.nbytes(u) for u in range(len(host.masters))),
             }

@@ -8,6 +8,7 @@ the one shuffled stream) train exactly as one process with twice the micro-batch
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -51,14 +52,26 @@ def test_torchrun_finetune_trains_on_two_ranks_prints_once_and_exports(tmp_path)
         load_file(tmp_path / "one" / "model.safetensors"),
     )
     assert_states_equal(dp, one)
-    assert set(os.listdir(tmp_path)) == {"dp", "one"}  # no run directory, nothing else left behind
+    # The rescue run directory beside the export (every rank's checkpoint parts) is gone once it is written.
+    assert set(os.listdir(tmp_path)) == {"dp", "one"}
 
 
-def test_a_run_directory_is_refused_until_sharded_checkpoints_exist(tmp_path):
-    job = Job(model_dir="demo", ranks=2, run={"dir": str(tmp_path / "run")})
-    for o in run_ranks(train, 2, job):
-        assert o.error == "ConfigError" and "checkpoints of a data-parallel run" in o.message, o.message
-    assert not (tmp_path / "run").exists()
+def _losses(run_dir) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+@pytest.mark.slow
+def test_torchrun_finetune_resumes_its_checkpoint_bitwise(tmp_path):
+    """rank 0 keeps the run directory (config, metrics, its part); rank 1 its part; --resume continues."""
+    torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    args = [*torchrun, *FINETUNE, "--grad-accum", "2"]  # a later --steps replaces FINETUNE's
+    _finetune([*args, "--steps", "4", "--run-dir", str(tmp_path / "straight")], tmp_path)
+    _finetune([*args, "--steps", "2", "--run-dir", str(tmp_path / "run")], tmp_path)
+    out = _finetune([*args, "--steps", "4", "--run-dir", str(tmp_path / "run"), "--resume"], tmp_path)
+    assert "resumed from step 2" in out, out
+    assert _losses(tmp_path / "run") == _losses(tmp_path / "straight")
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["rank-1", "step-00000002", "step-00000004"]
 
 
 def test_two_ranks_on_the_configured_data_equal_one_process():
