@@ -71,7 +71,11 @@ def test_torchrun_finetune_resumes_its_checkpoint_bitwise(tmp_path):
     out = _finetune([*args, "--steps", "4", "--run-dir", str(tmp_path / "run"), "--resume"], tmp_path)
     assert "resumed from step 2" in out, out
     assert _losses(tmp_path / "run") == _losses(tmp_path / "straight")
-    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["rank-1", "step-00000002", "step-00000004"]
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == [
+        "rank-1",
+        "step-00000002",
+        "step-00000004",
+    ]
 
 
 def test_two_ranks_on_the_configured_data_equal_one_process():
