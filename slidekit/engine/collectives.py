@@ -40,6 +40,10 @@ from slidekit.errors import PipelineStalled
 
 __all__ = ["Collectives"]
 
+# torch 2.13 renames these (the old names warn); torch 2.11 has only the old ones.
+_reduce_scatter: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 _HINT = "(a collective of every rank: a rank that never joins it is stuck, died or left the training loop)"
 
 
@@ -88,9 +92,7 @@ class Collectives:
         flat = grads[: shard.padded]
         what = f"the gradient reduction of unit {unit}"
         if self.nccl:
-            work = dist.reduce_scatter_tensor(
-                self._own(flat, shard), flat, group=self.parallel.grads, async_op=True
-            )
+            work = _reduce_scatter(self._own(flat, shard), flat, group=self.parallel.grads, async_op=True)
             work.wait()  # the current stream waits for NCCL's: the host does not
             return
         if self.staged:
@@ -107,23 +109,17 @@ class Collectives:
         flat = params[: shard.padded]
         what = f"the weight gather of unit {unit}"
         if self.nccl:
-            work = dist.all_gather_into_tensor(
-                flat, self._own(flat, shard), group=self.parallel.weights, async_op=True
-            )
+            work = _all_gather(flat, self._own(flat, shard), group=self.parallel.weights, async_op=True)
             work.wait()
             return
         if self.staged:
             own = self._own(flat, shard).cpu()
             host = torch.empty(shard.padded, dtype=flat.dtype)
-            self._wait(
-                dist.all_gather_into_tensor(host, own, group=self.parallel.weights, async_op=True), what
-            )
+            self._wait(_all_gather(host, own, group=self.parallel.weights, async_op=True), what)
             flat.copy_(host)
             return
         self._wait(
-            dist.all_gather_into_tensor(
-                flat, self._own(flat, shard), group=self.parallel.weights, async_op=True
-            ),
+            _all_gather(flat, self._own(flat, shard), group=self.parallel.weights, async_op=True),
             what,
         )
 
@@ -134,6 +130,6 @@ class Collectives:
         piece = torch.zeros(shard.chunk, dtype=torch.float32)
         piece[: shard.size].copy_(master)
         out = torch.empty(shard.padded, dtype=torch.float32)
-        work = dist.all_gather_into_tensor(out, piece, group=self.parallel.control, async_op=True)
+        work = _all_gather(out, piece, group=self.parallel.control, async_op=True)
         self.parallel.wait(work, f"the master gather of unit {unit}")
         return out[: shard.numel]
