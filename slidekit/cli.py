@@ -357,11 +357,14 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _finetune(args: argparse.Namespace) -> int:
-    notes: list[str] = []
-    config = config_from_args(args, notes)
-    for note in notes:
-        print(note, flush=True)
-    return finetune(config, progress=not args.quiet)
+    from slidekit.distributed.launch import quiet_unless_rank_zero
+
+    with quiet_unless_rank_zero():  # under torchrun, rank 0 alone prints (slidekit.distributed.launch)
+        notes: list[str] = []
+        config = config_from_args(args, notes)
+        for note in notes:
+            print(note, flush=True)
+        return finetune(config, progress=not args.quiet)
 
 
 def finetune(
@@ -379,6 +382,7 @@ def finetune(
     final checkpoint is written before the export and removed once the export is in place, so an export
     that fails, or a run stopped by a signal, leaves a checkpoint to resume from, and says where.
     """
+    from slidekit.distributed.launch import rank_zero
     from slidekit.run import discard_run
     from slidekit.telemetry import loss_summary
     from slidekit.trainer import Trainer
@@ -408,7 +412,7 @@ def finetune(
         if fresh and rescue is not None:
             _forget(rescue, mention=str(rescue) not in str(exc))
         raise
-    if rescue is not None and exported:
+    if rescue is not None and exported and rank_zero():  # data-parallel: every rank wrote there, one removes it
         discard_run(rescue, checkpoints=True)
     if result.interrupted:
         print(f"stopped by {result.interrupted} after {len(result.losses)} steps")

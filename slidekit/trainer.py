@@ -31,6 +31,10 @@ from slidekit.data import Batch, PackedDataset, StepCount
 from slidekit.data.configured import configured_datasets, configured_summary, model_tokenizer, run_step_count
 from slidekit.data.epochs import needs_rows
 from slidekit.devices import device_family
+from slidekit.distributed import DataParallel
+from slidekit.distributed.checkpoints import resume_run, run_directory
+from slidekit.distributed.launch import describe, launch, on_rank_zero, rank_batches
+from slidekit.distributed.weights import fill_shards
 from slidekit.engine import Engine
 from slidekit.engine.build import EngineParts, build_engine
 from slidekit.errors import ConfigError, ModelLoadError
@@ -43,7 +47,6 @@ from slidekit.lr_schedule import lr_factor
 from slidekit.modelcard import last_logged, model_card
 from slidekit.models.loading import (
     DEMO_MODEL,
-    fill_masters,
     weight_files,
 )
 from slidekit.owned import Leftover
@@ -97,21 +100,28 @@ class Trainer:
         progress: bool = False,
         fault_hook: Callable[[str], None] | None = None,
         machine: Machine | None = None,
+        parallel: DataParallel | None = None,
     ) -> None:
         """Build everything a run needs. ``fault_hook(lane)`` is called before every pipeline task
         ("h2d", "d2h", "optim") and every visit of the main thread ("main"): a seam for fault and
         delay injection in tests. ``machine`` stands in for this machine's measured memory and disk
         (what-if planning, tests); the run is refused when it does not fit (``slidekit.planning``)."""
+        self._owned_parallel: DataParallel | None = None
+        if parallel is None:  # under torchrun (WORLD_SIZE > 1): this rank's device and the run's groups
+            config, parallel = launch(config)
+            self._owned_parallel = parallel
         self.config = config
+        self.parallel = parallel  # this process's rank of a data-parallel run (slidekit.distributed)
         self._machine = machine
         self.planner: Planner | None = None
         self.estimate: Estimate | None = None
         self._fault_hook = fault_hook
-        self.progress = progress
+        self.progress = progress and (parallel is None or parallel.rank == 0)  # rank 0's bar only
         self.plugins = plugins or Plugins(
             entry_points=config.plugins.entry_points, block=config.plugins.block
         )
         check_loggers(config, self.plugins)  # a logger no plugin answers to: refused now
+        self.plugins = on_rank_zero(self.plugins, parallel)  # loggers and other lifecycle hooks: rank 0's
         self.setup = setup = resolve(config, self.plugins)
         self.device, self.compute_dtype, self.spec = setup.device, setup.compute_dtype, setup.spec
         self.hf_config, self.model_dir = setup.hf_config, setup.model_dir
@@ -120,6 +130,8 @@ class Trainer:
         self.lr: float = effective_lr(config.model.source, config.optim.lr)
         if config.optim.lr is None:
             self.notes.append(f"learning rate {self.lr:g} (the default for this model; set optim.lr / --lr)")
+        if parallel is not None:
+            self.notes.append(describe(parallel, config.data.batch_size, config.grad_accum))
 
         self._tiers: dict[str, StorageTier] = {}
         self._engine: Engine | None = None
@@ -153,7 +165,7 @@ class Trainer:
             if config.run.dir:  # claimed (locked) before the engine is built: a second run is refused at once
                 hook = self._fault_hook
                 on_stage = (lambda stage, _detail: hook(f"checkpoint:{stage}")) if hook else None
-                self.run = RunDirectory(config, progress=on_stage)
+                self.run = run_directory(config, parallel, progress=on_stage)  # data-parallel: rank 0's, or a part
             reclaimed = leftovers.reclaim(config)  # before planning: what killed runs left is free again
             self._kept_leftovers = reclaimed.kept
             self.notes += reclaimed.notes(config.engine.offload_dir)
@@ -163,7 +175,7 @@ class Trainer:
             target = config.run.resume_target()
             if target is not None:
                 assert self.run is not None
-                meta = self.run.resume(self._engine, target, self.identity())
+                meta = resume_run(self.run, self._engine, target, self.identity(), parallel)
                 self._consumed = int(meta["batches_consumed"])
                 done = self._engine.steps_done
                 self.notes.append(f"resumed from step {done} of {config.steps} ({self.run.resumed_from})")
@@ -174,7 +186,9 @@ class Trainer:
                 self._load_weights()
             if self.run is not None:  # everything checked: only now is config.json written
                 self.run.start()
-        except BaseException:
+        except BaseException as exc:
+            if self.parallel is not None:  # the other ranks must not wait for this one
+                self.parallel.report(exc)
             run = self.run
             self.close()
             fresh = config.run.resume_target() is None
@@ -218,6 +232,7 @@ class Trainer:
             timeout_s=ec.timeout_s,
             task_hook=self._fault_hook,
             offload_dir=ec.offload_dir,
+            parallel=self.parallel,
         )
         return build_engine(layout, parts)
 
@@ -282,7 +297,8 @@ class Trainer:
                 f"{str(self.model_dir)!r} has no model.safetensors or model.safetensors.index.json; "
                 "set model.random_init (CLI: --random-init) to start from random weights"
             )
-        fill_masters(self.spec, self._engine.host.masters, files, mc.init_seed)
+        shards = None if self._engine.collectives is None else self._engine.collectives.shards
+        fill_shards(self.spec, self._engine.host.masters, shards, files, mc.init_seed)
         self._engine.sync_resident()
 
     # ------------------------------------------------------------------ data
@@ -314,7 +330,8 @@ class Trainer:
     def default_batches(self) -> Iterator[Batch]:
         """Endless shuffled training batches from ``config.data`` (the sample corpus when no path is set)."""
         dc = self.config.data
-        return self.datasets()[0].batches(dc.batch_size, dc.seed + self.config.seed)
+        batches = self.datasets()[0].batches(dc.batch_size, dc.seed + self.config.seed)
+        return rank_batches(batches, self.parallel)  # data-parallel: every world-th batch, from the rank's
 
     def eval_loss(self) -> float | None:
         """Loss on the held-out split of ``config.data`` (None when there is none)."""
@@ -368,8 +385,11 @@ class Trainer:
             with GracefulStop() as stop:
                 for step in range(1, steps + 1):
                     micro = list(itertools.islice(data, self.config.grad_accum))
-                    if stop.signal or len(micro) < self.config.grad_accum:
-                        break  # interrupted, or the data ran out: no partial step
+                    go = not stop.signal and len(micro) == self.config.grad_accum
+                    if self.parallel is not None:  # data-parallel: every rank takes the step, or none does
+                        go = self.parallel.agree(go)
+                    if not go:
+                        break  # interrupted, or the data ran out (on any rank): no partial step
                     t_step = time.perf_counter()
                     starts.append(t_step)
                     metrics = self._step(engine, step, micro, result)
@@ -387,6 +407,8 @@ class Trainer:
                     self.run.wait()
                     self._report_saved(bar)
         except BaseException as exc:
+            if self.parallel is not None:  # the other ranks must not wait for this one
+                self.parallel.report(exc)
             bar.close()
             if trace is not None:
                 trace.close(error=exc)
@@ -549,6 +571,11 @@ class Trainer:
             )
         else:
             where = "the trained weights are still in this Trainer: fix the problem and call export() again"
+        state = None
+        if self.parallel is not None:  # every rank lends its shards (a collective); rank 0 writes the export
+            state = engine.master_state()
+            if self.parallel.rank != 0:
+                return Path(out)
         hook = self._fault_hook
         on_stage = (lambda stage, _detail: hook(f"export:{stage}")) if hook else None
         try:
@@ -560,7 +587,7 @@ class Trainer:
             return export_model(
                 target,
                 hf_config=copy.deepcopy(self.hf_config),
-                state=engine.master_state(),
+                state=engine.master_state() if state is None else state,
                 tokenizer=tokenizer,
                 info={
                     "step": engine.steps_done,
@@ -615,6 +642,9 @@ class Trainer:
         for tier in self._tiers.values():
             tier.close()
         self._tiers.clear()
+        if self._owned_parallel is not None:
+            parallel, self._owned_parallel = self._owned_parallel, None
+            parallel.close()
 
     def __enter__(self) -> Trainer:
         return self

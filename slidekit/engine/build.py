@@ -23,10 +23,14 @@ from dataclasses import dataclass
 
 import torch
 
+from slidekit.distributed.group import DataParallel
+from slidekit.distributed.shards import unit_shards
 from slidekit.engine.activations import DeviceActivations, TierActivations
+from slidekit.engine.collectives import Collectives
 from slidekit.engine.core import Engine
 from slidekit.engine.host import HostStore
 from slidekit.engine.runtime import Pipeline, Streams
+from slidekit.engine.state import slice_groups
 from slidekit.engine.window import Window
 from slidekit.errors import ConfigError
 from slidekit.interfaces import KernelSet, ParamGroupRange, StorageTier, UnitOptimizer
@@ -57,6 +61,7 @@ class EngineParts:
     timeout_s: float
     task_hook: Callable[[str], None] | None = None
     offload_dir: str | None = None  # named in capacity errors
+    parallel: DataParallel | None = None  # this process's rank of a data-parallel run (None: one process)
 
 
 def _check_layout(layout: Layout) -> None:
@@ -93,7 +98,9 @@ def build_engine(layout: Layout, parts: EngineParts) -> Engine:
     _check_layout(layout)
     _check_capacity(layout, parts)
     spec, device, dtype = parts.spec, parts.device, parts.compute_dtype
-    pipeline = Pipeline(parts.timeout_s, task_hook=parts.task_hook)
+    dp = parts.parallel
+    pipeline = Pipeline(parts.timeout_s, task_hook=parts.task_hook, on_fail=dp.report if dp else None)
+    shards = unit_shards([u.numel for u in layout.units], dp.world if dp else 1, dp.rank if dp else 0)
     host = acts = None
     try:
         host = HostStore(
@@ -105,12 +112,16 @@ def build_engine(layout: Layout, parts: EngineParts) -> Engine:
             grad_dtype=dtype,
             pipeline=pipeline,
             device=device,
+            numels=None if dp is None else [s.size for s in shards],
         )
         w = layout.window
-        window = Window(w.window, w.slot_numel, dtype, device, pipeline)
+        # Data-parallel: a unit's buffers hold ``world`` equal pieces (a few GRANULEs more than the unit).
+        padded = [s.padded if dp else u.numel for s, u in zip(shards, layout.units, strict=True)]
+        slot_numel = max([w.slot_numel, *(p for p, u in zip(padded, layout.units, strict=True) if u.slides)])
+        window = Window(w.window, slot_numel, dtype, device, pipeline, deterministic=dp is not None)
         for u in layout.units:
             if u.resident:  # its own cache unit for good, outside the rotating window
-                window.add_resident(u.index, u.numel)
+                window.add_resident(u.index, padded[u.index])
         acts = (
             DeviceActivations()
             if layout.activation_tier == "device"
@@ -121,6 +132,10 @@ def build_engine(layout: Layout, parts: EngineParts) -> Engine:
             if layout.upload_staging
             else None
         )
+        streams = Streams(device)
+        groups = parts.groups
+        if dp is not None:  # each rank updates its shard: the parameter groups in shard coordinates
+            groups = [slice_groups(g, s.start, s.stop) for g, s in zip(groups, shards, strict=True)]
         return Engine(
             spec,
             layout=layout,
@@ -130,12 +145,13 @@ def build_engine(layout: Layout, parts: EngineParts) -> Engine:
             window=window,
             activations=acts,
             pipeline=pipeline,
-            streams=Streams(device),
+            streams=streams,
             upload_staging=stage,
-            groups=parts.groups,
+            groups=groups,
             device=device,
             compute_dtype=dtype,
             loss_chunk=parts.loss_chunk,
+            collectives=None if dp is None else Collectives(dp, pipeline, streams, shards),
         )
     except BaseException:
         pipeline.close()

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from slidekit.engine.activations import ActivationStore
+from slidekit.engine.collectives import Collectives
 from slidekit.engine.host import HostStore
 from slidekit.engine.runtime import Pipeline, Streams
 from slidekit.engine.step_state import StepState
@@ -85,8 +86,12 @@ class Engine(Uploads, Updates):
         device: torch.device,
         compute_dtype: torch.dtype,
         loss_chunk: int | None,
+        collectives: Collectives | None = None,
     ) -> None:
-        """The parts come from ``slidekit.engine.build.build_engine``, which allocates ``layout``."""
+        """The parts come from ``slidekit.engine.build.build_engine``, which allocates ``layout``.
+
+        ``collectives``: this rank's part in a data-parallel run (``slidekit.engine.collectives``);
+        None for one process, which then runs exactly the single-process engine."""
         self.spec = spec
         self.kernels = kernels
         self.optimizer = optimizer
@@ -113,6 +118,8 @@ class Engine(Uploads, Updates):
         self.upload_stage = upload_staging  # FP32 staging on the device for casting uploads
         self.timeline = Timeline(streams.cuda)
         self._checkpoint: tuple[Any, dict[int, list[str]]] | None = None  # (SaveHandle, names per unit)
+        self.collectives = collectives
+        self._stale: set[int] = set()  # resident units whose other ranks' shards are still to be gathered
         self.sync_resident()
 
     # ================================================================== the step
@@ -142,10 +149,29 @@ class Engine(Uploads, Updates):
         gradients on the host until the end of the backward pass (2 more bytes
         per parameter in BF16) and update during the next forward pass.
         """
+        if self.collectives is None:
+            return self._train_step(micro, lr, max_grad_norm, skip_nonfinite)
+        try:
+            return self._train_step(micro, lr, max_grad_norm, skip_nonfinite)
+        except BaseException as exc:  # the other ranks must not wait for this one: tell them
+            self.collectives.parallel.report(exc)
+            raise
+
+    def _train_step(
+        self,
+        micro: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        lr: float,
+        max_grad_norm: float | None,
+        skip_nonfinite: bool,
+    ) -> StepResult:
         t0 = time.perf_counter()
         self.pipeline.check()
         # Every micro-batch checked before anything moves: bad input fails here, naming its cause.
         labelled = check_step(micro, vocab_size=self.spec.vocab_size, max_positions=self.spec.max_positions)
+        tokens = sum(i.numel() for i, _ in micro)
+        if self.collectives is not None:  # the loss is the mean over every rank's labelled tokens
+            total = self.collectives.parallel.all_reduce([float(labelled), float(tokens)])
+            labelled, tokens = int(total[0]), int(total[1])
         ids = [i.to(self.device, torch.int64, non_blocking=True) for i, _ in micro]
         tgt = [t.to(self.device, torch.int64, non_blocking=True) for _, t in micro]
         # Micro-batches may differ in length: each gets the first T rows of one shared table.
@@ -166,7 +192,10 @@ class Engine(Uploads, Updates):
             run[visit.phase](k, visit, c)
         assert c.loss_sum is not None, "the step has no head visit"
         loss_sum = float(c.loss_sum)  # waits for the device, not for the optimizer
-        grad_norm = float(c.sq_norm.sqrt())
+        if self.collectives is None:
+            grad_norm = float(c.sq_norm.sqrt())
+        else:
+            loss_sum, grad_norm = self._global_sums(c, loss_sum)
         skipped = self._conclude(c, loss_sum / labelled, grad_norm, skip_nonfinite)
         self.steps_done += 1
         self.updates_applied += not skipped
@@ -174,12 +203,23 @@ class Engine(Uploads, Updates):
         return StepResult(
             loss=loss_sum / labelled,
             skipped=skipped,
-            tokens=sum(i.numel() for i in ids),
+            tokens=tokens,
             labelled=labelled,
             seconds=time.perf_counter() - t0,
             grad_norm=grad_norm,
             timings=timings,
         )
+
+    def _global_sums(self, c: StepState, loss_sum: float) -> tuple[float, float]:
+        """Data-parallel: the step's loss sum and gradient norm over every rank (each rank's squared shard
+        norms, as the reductions finish on the d2h lane, summed here)."""
+        assert self.collectives is not None
+        sq = torch.zeros((), dtype=torch.float32)
+        for unit, fut in c.shard_sq.items():
+            sq += self.pipeline.result(fut, f"the gradient reduction of unit {unit}")
+        # In FP32, as one process sums them: with two ranks of one micro-batch each, the loss is its bits.
+        total = self.collectives.parallel.all_reduce([loss_sum, float(sq)], dtype=torch.float32)
+        return total[0], math.sqrt(total[1]) if total[1] >= 0 else math.nan
 
     def _conclude(self, c: StepState, loss: float, grad_norm: float, skip_nonfinite: bool) -> bool:
         """Apply deferred updates, or skip / refuse a non-finite step. True when skipped."""
@@ -285,14 +325,24 @@ class Engine(Uploads, Updates):
 
     # ================================================================== forward only
 
-    @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """A forward pass with the current weights, no gradients and no update.
 
         With ``labels`` (B, T): the summed cross-entropy over labelled tokens (a
         scalar, through the fused head: no logits kept). Without: the logits
-        (B, T, V) in FP32; meant for checks on small inputs.
+        (B, T, V) in FP32; meant for checks on small inputs. Data-parallel: every
+        rank must make the same forward passes (they gather the weights together).
         """
+        if self.collectives is None:
+            return self._forward_only(input_ids, labels)
+        try:
+            return self._forward_only(input_ids, labels)
+        except BaseException as exc:
+            self.collectives.parallel.report(exc)
+            raise
+
+    @torch.no_grad()
+    def _forward_only(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         ids = input_ids.to(self.device)
         cos, sin = self.rope.get(ids.shape[1], self.device, self.dtype)
         head = self.spec.num_layers + 1  # the head's visit index in the schedule
@@ -353,10 +403,15 @@ class Engine(Uploads, Updates):
             torch.cuda.synchronize(self.device)
 
     def master_state(self) -> dict[str, torch.Tensor]:
-        """Hugging Face name -> FP32 master view (after all updates). Tied heads appear under both names."""
+        """Hugging Face name -> FP32 master view (after all updates). Tied heads appear under both names.
+
+        Data-parallel: the whole masters gathered from every rank's shards (new tensors), on every rank;
+        every rank must call it."""
         self.wait_updates()
         out: dict[str, torch.Tensor] = {}
         for unit, master in zip(self.spec.units, self.host.masters, strict=True):
+            if self.collectives is not None:  # every rank's shard: a collective, on every rank
+                master = self.collectives.gather_master(unit.index, master.cpu())
             master = master.cpu()  # a copy for units resident on the device, the master itself otherwise
             for e in unit.entries:
                 out[e.name] = master[e.offset : e.stop].view(e.shape)

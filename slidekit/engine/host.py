@@ -26,6 +26,7 @@ from slidekit.hostmem import HostBuffers
 from slidekit.interfaces import StorageTier, UnitOptimizer
 from slidekit.models.base import UnitLayout
 from slidekit.planning.layout import Layout
+from slidekit.planning.placement import unit_pieces
 
 __all__ = ["GradRing", "HostStore"]
 
@@ -66,15 +67,19 @@ class HostStore:
         grad_dtype: torch.dtype,
         pipeline: Pipeline,
         device: torch.device,
+        numels: Sequence[int] | None = None,
     ) -> None:
+        """``numels``: the parameters of each unit this process keeps (a data-parallel rank's shards,
+        ``slidekit.distributed.shards``); default: every unit whole, as ``layout`` says."""
         self.units = units
+        self.numels = [u.numel for u in units] if numels is None else list(numels)
         self.memory = HostBuffers(pin=pin)  # page-locked at exact sizes when an accelerator is used
         # Units resident on the compute device keep their master there, not here.
         self.masters = [
-            torch.empty(u.numel, dtype=torch.float32, device=device)
+            torch.empty(n, dtype=torch.float32, device=device)
             if place.resident
-            else self.memory.empty(u.numel, torch.float32)
-            for u, place in zip(units, layout.units, strict=True)
+            else self.memory.empty(n, torch.float32)
+            for n, place in zip(self.numels, layout.units, strict=True)
         ]
         self.state = StateStore(
             units,
@@ -85,11 +90,18 @@ class HostStore:
             chunk=layout.state_chunk,
             staging=layout.state_staging,
             stage_now=bool(layout.state_staging_bytes),
+            numels=None if numels is None else self.numels,
         )
         # The ring holds gradients on their way down: units kept on the compute device never come down.
         self.piece = layout.ring_numel
         self.ring = GradRing(layout.ring_buffers, self.piece, grad_dtype, self.memory, pipeline)
-        self._pieces = [list(place.pieces) for place in layout.units]
+        if numels is None:
+            self._pieces = [list(place.pieces) for place in layout.units]
+        else:  # a shard comes down in pieces of the ring's size too (they start at GRANULE multiples)
+            self._pieces = [
+                unit_pieces(n, self.piece) if place.slides else []
+                for n, place in zip(self.numels, layout.units, strict=True)
+            ]
         self._grad_dtype = grad_dtype
         self._unit_grads: dict[int, torch.Tensor] = {}
         if layout.unit_grads:  # a step that must see every gradient first keeps each sliding unit's own
@@ -108,7 +120,7 @@ class HostStore:
         keeps gradients (``Layout.unit_grads``), else on first use (a step asked to clip directly)."""
         buf = self._unit_grads.get(unit)
         if buf is None:
-            buf = self._unit_grads[unit] = self.memory.empty(self.units[unit].numel, self._grad_dtype)
+            buf = self._unit_grads[unit] = self.memory.empty(self.numels[unit], self._grad_dtype)
         return buf
 
     def unit_grad_bytes(self) -> int:

@@ -151,9 +151,16 @@ class _Lane:
 class Pipeline:
     """The engine's worker lanes, error propagation and bounded waits."""
 
-    def __init__(self, timeout_s: float, *, task_hook: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        *,
+        task_hook: Callable[[str], None] | None = None,
+        on_fail: Callable[[BaseException], None] | None = None,
+    ) -> None:
         self.timeout_s = timeout_s
         self.task_hook = task_hook  # called with the lane name before every task: fault/delay injection
+        self.on_fail = on_fail  # called with the first failure (a data-parallel rank reports it to its peers)
         self._lanes = {name: _Lane(name, self._progressed) for name in POOLS}
         self._cond = threading.Condition()
         self._error: BaseException | None = None
@@ -170,9 +177,12 @@ class Pipeline:
     def fail(self, exc: BaseException) -> None:
         """Record the first failure and wake every waiter."""
         with self._cond:
-            if self._error is None:
+            first = self._error is None
+            if first:
                 self._error = exc
             self._cond.notify_all()
+        if first and self.on_fail is not None:
+            self.on_fail(exc)
 
     def check(self) -> None:
         """Re-raise the first failure of any thread, if there was one."""
@@ -247,6 +257,27 @@ class Pipeline:
                 if self._stalled(start):
                     raise self._stall(None, what, start)
                 self._cond.wait(_POLL_S)
+
+    def poll(self, done: Callable[[], bool], what: str, *, check: Callable[[], None] | None = None) -> None:
+        """Block until ``done()`` holds, for work that completes without telling anyone (a collective).
+
+        ``done`` is polled at intervals growing from 0.1 ms to 5 ms, so a quick completion is seen
+        quickly; ``check()`` (a peer's failure report) runs between polls and may raise. Bounded like
+        every wait: a pipeline failure re-raises, no progress for ``timeout_s`` raises
+        ``PipelineStalled``.
+        """
+        start = time.monotonic()
+        delay = 1e-4
+        with self._waiting(None, what):
+            while not done():
+                self.check()
+                if check is not None:
+                    check()
+                if self._stalled(start):
+                    raise self._stall(None, what, start)
+                time.sleep(delay)
+                delay = min(2 * delay, 5e-3)
+        self._progressed()
 
     @property
     def lock(self) -> threading.Condition:

@@ -9,7 +9,16 @@ reaches it (``checkpoint.Deferred``), so a checkpoint needs no second copy
 of the state in memory. Restoring reads every array back, checksums checked,
 after ``verify_compatible`` has refused a checkpoint of another model.
 
-Test: ``pytest tests/test_resume.py``.
+Data-parallel (``engine.collectives``): each rank's checkpoint holds its
+shards, and ``parallel/world`` (the world size and the rank). Rank 0's part
+commits the whole checkpoint: its ``parallel/world`` is produced last, once
+every other rank has reported its part committed (``DataParallel.wait_parts``),
+so rank 0's checkpoint exists only when every part does. ``restore`` refuses,
+before reading any tensor, a checkpoint of another world size or rank (and a
+one-process checkpoint in a data-parallel run, and the reverse): re-sharding
+is not built yet.
+
+Test: ``pytest tests/test_resume.py tests/distributed/test_dp_checkpoints.py``.
 """
 
 from __future__ import annotations
@@ -20,13 +29,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from slidekit import checkpoint as ck
+from slidekit.errors import ConfigError
 
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from slidekit.distributed.group import DataParallel
     from slidekit.engine.core import Engine
 
-__all__ = ["capture", "names_by_unit", "restore", "update_order"]
+__all__ = ["PARALLEL", "capture", "check_world", "names_by_unit", "restore", "update_order"]
+
+#: The array of a data-parallel rank's checkpoint that says whose part it is: (world size, rank), int64.
+PARALLEL = "parallel/world"
 
 
 def update_order(engine: Engine, deferred: bool) -> list[int]:
@@ -58,7 +72,20 @@ def capture(engine: Engine, order: list[int]) -> dict[str, torch.Tensor | ck.Def
                 out[f"state/{u}/{name}"] = ck.Deferred(
                     dtype, (numel,), functools.partial(state.read_buffer, u, name)
                 )
+    dp = engine.collectives
+    if dp is not None:
+        mark = torch.tensor([dp.world, dp.rank], dtype=torch.int64)
+        if dp.rank == 0:  # the last array of rank 0's part: written once every other part is committed
+            wait = functools.partial(_after_parts, dp.parallel, engine.steps_done, mark)
+            out[PARALLEL] = ck.Deferred(torch.int64, (2,), wait)
+        else:
+            out[PARALLEL] = mark
     return out
+
+
+def _after_parts(parallel: DataParallel, step: int, mark: torch.Tensor) -> torch.Tensor:
+    parallel.wait_parts(step)
+    return mark
 
 
 def _host(t: torch.Tensor) -> torch.Tensor | ck.Deferred:
@@ -83,11 +110,36 @@ def expected_arrays(engine: Engine) -> dict[str, tuple[torch.dtype, tuple[int, .
         out[f"master/{u}"] = (master.dtype, tuple(master.shape))
         for name, (dtype, numel) in state.layout(u).items():
             out[f"state/{u}/{name}"] = (dtype, (numel,))
+    if engine.collectives is not None:
+        out[PARALLEL] = (torch.int64, (2,))
     return out
+
+
+def check_world(engine: Engine, path: Path) -> None:
+    """Refuse checkpoint ``path`` when it holds the shards of another data-parallel world (or rank)."""
+    dp = engine.collectives
+    world = 1 if dp is None else dp.world
+    if PARALLEL not in ck.read_manifest(path).arrays:
+        if world == 1:
+            return
+        raise ConfigError(
+            f"checkpoint {path} was written by one process, and this run has {world} data-parallel ranks: "
+            "resume it on one process (re-sharding a checkpoint into another world size is not built yet)"
+        )
+    saved_world, saved_rank = (int(v) for v in ck.read(path, PARALLEL).tolist())
+    if saved_world != world:
+        how = "on one process" if saved_world == 1 else f"with torchrun --nproc-per-node {saved_world}"
+        raise ConfigError(
+            f"checkpoint {path} holds the shards of {saved_world} data-parallel ranks, and this run has "
+            f"{world}: resume it {how} (re-sharding a checkpoint into another world size is not built yet)"
+        )
+    if dp is not None and saved_rank != dp.rank:
+        raise ConfigError(f"checkpoint {path} is rank {saved_rank}'s part, not rank {dp.rank}'s")
 
 
 def restore(engine: Engine, path: Path) -> None:
     """Load masters and optimizer state from checkpoint ``path`` (verified against this engine)."""
+    check_world(engine, path)
     ck.verify_compatible(path, expected_arrays(engine))
     engine.wait_updates()
     state = engine.host.state

@@ -69,19 +69,22 @@ class StateStore:
         chunk: int,
         staging: int,
         stage_now: bool = False,
+        numels: Sequence[int] | None = None,
     ) -> None:
         """``chunk``: parameters per streamed chunk; ``staging``: parameters one staging set holds; both
         from the run's ``slidekit.planning.Layout``, which allocates the sets up front (``stage_now``)
         when a unit's tier is a disk. A host tier that does not map its regions streams too: its sets are
-        then allocated on first use."""
+        then allocated on first use. ``numels``: the parameters of each unit this store updates (a
+        data-parallel rank's shards, ``slidekit.distributed.shards``); default: every unit whole."""
         if len(tiers) != len(units):
             raise ValueError(f"one tier per unit: got {len(tiers)} tiers for {len(units)} units")
         self.units = units
+        self.numels = [u.numel for u in units] if numels is None else list(numels)
         self.tiers = list(tiers)
         self._optimizer = optimizer
         self._memory = memory
         self._pipeline = pipeline
-        self._layouts: list[StateLayout] = [dict(optimizer.state_layout(u.numel)) for u in units]
+        self._layouts: list[StateLayout] = [dict(optimizer.state_layout(n)) for n in self.numels]
         self.linear = bool(optimizer.linear_state)  # declared (slidekit.interfaces.UnitOptimizer)
         self.chunk = chunk
         self._staging_numel = staging
@@ -122,7 +125,7 @@ class StateStore:
         return None
 
     def _chunks(self, unit: int, start: int = 0, stop: int | None = None) -> list[tuple[int, int]]:
-        stop = self.units[unit].numel if stop is None else stop
+        stop = self.numels[unit] if stop is None else stop
         return [(a, min(a + self.chunk, stop)) for a in range(start, stop, self.chunk)]
 
     def _span(self, unit: int, start: int, stop: int) -> dict[str, tuple[torch.dtype, int, int]]:
@@ -165,8 +168,10 @@ class StateStore:
         """Call ``fn(a, b, state)`` over the unit's parameters [start, stop) (default: all of them):
         once if mapped, chunk by chunk if not. A partial range needs linear state and a ``start``
         that is a multiple of ``GRANULE``."""
-        n = self.units[unit].numel
+        n = self.numels[unit]
         stop = n if stop is None else stop
+        if stop == start:
+            return  # an empty shard (a data-parallel rank that owns none of a small unit)
         whole = start == 0 and stop == n
         if not whole and (not self.linear or start % GRANULE):
             raise ValueError(

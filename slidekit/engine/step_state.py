@@ -28,6 +28,8 @@ class StepState:
     loss_sum: torch.Tensor | None = None  # summed cross-entropy, set by the head
     deferred: dict[int, Future[float]] = field(default_factory=dict)  # unit -> its gradient download
     resident_due: list[int] = field(default_factory=list)  # resident units to update on the device
+    shard_sq: dict[int, Future[float]] = field(default_factory=dict)  # data-parallel: unit -> its shard's
+    # squared gradient norm, once the d2h lane has reduced the unit's gradient over the ranks
 
     def take_x(self) -> list[torch.Tensor]:
         """The hidden states, let go of here (the head is their last reader)."""

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from slidekit.engine.collectives import Collectives
 from slidekit.engine.host import HostStore
 from slidekit.engine.runtime import Pipeline, Streams
 from slidekit.engine.state import slice_groups
@@ -52,6 +53,8 @@ class Updates:
     steps_done: int
     updates_applied: int
     _checkpoint: tuple[Any, dict[int, list[str]]] | None
+    collectives: Collectives | None  # data-parallel ranks' collectives (None: one process)
+    _stale: set[int]  # resident units whose other shards are still to be gathered (data-parallel)
 
     def _finish_unit(self, unit: int, slot: Slot, c: StepState) -> None:
         """After a unit's backward: add its gradient norm, copy the gradients down, update it.
@@ -61,11 +64,19 @@ class Updates:
         gradients go to the unit's own host buffer and the update is queued at
         the end of the step (``_clip_and_update``).
         """
-        n = self.spec.units[unit].numel
-        unit_sq = torch.linalg.vector_norm(slot.grads[:n], dtype=torch.float32).square()
-        c.sq_norm += unit_sq
+        unit_sq: torch.Tensor | None = None
+        if self.collectives is None:
+            n = self.spec.units[unit].numel
+            unit_sq = torch.linalg.vector_norm(slot.grads[:n], dtype=torch.float32).square()
+            c.sq_norm += unit_sq
+        # Data-parallel: the d2h lane reduces the gradient over the ranks first; the norm is the shard's.
         if slot.resident:  # updated on the device once the step's loss and norm are known
             c.resident_due.append(unit)
+            if self.collectives is not None:
+                done = self.streams.record(self.streams.compute)
+                c.shard_sq[unit] = self.pipeline.submit(
+                    "d2h", self._reduce_resident, unit, slot, done, unit=unit
+                )
             return
         done = self.streams.record(self.streams.compute)
         # Bump the version now, on this thread: from here on no slot holding the old
@@ -75,12 +86,16 @@ class Updates:
             c.deferred[unit] = self.pipeline.submit(
                 "d2h", self._download, unit, slot, done, unit_sq, None, unit=unit
             )
+            if self.collectives is not None:
+                c.shard_sq[unit] = c.deferred[unit]
             return
         # Futures the download completes piece by piece: stall reports follow them to the d2h lane.
         handoff: list[Future[tuple[int, float]]] = [
             self.pipeline.promise("d2h", unit) for _ in self.host.pieces(unit)
         ]
         download = self.pipeline.submit("d2h", self._download, unit, slot, done, unit_sq, handoff, unit=unit)
+        if self.collectives is not None:
+            c.shard_sq[unit] = download
         self.updated[unit] = self.pipeline.submit(
             "optim", self._update, unit, download, handoff, c.lr, self.updates_applied + 1, 1.0, unit=unit
         )
@@ -90,7 +105,7 @@ class Updates:
         unit: int,
         slot: Slot,
         computed: Any,
-        unit_sq: torch.Tensor,
+        unit_sq: torch.Tensor | None,
         handoff: list[Future[tuple[int, float]]] | None,
     ) -> float:
         """Download thread: the unit's gradients to the host; returns their squared norm.
@@ -100,12 +115,19 @@ class Updates:
         optimizer thread as soon as it has arrived, so a unit larger than a
         buffer is updated while its later pieces come down. Without, the whole
         unit goes into its own buffer, kept until the step ends.
+
+        Data-parallel (``unit_sq`` None): first the gradient is reduced over the ranks; then only
+        this rank's shard comes down, and the norm returned is the shard's.
         """
         n = self.host.masters[unit].numel()
         sq = torch.empty((), dtype=torch.float32, pin_memory=self.streams.cuda)
         s = self.streams
         copied = None
+        at = 0  # where the rank's shard begins in the unit
         try:
+            if unit_sq is None:
+                unit_sq = self._reduce(unit, slot, computed)
+                at = self._shard_start(unit)
             for k, (a, b) in enumerate(self.host.pieces(unit) if handoff is not None else [(0, n)]):
                 if handoff is None:
                     index, dst = -1, self.host.unit_grad(unit)
@@ -119,14 +141,14 @@ class Updates:
                             if k == 0:
                                 s.wait(s.d2h, computed)
                             with self.timeline.device("d2h_copy", unit, s.d2h):  # the transfer alone
-                                dst.copy_(slot.grads[a:b], non_blocking=True)
+                                dst.copy_(slot.grads[at + a : at + b], non_blocking=True)
                                 if k == 0:
                                     sq.copy_(unit_sq, non_blocking=True)
                             copied = s.record(s.d2h)
                         s.synchronize(copied)
                     else:
                         with self.timeline.device("d2h_copy", unit, None):
-                            dst.copy_(slot.grads[a:b])
+                            dst.copy_(slot.grads[at + a : at + b])
                             if k == 0:
                                 sq.copy_(unit_sq)
                 if handoff is not None:
@@ -138,6 +160,26 @@ class Updates:
             raise
         self.window.release(slot, copied)
         return float(sq)
+
+    def _shard_start(self, unit: int) -> int:
+        return 0 if self.collectives is None else self.collectives.shards[unit].start
+
+    def _reduce(self, unit: int, slot: Slot, computed: Any) -> torch.Tensor:
+        """d2h lane, data-parallel: sum the unit's gradient over the ranks (in this rank's shard, which
+        the caller then copies down) and return the squared norm of that shard (a device scalar)."""
+        assert self.collectives is not None
+        shard = self.collectives.shards[unit]
+        s = self.streams
+        with self.timeline.host("reduce", unit), s.use(s.d2h):
+            s.wait(s.d2h, computed)  # the backward wrote the gradient
+            self.collectives.reduce_grads(unit, slot.grads)
+            own = slot.grads[shard.start : shard.stop]
+            return torch.linalg.vector_norm(own, dtype=torch.float32).square()
+
+    def _reduce_resident(self, unit: int, slot: Slot, computed: Any) -> float:
+        """d2h lane, data-parallel: reduce a resident unit's gradient (updated on the device at the end of
+        the step); returns the squared norm of this rank's shard, once the reduction is complete."""
+        return float(self._reduce(unit, slot, computed))
 
     def _update(
         self,
@@ -217,12 +259,15 @@ class Updates:
         # Streaming uses staging buffers that belong to the optimizer thread: resident state must map.
         assert not self.host.state.streamed(unit), f"resident unit {unit} has streamed state"
         slot = self.window.resident[unit]
-        n = self.spec.units[unit].numel
-        params = slot.params[:n]
+        a = self._shard_start(unit)  # data-parallel: this rank's shard, gathered into the slot afterwards
+        b = a + self.host.masters[unit].numel()
+        params = slot.params[a:b]
         lowp = params.dtype == torch.bfloat16  # the optimizer writes the BF16 weights in the same pass
-        self._apply(unit, slot.grads[:n], lr=lr, count=count, scale=scale, lowp_out=params if lowp else None)
+        self._apply(unit, slot.grads[a:b], lr=lr, count=count, scale=scale, lowp_out=params if lowp else None)
         if not lowp:
             params.copy_(self.host.masters[unit])
+        if self.collectives is not None:  # the other ranks' shards come at the unit's next request
+            self._stale.add(unit)
 
     def _apply(
         self,
@@ -240,6 +285,8 @@ class Updates:
 
         ``grad`` (and ``lowp_out``) hold parameters [start, stop) of the unit: all of it by default.
         """
+        if grad.numel() == 0:
+            return  # data-parallel: this rank owns none of the unit
         if scale != 1.0:
             grad.mul_(scale)
         master, groups = self.host.masters[unit], self.groups[unit]
@@ -258,10 +305,16 @@ class Updates:
         self.host.state.update(unit, step, start, stop)
 
     def sync_resident(self) -> None:
-        """Refresh resident units' compute-dtype weights from their masters (after loading or restoring)."""
+        """Refresh resident units' compute-dtype weights from their masters (after loading or restoring).
+
+        Data-parallel: this rank's shard now; the other ranks' at the unit's next request
+        (``_resident_gather``), so that loading and restoring need no collective."""
         for unit, slot in self.window.resident.items():
-            n = self.spec.units[unit].numel
-            slot.params[:n].copy_(self.host.masters[unit])
+            a = self._shard_start(unit)
+            master = self.host.masters[unit]
+            slot.params[a : a + master.numel()].copy_(master)
+            if self.collectives is not None:
+                self._stale.add(unit)
 
     def _drop_deferred(self, c: StepState) -> None:
         """Skip the step: wait for the downloads, apply nothing. Masters and state stay as they were."""

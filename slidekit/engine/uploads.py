@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from slidekit.engine.collectives import Collectives
 from slidekit.engine.host import HostStore
 from slidekit.engine.runtime import Pipeline, Streams
 from slidekit.engine.window import Slot, Window
@@ -44,6 +45,8 @@ class Uploads:
     upload_stage: torch.Tensor | None
     _loads: dict[int, tuple[Slot, Future[Any] | None]]
     _tied_slot: Slot | None
+    collectives: Collectives | None  # data-parallel ranks' collectives (None: one process)
+    _stale: set[int]  # resident units whose other ranks' shards are still to be gathered (data-parallel)
 
     def _request(self, k: int, *, wait: bool = True) -> bool:
         """Make sure visit ``k``'s parameters are (being) loaded into a slot.
@@ -58,10 +61,10 @@ class Uploads:
         if not visit.needs_params:
             return True
         own = self.window.resident.get(visit.unit)
-        if own is not None:  # always loaded, never evicted
+        if own is not None:  # always loaded, never evicted (data-parallel: gathered after its update)
             if self._is_tied_embed(visit.unit):
                 self._tied_slot = own
-            self._loads[k] = (own, None)
+            self._loads[k] = (own, self._resident_gather(visit.unit))
             return True
         if self._is_tied_embed(visit.unit) and self._tied_slot is not None:
             self._loads[k] = (self._tied_slot, None)
@@ -98,21 +101,50 @@ class Uploads:
             self.pipeline.result(update, f"the optimizer update of unit {unit}")
         master = self.host.masters[unit]
         n = master.numel()
+        at = 0 if self.collectives is None else self.collectives.shards[unit].start  # a rank's shard
         if not self.streams.cuda:
             with self.timeline.host("h2d", unit):
-                slot.params[:n].copy_(master)
+                slot.params[at : at + n].copy_(master)
+            self._gather(unit, slot)
             return None
         s = self.streams
-        with s.use(s.h2d), self.timeline.device("h2d", unit, s.h2d):
-            s.wait(s.h2d, free_event)  # the slot's previous contents are no longer read
-            if self.dtype == torch.float32:
-                slot.params[:n].copy_(master, non_blocking=True)
-            else:  # FP32 over the bus, cast on the device: no host-side BF16 copy to keep
-                stage = self._staging()
-                for a in range(0, n, UPLOAD_CHUNK):
-                    b = min(a + UPLOAD_CHUNK, n)
-                    stage[: b - a].copy_(master[a:b], non_blocking=True)
-                    slot.params[a:b].copy_(stage[: b - a])
+        with s.use(s.h2d):
+            with self.timeline.device("h2d", unit, s.h2d):
+                s.wait(s.h2d, free_event)  # the slot's previous contents are no longer read
+                if self.dtype == torch.float32:
+                    slot.params[at : at + n].copy_(master, non_blocking=True)
+                else:  # FP32 over the bus, cast on the device: no host-side BF16 copy to keep
+                    stage = self._staging()
+                    for a in range(0, n, UPLOAD_CHUNK):
+                        b = min(a + UPLOAD_CHUNK, n)
+                        stage[: b - a].copy_(master[a:b], non_blocking=True)
+                        slot.params[at + a : at + b].copy_(stage[: b - a])
+            self._gather(unit, slot)  # queued behind the upload on the h2d stream
+        return s.record(s.h2d)
+
+    def _gather(self, unit: int, slot: Slot) -> None:
+        """Data-parallel: every rank's updated shard into the slot (h2d lane, after the own upload)."""
+        if self.collectives is not None:
+            with self.timeline.host("gather", unit):
+                self.collectives.gather_weights(unit, slot.params)
+
+    def _resident_gather(self, unit: int) -> Future[Any] | None:
+        """The gather a resident unit waits for before its next use, queued now if its shards changed
+        (data-parallel; requests come in the visits' order, the same on every rank)."""
+        if unit not in self._stale:
+            return None
+        self._stale.discard(unit)
+        done = self.streams.record(self.streams.compute)  # after the update that wrote this rank's shard
+        return self.pipeline.submit("h2d", self._gather_resident, unit, done, unit=unit)
+
+    def _gather_resident(self, unit: int, computed: Any) -> Any:
+        """h2d lane, data-parallel: a resident unit's updated shards gathered into its own slot (the h2d
+        lane issues every weight gather, so all ranks issue them in one order)."""
+        assert self.collectives is not None
+        s, slot = self.streams, self.window.resident[unit]
+        with self.timeline.host("gather", unit), s.use(s.h2d):
+            s.wait(s.h2d, computed)  # the update on the compute stream wrote this rank's shard
+            self.collectives.gather_weights(unit, slot.params)
         return s.record(s.h2d)
 
     def _staging(self) -> torch.Tensor:

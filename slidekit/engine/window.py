@@ -69,8 +69,19 @@ class Window:
     """The cache units and who holds them."""
 
     def __init__(
-        self, count: int, numel: int, dtype: torch.dtype, device: torch.device, pipeline: Pipeline
+        self,
+        count: int,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        pipeline: Pipeline,
+        *,
+        deterministic: bool = False,
     ) -> None:
+        """``deterministic``: a claim takes the least recently used slot (not pinned) and waits for it
+        to be free, rather than take whichever is free first, so which slot holds which unit never
+        depends on the threads' timing (data-parallel ranks make the same uploads, hence the same
+        collectives, in the same order)."""
         self.slots = [
             Slot(
                 i,
@@ -80,6 +91,7 @@ class Window:
             for i in range(count)
         ]
         self._pipeline = pipeline
+        self._deterministic = deterministic
         self._clock = 0
         self.resident: dict[int, Slot] = {}  # unit -> its own slot, for units resident on the device
 
@@ -97,7 +109,9 @@ class Window:
         """A free slot, least recently used first, re-labelled for ``unit``; waits (bounded) for one."""
         with self._pipeline.lock:
             self._pipeline.wait_until(
-                lambda: any(s.users == 0 and not s.pinned for s in self.slots),
+                (lambda: self._next().users == 0)
+                if self._deterministic
+                else lambda: any(s.users == 0 and not s.pinned for s in self.slots),
                 f"a free cache unit for unit {unit} (window of {len(self.slots)})",
             )
             slot = self.try_claim(unit, version, pinned=pinned)
@@ -107,13 +121,22 @@ class Window:
     def try_claim(self, unit: int, version: int, *, pinned: bool = False) -> Slot | None:
         """Like ``claim``, but None at once when every slot is in use (a prefetch must not wait)."""
         with self._pipeline.lock:
-            free = [s for s in self.slots if s.users == 0 and not s.pinned]
-            if not free:
-                return None
-            slot = min(free, key=lambda s: s.last_use)
+            if self._deterministic:
+                slot = self._next()
+                if slot.users:
+                    return None
+            else:
+                free = [s for s in self.slots if s.users == 0 and not s.pinned]
+                if not free:
+                    return None
+                slot = min(free, key=lambda s: s.last_use)
             slot.unit, slot.version, slot.users, slot.pinned = unit, version, 1, pinned
             self._touch(slot)
             return slot
+
+    def _next(self) -> Slot:
+        """The slot a deterministic claim takes: the least recently used of those not pinned."""
+        return min((s for s in self.slots if not s.pinned), key=lambda s: s.last_use)
 
     def invalidate(self, slot: Slot) -> None:
         """Forget what a slot holds (its upload failed or its contents were overwritten)."""
