@@ -19,6 +19,7 @@ Test: ``pytest tests/test_logging_plugins.py``.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -56,6 +57,15 @@ def _config(run_dir: Path, report_to: str, *, steps: int = 4, resume: bool | int
 
 def _metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+#: The libraries are optional extras (both in ``test``; the GPU machine's image has TensorBoard, not W&B).
+needs_tensorboard = pytest.mark.skipif(
+    importlib.util.find_spec("tensorboard") is None, reason="tensorboard is not installed (slidekit[tensorboard])"
+)
+needs_wandb = pytest.mark.skipif(
+    importlib.util.find_spec("wandb") is None, reason="wandb is not installed (slidekit[wandb])"
+)
 
 
 @pytest.fixture
@@ -104,6 +114,7 @@ def _expected(metrics: list[dict], tag: str) -> list[tuple[int, float]]:
     return [(m["step"], m[key]) for m in metrics if key in m]
 
 
+@needs_tensorboard
 def test_tensorboard_event_files_hold_every_step_and_a_resume_replaces_the_steps_it_redoes(tmp_path):
     run = tmp_path / "run"
     with Trainer(_config(run, "tensorboard"), plugins=_plugins()) as t:
@@ -162,6 +173,7 @@ def _summary(records: list[dict]) -> dict:
     return out
 
 
+@needs_wandb
 def test_wandb_offline_run_holds_the_config_every_step_and_the_last_checkpoint(tmp_path, wandb_offline):
     run = tmp_path / "run"
     with Trainer(_config(run, "wandb"), plugins=_plugins()) as t:
@@ -306,6 +318,7 @@ def test_a_logger_whose_library_is_missing_stops_the_run_before_its_first_step(
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == ""
 
 
+@needs_tensorboard
 def test_all_takes_the_loggers_that_are_installed(tmp_path, monkeypatch, wandb_offline):
     monkeypatch.setitem(sys.modules, "wandb", None)
     run = tmp_path / "run"
