@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -55,7 +56,12 @@ def main() -> None:
     p.add_argument("--total", type=int, default=6, help="steps after the resume")
     p.add_argument("--resident", default="0.5")
     p.add_argument("--timeout", type=float, default=240.0, help="seconds per run")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="the logs and dp-summary.json")
+    p.add_argument(
+        "--work",
+        default="/tmp/slidekit-dp",
+        help="run directories (a 1.5B checkpoint is ~17 GiB: not under --out, which comes back as files)",
+    )
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,19 +73,36 @@ def main() -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     torchrun += [f"--nproc-per-node={args.ranks}", "-m", "slidekit", "finetune"]
     single = [sys.executable, "-m", "slidekit", "finetune"]
-    dp_dir, one_dir = out / "run-dp", out / "run-one"
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    dp_dir, one_dir = work / "run-dp", work / "run-one"
     runs = {
         "dp-first": torchrun
         + common
-        + ["--run-dir", str(dp_dir), "--steps", str(args.first), "--checkpoint-every", "2"],
-        "dp-resume": torchrun + common + ["--run-dir", str(dp_dir), "--steps", str(args.total), "--resume"],
+        + ["--run-dir", str(dp_dir), "--steps", str(args.first), "--checkpoint-every", "2", "--keep", "1"],
+        "dp-resume": torchrun
+        + common
+        + ["--run-dir", str(dp_dir), "--steps", str(args.total), "--resume", "--keep", "1"],
         "one-process": single
         + common
-        + ["--run-dir", str(one_dir), "--steps", str(args.total), "--grad-accum", str(args.ranks)],
+        + [
+            "--run-dir",
+            str(one_dir),
+            "--steps",
+            str(args.total),
+            "--grad-accum",
+            str(args.ranks),
+            "--keep",
+            "1",
+        ],
     }
     summary: dict = {"preset": args.preset, "device": args.device, "ranks": args.ranks, "runs": {}}
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     for name, cmd in runs.items():
+        if name == "one-process":  # the data-parallel run is done: its checkpoints only take the disk's room
+            summary["dp_metrics"] = _losses(dp_dir)
+            summary["dp_checkpoints"] = sorted(os.listdir(dp_dir / "checkpoints")) if dp_dir.exists() else []
+            shutil.rmtree(dp_dir / "checkpoints", ignore_errors=True)
         t0 = time.perf_counter()
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
@@ -91,7 +114,6 @@ def main() -> None:
         summary["runs"][name] = {"rc": rc, "wall_s": round(time.perf_counter() - t0, 1), "tail": text[-1500:]}
         print(name, rc, summary["runs"][name]["wall_s"], flush=True)
         print(text[-1500:], flush=True)
-    summary["dp_metrics"] = _losses(dp_dir)
     summary["one_metrics"] = _losses(one_dir)
     (out / "dp-summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: summary[k] for k in ("dp_metrics", "one_metrics")}, indent=1))
