@@ -17,8 +17,9 @@ Each contender gets its own unit (master, state, BF16 copy), all alive at once
 then --repeat rounds time one update of every contender in turn, so a change
 of background load hits them all alike. Prints one JSON line:
 ``<contender>_gparams_s`` (G parameters per second, median over the rounds),
-``layer_adam_cpp_over_baseline`` and ``<driver>_cpp_over_torch`` (each fused
-kernel against its own torch path).
+``layer_adam_cpp_over_baseline``, ``<driver>_cpp_over_torch`` (each fused
+kernel against its own torch path) and ``adamw_8bit_cpp_over_layer_adam_cpp``
+(the two fused kernels, measured in the same rounds).
 """
 
 from __future__ import annotations
@@ -126,6 +127,9 @@ def main() -> None:
     for name in _TWO_PATHS:
         if f"{name}_cpp" in rates:
             out[f"{name}_cpp_over_torch"] = round(rates[f"{name}_cpp"] / rates[f"{name}_torch"], 2)
+    if "adamw_8bit_cpp" in rates and "layer_adam_cpp" in rates:
+        ratio = rates["adamw_8bit_cpp"] / rates["layer_adam_cpp"]
+        out["adamw_8bit_cpp_over_layer_adam_cpp"] = round(ratio, 2)
     print(json.dumps(out), flush=True)
 
 

@@ -30,8 +30,10 @@ Two implementations, chosen by ``AdamW8bit(hyper, impl=...)`` exactly as in
   ``OptimizerHyper.threads`` of them take part, nothing global changes), the
   GIL released: decode both moments into a 1 KiB stack buffer each, update,
   write the master and the BF16 copy, find the new scales and write the new
-  codes. Built on first use (the first ``AdamW8bit`` made in a process when
-  no cached build exists) for the CPU capability torch dispatches to.
+  codes, looked up in the maps' packed tables (``QuantMap.packed``, one int32
+  per element from ~42 KB). Built on first use (the first ``AdamW8bit`` made
+  in a process when no cached build exists) for the CPU capability torch
+  dispatches to; for AVX-512, 16 elements at a time in zmm registers.
 * ``"torch"``: the reference. Vectorised torch ops over chunks of whole
   blocks (``chunk`` elements, 1 Mi by default) through scratch buffers
   allocated once per step, so memory beyond the state never grows with the
@@ -47,10 +49,11 @@ and adds, a correctly rounded square root (the torch path takes it in FP64:
 torch's FP32 ``sqrt`` is not correctly rounded on x86) times
 ``1 / sqrt(1 - beta2^t)``, then ``p + (-step * m) / den``; decoding is one
 multiply, re-encoding one division by the block's scale and quant8's table
-lookup (equal to nearest-value search with ties to the smaller code). So the
-two give the same master, BF16 copy, codes and scales bit for bit, whatever
-the vector width, ATen CPU capability, thread count or chunk size (NaN inputs
-aside: both produce NaN, not necessarily the same NaN). Earlier versions of
+lookup (equal to nearest-value search with ties to the smaller code; the
+kernel reads the same tables packed). So the two give the same master, BF16
+copy, codes and scales bit for bit, whatever the vector width, ATen CPU
+capability, thread count or chunk size (NaN inputs aside: both produce NaN,
+not necessarily the same NaN). Earlier versions of
 the torch path used ``lerp_``, ``addcmul_``, ``addcdiv_`` and FP32 ``sqrt``,
 whose rounding depends on how torch was built (fused multiply-adds, MKL's
 vector math); the sequence above rounds the same everywhere, and differs from
@@ -65,7 +68,7 @@ maxima and BF16 rounding, with correctly rounded divide and square root and
 no FMA contraction, so bitwise the CPU's results. Where Triton is missing,
 or with ``impl="torch"``, they take the torch path on the device (also
 bitwise: each of its operations is correctly rounded on a GPU too). The maps
-go to each device once (1.3 MB for both) and are shared by every unit there.
+go to each device once (1.4 MB for both) and are shared by every unit there.
 
 A resident unit costs 10.03 bytes per parameter of device memory in BF16
 training: the FP32 master (4), the state (2.03), the BF16 weights (2) and
@@ -223,17 +226,19 @@ class AdamW8bit:
         grad = grad.reshape(-1)  # a view when contiguous
         segments = _segments(groups, n, lr)
         scalars = _scalars(self.hyper, lr, count)
-        maps = self._maps_on(master.device)
-        kernel: Callable[..., object] | None = None
-        extra: tuple[int, ...] = ()
+        m_map, v_map = self._maps_on(master.device)
+        fused: tuple[Callable[..., object], tuple[Tensor, ...], tuple[int, ...]] | None = None
         if master.device.type != "cpu" or self._device_path_on_cpu:
-            kernel = None if self.requested_impl == "torch" else _device_kernel()
-        elif self._kernel is not None:
-            kernel, extra = self._kernel.adamw8_step_, (self.hyper.threads or 0,)  # its thread cap
-        if kernel is not None:
-            self._step_fused(kernel, extra, master, grad, state, segments, scalars, lowp_out, *maps)
+            triton = None if self.requested_impl == "torch" else _device_kernel()
+            if triton is not None:  # the Triton kernel reads quant8's two lookup tables
+                maps = tuple(t for q in (m_map, v_map) for t in (q.values, q.table, q.threshold))
+                fused = (triton, maps, ())
+        elif self._kernel is not None:  # the C++ kernel reads their packed form, and takes a thread cap
+            maps = tuple(t for q in (m_map, v_map) for t in (q.values, q.packed))
+            fused = (self._kernel.adamw8_step_, maps, (self.hyper.threads or 0,))
+        if fused is not None:
+            self._step_fused(*fused, master, grad, state, segments, scalars, lowp_out)
             return
-        m_map, v_map = maps
         scratch = _Scratch.allocate(min(self.chunk, n), master.device)
         for start in range(0, n, self.chunk):
             stop = min(start + self.chunk, n)
@@ -254,6 +259,7 @@ class AdamW8bit:
                         boundaries=q.boundaries.to(device),
                         table=q.table.to(device),
                         threshold=q.threshold.to(device),
+                        packed=q.packed.to(device),
                     )
                     for q in (self.m_map, self.v_map)
                 )
@@ -263,6 +269,7 @@ class AdamW8bit:
     def _step_fused(
         self,
         kernel: Callable[..., object],
+        tables: tuple[Tensor, ...],
         extra: tuple[int, ...],
         master: Tensor,
         grad: Tensor,
@@ -270,11 +277,10 @@ class AdamW8bit:
         segments: Sequence[_Segment],
         s: _StepScalars,
         lowp_out: Tensor | None,
-        m_map: QuantMap,
-        v_map: QuantMap,
     ) -> None:
-        """The whole unit in one call of a fused kernel: the C++ one (``extra``: its thread cap) or the
-        Triton one; both take the same arguments."""
+        """The whole unit in one call of a fused kernel: the C++ one or the Triton one. Both take the
+        same arguments but for the maps' ``tables`` (the C++ kernel reads the packed form) and the C++
+        kernel's thread cap in ``extra``."""
         if master.numel() == 0:
             return
         direct = lowp_out is not None and lowp_out.dtype == torch.bfloat16 and lowp_out.is_contiguous()
@@ -286,12 +292,7 @@ class AdamW8bit:
             state["exp_avg_sq_codes"],
             state["exp_avg_sq_absmax"],
             lowp_out.view(-1) if direct and lowp_out is not None else None,
-            m_map.values,
-            m_map.table,
-            m_map.threshold,
-            v_map.values,
-            v_map.table,
-            v_map.threshold,
+            *tables,
             [stop for _, stop, _ in segments],
             [1.0 if decay is None else decay for _, _, decay in segments],  # times 1 changes no bits
             *s.values(),

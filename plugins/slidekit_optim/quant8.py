@@ -41,9 +41,27 @@ boundary, and one comparison finishes the job::
 
 This equals ``bucketize(y, b)`` for every float32 ``y``; ``QuantMap`` checks
 the one-boundary property when it builds the tables, and the tests compare
-both encoders. ``adamw_8bit``'s fused C++ kernel (``csrc/adamw8.cpp``) encodes
-with these very tables, passed to it with every call; it assumes the 17-bit
-key and refuses tables of another size.
+both encoders.
+
+``adamw_8bit``'s fused C++ kernel (``csrc/adamw8.cpp``) reads the same tables
+in a compact form, ``QuantMap.packed``: one int32 per bucket holding both
+answers, ``code | cut << 8``, where ``cut`` places the boundary inside the
+bucket by the low 15 bits of its pattern (bit-inverted for negative keys, so
+that a larger number is a larger float; ``0x7FFF`` when the bucket holds no
+boundary)::
+
+    low  = bits(y) & 0x7FFF               (inverted where y's sign is set)
+    code = (entry & 0xFF) + (low > entry >> 8)
+
+And only the buckets that differ from their neighbours are kept: per sign,
+the bucket of 0 (and the subnormals), one entry for every key below a window
+of keys, the window's, one entry for every key above it. For the dynamic
+maps the window spans the 22 binary exponents that hold codes, 2^-22 to 1:
+10.5 K entries (42 KB) for the signed map, 5.4 K for the unsigned one,
+instead of 640 KB each, so the kernel's lookups stay in the L1 and L2
+caches, and one gather serves both answers. ``_packed_table`` builds it from
+``table`` and ``threshold`` and checks that it reproduces them for every key;
+its layout is documented there. The kernel gets it with every call.
 
 ``keep_nonzero`` (used for the second moment): a nonzero value never takes
 the zero code; a value nearer to 0 than to the smallest code of its sign
@@ -68,6 +86,7 @@ from torch import Tensor
 
 __all__ = [
     "BLOCK_SIZE",
+    "PACKED_HEADER",
     "QuantMap",
     "dequantize_blockwise",
     "dynamic_map",
@@ -123,12 +142,15 @@ class QuantMap:
         table: (2^17,) uint8: per key (top 17 bits of ``y``), the code of the key's lowest float.
         threshold: (2^17,) FP32: per key, the first boundary at or above its lowest float; ``y``
             above it takes the next code (it lies past the key's floats when none falls inside).
+        packed: int32: ``table`` and ``threshold`` in the compact form the fused CPU kernel reads
+            (``_packed_table``).
     """
 
     values: Tensor
     boundaries: Tensor
     table: Tensor
     threshold: Tensor
+    packed: Tensor
 
     @classmethod
     def build(cls, values: Tensor, *, keep_nonzero: bool = False) -> QuantMap:
@@ -144,7 +166,8 @@ class QuantMap:
         if keep_nonzero:
             boundaries = _keep_nonzero(values, boundaries)
         table, threshold = _lookup_tables(boundaries)
-        return cls(values=values, boundaries=boundaries, table=table, threshold=threshold)
+        packed = _packed_table(table, threshold)
+        return cls(values=values, boundaries=boundaries, table=table, threshold=threshold, packed=packed)
 
 
 def _keep_nonzero(values: Tensor, boundaries: Tensor) -> Tensor:
@@ -161,15 +184,21 @@ def _keep_nonzero(values: Tensor, boundaries: Tensor) -> Tensor:
     return boundaries
 
 
-def _lookup_tables(boundaries: Tensor) -> tuple[Tensor, Tensor]:
-    """Per 17-bit key: the code of its lowest float and the boundary inside it (see ``encode``)."""
+def _bucket_ends() -> tuple[Tensor, Tensor]:
+    """(lowest, highest) float of each 17-bit key's bucket; NaN where the bucket holds NaN patterns."""
     keys = torch.arange(1 << _KEY_BITS, dtype=torch.int64)
     first = keys << _KEY_SHIFT
     last = first + (1 << _KEY_SHIFT) - 1
     ends = torch.stack([first, last]).sub_((first >= 1 << 31).long() << 32)  # as signed int32 patterns
     floats = ends.to(torch.int32).view(torch.float32)  # (2, keys): the bucket's two extreme patterns
-    lo = torch.minimum(floats[0], floats[1])  # negative floats grow more negative with the pattern
-    hi = torch.maximum(floats[0], floats[1])
+    # Negative floats grow more negative with the pattern. minimum/maximum propagate NaN.
+    return torch.minimum(floats[0], floats[1]), torch.maximum(floats[0], floats[1])
+
+
+def _lookup_tables(boundaries: Tensor) -> tuple[Tensor, Tensor]:
+    """Per 17-bit key: the code of its lowest float and the boundary inside it (see ``encode``)."""
+    keys = torch.arange(1 << _KEY_BITS, dtype=torch.int64)
+    lo, hi = _bucket_ends()
     finite = torch.isfinite(lo) & torch.isfinite(hi)
     lo, hi = torch.where(finite, lo, 0.0), torch.where(finite, hi, 0.0)
     code_lo = torch.bucketize(lo, boundaries)
@@ -182,6 +211,58 @@ def _lookup_tables(boundaries: Tensor) -> tuple[Tensor, Tensor]:
     negative = keys >= 1 << (_KEY_BITS - 1)
     table = torch.where(finite, code_lo, torch.where(negative, 0, 255)).to(torch.uint8)
     return table, threshold.contiguous()
+
+
+#: int32 words before the entries of ``QuantMap.packed``: per sign (positive, then negative) the
+#: window's first key, the slot of the entry above it, and the slot of the sign's first entry; 2 spare.
+PACKED_HEADER = 8
+_NO_CUT = 0x7FFF  # a bucket without a boundary: no 15-bit ``low`` is greater
+_KEYS_PER_SIGN = 1 << (_KEY_BITS - 1)
+
+
+def _packed_table(table: Tensor, threshold: Tensor) -> Tensor:
+    """``table`` and ``threshold`` as the fused CPU kernel reads them: see the module docstring.
+
+    Each sign's 2^16 keys ``K`` (``K = (bits(y) >> 15) & 0xFFFF``) are kept as ``W + 3`` entries
+    from slot ``base``: slot 0 for ``K = 0``, slot 1 for every ``K`` in ``[1, lo)``, slots 2 ..
+    W + 1 for ``K`` in ``[lo, lo + W)``, slot ``W + 2`` (``top``) for every ``K`` above; so the
+    entry of ``K`` is ``packed[base + (0 if K == 0 else clamp(K - lo + 2, 1, top))]``. The header
+    is ``[lo+, top+, base+, lo-, top-, base-, 0, 0]``. Checked here against both tables, every key.
+    """
+    lo_f, hi_f = _bucket_ends()
+    bits = threshold.view(torch.int32).long() & 0xFFFFFFFF
+    negative = torch.arange(1 << _KEY_BITS) >= _KEYS_PER_SIGN
+    # The boundary lies inside the bucket when lo <= t < hi (then y > t iff low(y) > low(t)); t == hi
+    # (or beyond, or non-finite buckets, where lo and hi are NaN) leaves no float of it above t.
+    inside = (lo_f <= threshold) & (threshold < hi_f)
+    low = torch.where(negative, ~bits, bits) & _NO_CUT
+    entry = table.long() | torch.where(inside, low, _NO_CUT) << 8
+    header, parts, base = [], [], PACKED_HEADER
+    for e in entry.view(2, _KEYS_PER_SIGN):
+        below, above = e[1], e[-1]
+        differ_below = (e[1:] != below).nonzero()
+        differ_above = (e[1:] != above).nonzero()
+        lo = int(differ_below[0]) + 1 if differ_below.numel() else _KEYS_PER_SIGN
+        hi = int(differ_above[-1]) + 1 if differ_above.numel() else 0
+        width = max(0, hi - lo + 1)
+        header += [lo, width + 2, base]
+        parts += [e[:2], e[lo : lo + width], above.view(1)]
+        base += width + 3
+    packed = torch.cat([torch.tensor([*header, 0, 0]), *parts]).to(torch.int32)
+    if not torch.equal(_unpack(packed).long(), entry):
+        raise ValueError("packed encoding table does not reproduce the lookup tables")  # a bug here
+    return packed
+
+
+def _unpack(packed: Tensor) -> Tensor:
+    """The entry of every 17-bit key, through ``packed``'s index rule (the inverse of ``_packed_table``)."""
+    k = torch.arange(_KEYS_PER_SIGN)
+    rows = []
+    for sign in range(2):
+        lo, top, base = (int(x) for x in packed[3 * sign : 3 * sign + 3])
+        slot = torch.where(k == 0, 0, (k - lo + 2).clamp(1, top))
+        rows.append(packed[base + slot])
+    return torch.cat(rows)
 
 
 @functools.cache

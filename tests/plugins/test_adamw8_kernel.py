@@ -8,8 +8,10 @@ weight-decay groups, listed out of order, leaving a range in no group, with
 boundaries off the block grid; a changing learning rate; zero and random
 starting state. Then the same under every ATen CPU capability this machine
 has (a subprocess per capability, which builds the kernel for it), any thread
-count, and every kind of ``lowp_out``. That both follow AdamW is
-tests/plugins/test_adamw_8bit.py's job.
+count, every kind of ``lowp_out``, and a NaN gradient (the documented rule:
+its block's scales turn NaN in both paths, nothing else differs). That both
+follow AdamW is tests/plugins/test_adamw_8bit.py's job; that the kernel's
+encoder equals quant8's on every key, tests/plugins/test_adamw8_encoder.py's.
 
 The kernel is built once (about 25 s on 2 cores, plus as long again for the
 DEFAULT capability's build, the first time; later runs load them from the
@@ -266,7 +268,7 @@ def test_kernel_reports_the_threads_it_used(kernel):
             state["exp_avg_sq_codes"][:numel],
             state["exp_avg_sq_absmax"][: num_blocks(numel)],
             None,
-            *(m.values, m.table, m.threshold, v.values, v.table, v.threshold),
+            *(m.values, m.packed, v.values, v.packed),
             [numel],
             [1.0],
             *(0.1, 0.95, 0.05, 1.0, 1e-8, -1e-3),
@@ -283,6 +285,33 @@ def test_kernel_reports_the_threads_it_used(kernel):
         assert used(0, numel=200 * BLOCK_SIZE) == 1  # too small to split: one task
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_nan_gradient_spoils_its_block_alike_in_both_paths(kernel, one_torch_thread):
+    """The documented NaN rule: a NaN makes its block's scales NaN, in both paths; everything that is
+    not NaN (the other blocks, and in its block the first step's other elements) is bit for bit the
+    same, and the NaN lands at the same places."""
+    n = 4 * BLOCK_SIZE + 77
+    init, grads = _inputs(n, 2, torch.bfloat16, seed=3)
+    grads[0][BLOCK_SIZE + 5] = torch.nan  # block 1, first step
+    runs = _updates(("cpp", "torch"), init, grads[:1], _groups(n, "mixed"))
+    cpp, ref = runs["cpp"], runs["torch"]
+    for key in ("master", "exp_avg_absmax", "exp_avg_sq_absmax"):
+        nan = torch.isnan(ref[key])
+        assert torch.equal(torch.isnan(cpp[key]), nan), key
+        _assert_bitwise(cpp[key][~nan], ref[key][~nan], f"{key} outside the NaN")
+    assert bool(torch.isnan(cpp["exp_avg_absmax"][1])) and int(torch.isnan(cpp["master"]).sum()) == 1
+    for key in ("exp_avg_codes", "exp_avg_sq_codes"):
+        keep = torch.ones(n, dtype=torch.bool)
+        keep[BLOCK_SIZE + 5] = False  # the NaN's own code depends on its sign, which may differ
+        _assert_bitwise(cpp[key][keep], ref[key][keep], key)
+    later = _updates(("cpp", "torch"), init, grads, _groups(n, "mixed"))  # block 1 decodes to NaN
+    spoiled = slice(BLOCK_SIZE, 2 * BLOCK_SIZE)
+    for impl, run in later.items():
+        assert bool(torch.isnan(run["master"][spoiled]).all()), impl
+    rest = torch.ones(n, dtype=torch.bool)
+    rest[spoiled] = False
+    _assert_bitwise(later["cpp"]["master"][rest], later["torch"]["master"][rest], "master, other blocks")
 
 
 @pytest.mark.parametrize("lowp", [None, "fp32", "strided"])

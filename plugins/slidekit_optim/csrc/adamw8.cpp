@@ -18,12 +18,15 @@
 //       out[i] = bf16(p)                      round to nearest even, when an output is given
 //     A'    = max |m| over the block          (likewise for v)
 //     y     = m / (A' > 0 ? A' : 1)           one FP32 division
-//     code  = table[key] + (y > threshold[key]),  key = bits(y) >> 15
+//     code  = quant8.encode(y)                nearest map value, ties to the smaller code
 //
-// The last line is quant8.encode: round to the nearest map value, ties to the smaller code, via
-// a 2^17-entry table indexed by y's top 17 bits and one comparison (quant8 proves it equal to a
-// binary search over the map's midpoints). The maps and tables come from Python with every call,
-// so whatever QuantMap the optimizer holds is the one used.
+// The last line reads quant8's tables in their compact form (QuantMap.packed, quant8_packed.h):
+// one int32 lookup per element in a table of ~10 K entries (42 KB), instead of a byte and a float
+// from two 2^17-entry tables (640 KB per map, which missed the L1 and, for both maps, the L2).
+// The maps come from Python with every call, so whatever QuantMap the optimizer holds is the one
+// used. Built for AVX-512 (kernel_build.py's AVX512 capability), a block runs in zmm registers,
+// decoding without a gather (quant8_avx512.h); elsewhere in the portable loops below. Both give
+// the same bits.
 //
 // The file is compiled with -ffp-contract=off and calls no fma, so no multiply and add are
 // fused: each element's result is the same whatever the vector width, the split into threads or
@@ -37,10 +40,12 @@
 //
 // The per-element update (and the BF16 rounding, the scalars and the argument checks) is in
 // adam_common.h, shared with fused_adam.cpp; this file decodes, encodes and walks the blocks.
+// quantize_blockwise_ exposes the encoder alone, so that tests can hold it to quant8.encode on
+// every 17-bit key.
 //
 // Built on first use by slidekit_optim/adamw_8bit.py (through layer_adam's load_kernel, i.e.
 // torch.utils.cpp_extension.load); tested by tests/plugins/test_adamw8_kernel.py (bitwise
-// against the pure-torch path).
+// against the pure-torch path) and tests/plugins/test_adamw8_encoder.py (the encoder).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -48,6 +53,8 @@
 
 #include "adam_common.h"     // the per-element update, BF16 rounding and checks, shared by both kernels
 #include "parallel_tasks.h"  // the split into tasks on torch's thread pool, shared by both kernels
+#include "quant8_avx512.h"   // the AVX-512 block pass (only where the build enables AVX-512)
+#include "quant8_packed.h"   // quant8's compact encoding table
 
 #include <algorithm>
 #include <cstdint>
@@ -56,20 +63,24 @@
 
 namespace {
 
-constexpr int64_t kBlock = 256;         // quant8.BLOCK_SIZE
-constexpr int kKeyShift = 15;           // quant8: the key is the top 32 - 15 = 17 bits of y
-constexpr int64_t kKeys = int64_t{1} << (32 - kKeyShift);
+constexpr int64_t kBlock = 256;  // quant8.BLOCK_SIZE
 
 constexpr const char* kKernel = "adamw8_step";
 
+#ifdef SLIDEKIT_ADAMW8_AVX512
+constexpr int64_t kVectorWidth = 16;  // the AVX-512 block pass (quant8_avx512.h)
+#else
+constexpr int64_t kVectorWidth = 1;  // the portable loops (vectorised by the compiler where it can)
+#endif
+
 using slidekit::bits_of;
 using slidekit::float_of;
+using slidekit::PackedTable;
 
-// A QuantMap's tensors (quant8.QuantMap): values (256), table (2^17 codes), threshold (2^17).
+// A QuantMap as the kernel reads it: its values (256) and its packed encoding table.
 struct Map {
   const float* values;
-  const uint8_t* table;
-  const float* threshold;
+  PackedTable packed;
 };
 
 // One quantized moment: codes (n) and block scales (blocks).
@@ -87,24 +98,26 @@ void decode(int64_t len, const uint8_t* __restrict codes, const float* __restric
   }
 }
 
-// Encodes the block x (len <= kBlock) into codes; returns its scale max |x|.
-float encode_block(int64_t len, const float* __restrict x, const Map& map, uint8_t* __restrict codes) {
-  uint32_t top = 0;  // max of the |x| bit patterns: the largest magnitude (a NaN pattern above all)
+// The largest |x| bit pattern of x[0, len): that of the largest magnitude (a NaN pattern above all).
+uint32_t block_top(int64_t len, const float* __restrict x) {
+  uint32_t top = 0;
   for (int64_t i = 0; i < len; ++i) {
     top = std::max(top, bits_of(x[i]) & 0x7FFFFFFFu);
   }
+  return top;
+}
+
+// Encodes the block x (len <= kBlock, x readable to kBlock) whose largest |x| pattern is `top`
+// into codes; returns its scale max |x|.
+float encode_block(int64_t len, const float* __restrict x, uint32_t top, const PackedTable& table,
+                   uint8_t* __restrict codes) {
   const float amax = float_of(top);
   const float scale = amax > 0.0f ? amax : 1.0f;  // an all-zero block keeps scale 0, encodes x / 1
-  alignas(64) float y[kBlock];
-  alignas(64) uint32_t key[kBlock];
-  for (int64_t i = 0; i < len; ++i) {
-    y[i] = x[i] / scale;
-    key[i] = bits_of(y[i]) >> kKeyShift;
-  }
-  for (int64_t i = 0; i < len; ++i) {
-    const uint32_t k = key[i];
-    codes[i] = static_cast<uint8_t>(map.table[k] + (y[i] > map.threshold[k] ? 1 : 0));
-  }
+#ifdef SLIDEKIT_ADAMW8_AVX512
+  slidekit::avx512::encode_block(len, x, scale, table, codes);
+#else
+  slidekit::encode_block_portable(len, x, scale, table, codes);
+#endif
   return amax;
 }
 
@@ -122,14 +135,71 @@ struct Args {
   slidekit::AdamScalars s;
 };
 
+// The first decay segment that ends past element i.
+int64_t segment_of(const int64_t* seg_stop, int64_t segments, int64_t i) {
+  return std::upper_bound(seg_stop, seg_stop + segments, i) - seg_stop;
+}
+
+#ifdef SLIDEKIT_ADAMW8_AVX512
+// Blocks [b_lo, b_hi), 16 lanes at a time: quant8_avx512.h's two passes per block.
+template <typename G, bool kLowp>
+void run_blocks_avx512(int64_t b_lo, int64_t b_hi, const Args& a) {
+  alignas(64) float m[kBlock];
+  alignas(64) float v[kBlock];
+  int64_t seg = segment_of(a.seg_stop, a.segments, b_lo * kBlock);
+  for (int64_t b = b_lo; b < b_hi; ++b) {
+    const int64_t lo = b * kBlock;
+    const int64_t len = std::min(a.n, lo + kBlock) - lo;
+    // The decay factors of elements [lo + i, lo + i + 16): one broadcast unless a segment ends inside.
+    auto decay = [&](int64_t i) {
+      const int64_t at = lo + i;
+      while (a.seg_stop[seg] <= at) {
+        ++seg;
+      }
+      if (a.seg_stop[seg] >= std::min(a.n, at + 16)) {
+        return _mm512_set1_ps(a.seg_decay[seg]);
+      }
+      alignas(64) float lane[16];
+      for (int64_t l = 0, s = seg; l < 16; ++l) {
+        while (s + 1 < a.segments && a.seg_stop[s] <= at + l) {
+          ++s;
+        }
+        lane[l] = a.seg_decay[s];  // lanes past n: the last segment's, never stored
+      }
+      return _mm512_load_ps(lane);
+    };
+    const slidekit::avx512::Block blk{len,
+                                      a.p + lo,
+                                      static_cast<const G*>(a.g) + lo,
+                                      a.out == nullptr ? nullptr : a.out + lo,
+                                      a.m.codes + lo,
+                                      a.v.codes + lo,
+                                      a.m.absmax[b],
+                                      a.v.absmax[b]};
+    uint32_t m_top = 0;
+    uint32_t v_top = 0;
+    slidekit::avx512::update<G, kLowp>(blk, a.m.map.values, a.v.map.values, a.s, decay, m, v, m_top, v_top);
+    a.m.absmax[b] = encode_block(len, m, m_top, a.m.map.packed, a.m.codes + lo);
+    a.v.absmax[b] = encode_block(len, v, v_top, a.v.map.packed, a.v.codes + lo);
+  }
+}
+#endif
+
 // Blocks [b_lo, b_hi): decode, update (per decay segment, adam_common.h's adam_update), encode.
 void run_blocks(int64_t b_lo, int64_t b_hi, const Args& a, int64_t g_size, bool bf16_grad) {
   const bool lowp = a.out != nullptr;
+#ifdef SLIDEKIT_ADAMW8_AVX512
+  if (bf16_grad) {
+    return lowp ? run_blocks_avx512<uint16_t, true>(b_lo, b_hi, a)
+                : run_blocks_avx512<uint16_t, false>(b_lo, b_hi, a);
+  }
+  return lowp ? run_blocks_avx512<float, true>(b_lo, b_hi, a)
+              : run_blocks_avx512<float, false>(b_lo, b_hi, a);
+#else
   const slidekit::UpdateFn plain = slidekit::pick_update(bf16_grad, false, lowp);
   const slidekit::UpdateFn decayed = slidekit::pick_update(bf16_grad, true, lowp);
   const char* g = static_cast<const char*>(a.g);
-  // The first segment that ends past this task's first element.
-  int64_t seg = std::upper_bound(a.seg_stop, a.seg_stop + a.segments, b_lo * kBlock) - a.seg_stop;
+  int64_t seg = segment_of(a.seg_stop, a.segments, b_lo * kBlock);
   alignas(64) float m[kBlock];
   alignas(64) float v[kBlock];
   for (int64_t b = b_lo; b < b_hi; ++b) {
@@ -148,21 +218,19 @@ void run_blocks(int64_t b_lo, int64_t b_hi, const Args& a, int64_t g_size, bool 
           j - i, a.p + i, g + i * g_size, m + (i - lo), v + (i - lo), lowp ? a.out + i : nullptr, decay, a.s);
       i = j;
     }
-    a.m.absmax[b] = encode_block(len, m, a.m.map, a.m.codes + lo);
-    a.v.absmax[b] = encode_block(len, v, a.v.map, a.v.codes + lo);
+    a.m.absmax[b] = encode_block(len, m, block_top(len, m), a.m.map.packed, a.m.codes + lo);
+    a.v.absmax[b] = encode_block(len, v, block_top(len, v), a.v.map.packed, a.v.codes + lo);
   }
+#endif
 }
 
 void check_vector(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t n) {
   slidekit::check_vector(t, kKernel, name, dtype, n);
 }
 
-Map check_map(
-    const at::Tensor& values, const at::Tensor& table, const at::Tensor& threshold, const char* name) {
+Map check_map(const at::Tensor& values, const at::Tensor& packed, const char* name) {
   check_vector(values, name, at::kFloat, kBlock);
-  check_vector(table, name, at::kByte, kKeys);
-  check_vector(threshold, name, at::kFloat, kKeys);
-  return Map{values.data_ptr<float>(), table.data_ptr<uint8_t>(), threshold.data_ptr<float>()};
+  return Map{values.data_ptr<float>(), slidekit::read_packed(packed, kKernel, name)};
 }
 
 // One AdamW step over a whole unit, in place: master, both moments' codes and scales, and the
@@ -182,11 +250,9 @@ int64_t adamw8_step_(
     at::Tensor v_absmax,
     std::optional<at::Tensor> lowp_out,
     const at::Tensor& m_values,
-    const at::Tensor& m_table,
-    const at::Tensor& m_threshold,
+    const at::Tensor& m_packed,
     const at::Tensor& v_values,
-    const at::Tensor& v_table,
-    const at::Tensor& v_threshold,
+    const at::Tensor& v_packed,
     const std::vector<int64_t>& seg_stop,
     const std::vector<double>& seg_decay,
     double w1,
@@ -208,8 +274,8 @@ int64_t adamw8_step_(
   if (lowp) {
     check_vector(*lowp_out, "lowp_out", at::kBFloat16, n);
   }
-  const Map m_map = check_map(m_values, m_table, m_threshold, "the exp_avg map");
-  const Map v_map = check_map(v_values, v_table, v_threshold, "the exp_avg_sq map");
+  const Map m_map = check_map(m_values, m_packed, "the exp_avg map");
+  const Map v_map = check_map(v_values, v_packed, "the exp_avg_sq map");
   if (n == 0) {
     return 0;
   }
@@ -243,6 +309,28 @@ int64_t adamw8_step_(
   });
 }
 
+// quant8.quantize_blockwise of the FP32 vector x into codes and absmax, in place, with the encoder
+// adamw8_step_ uses (AVX-512 or portable, as built): what tests hold to quant8.encode.
+void quantize_blockwise_(const at::Tensor& x, const at::Tensor& packed, at::Tensor codes, at::Tensor absmax) {
+  constexpr const char* kName = "quantize_blockwise";
+  const int64_t n = x.numel();
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  slidekit::check_vector(x, kName, "x", at::kFloat, n);
+  slidekit::check_vector(codes, kName, "codes", at::kByte, n);
+  slidekit::check_vector(absmax, kName, "absmax", at::kFloat, blocks);
+  const PackedTable table = slidekit::read_packed(packed, kName, "packed");
+  const float* src = x.data_ptr<float>();
+  uint8_t* out = codes.data_ptr<uint8_t>();
+  float* scales = absmax.data_ptr<float>();
+  alignas(64) float buf[kBlock] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t lo = b * kBlock;
+    const int64_t len = std::min(n, lo + kBlock) - lo;
+    std::copy(src + lo, src + lo + len, buf);
+    scales[b] = encode_block(len, buf, block_top(len, buf), table, out + lo);
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -259,11 +347,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       pybind11::arg("v_absmax"),
       pybind11::arg("lowp_out"),
       pybind11::arg("m_values"),
-      pybind11::arg("m_table"),
-      pybind11::arg("m_threshold"),
+      pybind11::arg("m_packed"),
       pybind11::arg("v_values"),
-      pybind11::arg("v_table"),
-      pybind11::arg("v_threshold"),
+      pybind11::arg("v_packed"),
       pybind11::arg("seg_stop"),
       pybind11::arg("seg_decay"),
       pybind11::arg("w1"),
@@ -275,4 +361,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       pybind11::arg("max_tasks"),
       // The update runs for tens of milliseconds: let the engine's other Python threads run.
       pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def(
+      "quantize_blockwise_",
+      &quantize_blockwise_,
+      "quant8.quantize_blockwise with this kernel's encoder, in place (for tests)",
+      pybind11::arg("x"),
+      pybind11::arg("packed"),
+      pybind11::arg("codes"),
+      pybind11::arg("absmax"),
+      pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("vector_width", []() { return kVectorWidth; }, "16 where built for AVX-512, else 1");
 }
