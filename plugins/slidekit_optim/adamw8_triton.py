@@ -187,8 +187,9 @@ def adamw8_step_(
 ) -> None:
     """One 8-bit AdamW step over a whole unit, in place, on the current stream of the tensors' device.
 
-    The arguments are those of the C++ kernel's ``adamw8_step_`` (without its thread cap), and the
-    caller (``AdamW8bit.step``) has checked them the same way: flat contiguous tensors on one device,
+    The arguments are those of the C++ kernel's ``adamw8_step_`` (without its thread cap) except the
+    maps: here each map's ``values``, ``table`` and ``threshold`` (the C++ kernel takes ``values`` and
+    the packed table). The caller (``AdamW8bit.step``) has checked them the same way: flat contiguous tensors on one device,
     ``lowp_out`` contiguous BF16 or None, the maps' tensors on that device too, and ``seg_stop`` /
     ``seg_decay`` tiling ``[0, n)`` in order (a decay of 1 means none).
     """

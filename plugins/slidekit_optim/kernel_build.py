@@ -27,7 +27,7 @@ logged warning giving the reason, ``impl="cpp"`` raises ``KernelUnavailable``.
 optimizer descriptor's ``prepare`` (``prepare_kernel`` here), so no run ever
 waits for a compiler.
 
-Test: ``pytest tests/plugins/test_build_lock.py tests/plugins/test_kernel_build.py``.
+Test: ``pytest tests/plugins/test_build_lock.py tests/plugins/test_layer_adam.py``.
 """
 
 from __future__ import annotations
