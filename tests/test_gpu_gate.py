@@ -138,8 +138,11 @@ def test_the_suite_reports_its_counts_and_an_overrun_still_names_its_failures(tm
 
 
 @pytest.mark.slow
-def test_one_run_per_mode_through_the_child_process_path(tmp_path: Path):
+def test_one_run_per_mode_through_the_child_process_path(tmp_path: Path, monkeypatch):
     """The gate's runs on the tiny preset, on the CPU: whole-step timing, peaks and the record."""
+    # The gate also writes its record into $OUT: under the real gate (the device machine sets OUT) this
+    # test's record would land where the real one goes.
+    monkeypatch.delenv("OUT", raising=False)
     record = tmp_path / "GPU-VERIFIED.json"
     argv = ["--allow-cpu", "--skip-tests", "--model", "tiny", "--batch", "2", "--seq", "16"]
     argv += [
