@@ -45,7 +45,7 @@ from slidekit.models.base import ArchSpec, UnitKind
 from slidekit.models.decoder import RopeTables, embed_backward, embed_forward, head_loss, layer_forward
 from slidekit.planning.layout import Layout
 from slidekit.planning.schedule import BWD, FWD, HEAD, Visit, schedule
-from slidekit.telemetry import Timeline, hiding_factor
+from slidekit.telemetry import Timeline
 
 __all__ = ["Engine", "StepResult"]
 
@@ -58,12 +58,6 @@ class StepResult:
     seconds: float  # train_step's own wall time, the device work of the step included (its resident update too)
     grad_norm: float  # global L2 norm of the step's gradients (before clipping)
     timings: dict[str, float]  # seconds per pipeline lane (see Engine.train_step)
-
-    @property
-    def eta(self) -> float:
-        """Hiding factor T_bwd / (T_d2h + T_update): >= 1 means the CPU side keeps up with backward."""
-        eta = hiding_factor(self.timings)
-        return float("inf") if eta is None else eta
 
 
 class Engine(Uploads, Updates):
