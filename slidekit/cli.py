@@ -184,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="plan a published model shape (slidekit.tools.presets, e.g. llama-3.1-70b) instead of --model",
     )
+    for flag, what, default in (
+        ("--nproc-per-node", "data-parallel ranks per host, as for torchrun (they share its RAM and disks)", 1),
+        ("--nnodes", "hosts, as for torchrun (the run has nnodes x nproc-per-node ranks)", 1),
+        ("--gpus-per-node", "GPUs per host (default: one per rank, or the GPUs this machine has)", None),
+    ):
+        p.add_argument(flag, type=int, default=default, metavar="N", help=f"{what}; plans rank 0's shards")
 
     r = sub.add_parser("report", help="draw a run's loss curve and pipeline timeline as a PNG")
     r.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a finetune run")
@@ -328,6 +334,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     from slidekit.data.configured import planned_steps
     from slidekit.planning import plan_run
+    from slidekit.planning.report import RankShare
     from slidekit.planning.what_if import plan_machine
 
     notes: list[str] = []
@@ -350,7 +357,8 @@ def _plan(args: argparse.Namespace) -> int:
         machine, gpu = plan_machine(
             config, gpu=args.gpu, gpu_gib=args.gpu_gib, ram_gib=args.ram_gib, disk_gib=args.disk_gib
         )
-        report = plan_run(config, machine=machine, gpu=gpu, model_name=name)
+        ranks = RankShare.of(args.nproc_per_node, args.nnodes, args.gpus_per_node, machine, what_if=gpu is not None)
+        report = plan_run(config, machine=machine, gpu=gpu, model_name=name, ranks=ranks)
     print(report.render())
     print(data or f"steps: {steps.describe()}")
     return 0 if report.fits else 1

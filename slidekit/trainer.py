@@ -34,6 +34,7 @@ from slidekit.devices import device_family
 from slidekit.distributed import DataParallel
 from slidekit.distributed.checkpoints import resume_run, run_directory
 from slidekit.distributed.launch import describe, launch, on_rank_zero, rank_batches
+from slidekit.distributed.planning import check_same_decisions, rank_machine
 from slidekit.distributed.weights import fill_shards
 from slidekit.engine import Engine
 from slidekit.engine.build import EngineParts, build_engine
@@ -113,6 +114,7 @@ class Trainer:
         self.config = config
         self.parallel = parallel  # this process's rank of a data-parallel run (slidekit.distributed)
         self._machine = machine
+        self._machine_shared = False  # a data-parallel rank's machine is its agreed share of the host's
         self.planner: Planner | None = None
         self.estimate: Estimate | None = None
         self._fault_hook = fault_hook
@@ -216,10 +218,14 @@ class Trainer:
         """Plan the run's layout once (``slidekit.planning``), refuse it if it does not fit, build it."""
         ec, oc = self.config.engine, self.config.optim
         optimizer = build_optimizer(self.config, self.setup)
+        dp = self.parallel
         self.planner = planner = Planner.for_run(
-            self.config, self.setup, optimizer=optimizer, plugins=self.plugins
-        )
+            self.config, self.setup, optimizer=optimizer, plugins=self.plugins,
+            world=dp.world if dp else 1, rank=dp.rank if dp else 0,
+        )  # fmt: skip
         layout = self._plan(planner, optimizer)
+        if dp is not None:  # every rank must have decided alike before anything is allocated
+            check_same_decisions(layout, dp)
         parts = EngineParts(
             spec=self.spec,
             kernels=build_kernel_set(self.selections["kernels"], self.config.plugins.options),
@@ -237,9 +243,14 @@ class Trainer:
         return build_engine(layout, parts)
 
     def machine(self) -> Machine:
-        """What this machine has for the run (measured once, unless given to the constructor)."""
-        if self._machine is None:
-            self._machine = Machine.probe(self.device, self.config.engine.offload_dir, self.config.run.dir)
+        """What this machine has for the run (measured once, unless given to the constructor); a
+        data-parallel rank's share of it, agreed with the other ranks (``slidekit.distributed.planning``)."""
+        if self._machine is None or (self.parallel is not None and not self._machine_shared):
+            here = self._machine or Machine.probe(self.device, self.config.engine.offload_dir, self.config.run.dir)
+            if self.parallel is not None:
+                here = rank_machine(here, self.parallel)
+                self._machine_shared = True
+            self._machine = here
         return self._machine
 
     def _plan(self, planner: Planner, optimizer: Any) -> Layout:

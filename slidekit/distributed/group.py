@@ -121,6 +121,7 @@ class DataParallel:
         self.weights: Any = dist.new_group(ranks, timeout=timeout, backend=self.backend)
         self.control: Any = dist.new_group(ranks, timeout=timeout, backend="gloo")
         self.store.set(f"pid/{rank}", str(os.getpid()))
+        self.store.set(f"place/{rank}", _place(device))
         self._closed = False
 
     # ------------------------------------------------------------------ building
@@ -302,13 +303,35 @@ class DataParallel:
 
     # ------------------------------------------------------------------ scalars and agreements
 
-    def all_reduce(self, values: list[float], dtype: torch.dtype = torch.float64) -> list[float]:
-        """The sum over ranks of each of ``values`` (in ``dtype``, on the ``control`` group), bounded and
-        failing fast when a peer failed. Call from the main thread only."""
+    def all_reduce(
+        self, values: list[float], dtype: torch.dtype = torch.float64, *, op: str = "sum"
+    ) -> list[float]:
+        """The sum (``op`` "min", "max": the least, the greatest) over ranks of each of ``values`` (in
+        ``dtype``, on the ``control`` group), bounded and failing fast when a peer failed. Call from the
+        main thread only."""
+        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
         t = torch.tensor(values, dtype=dtype)
-        work = dist.all_reduce(t, group=self.control, async_op=True)
+        work = dist.all_reduce(t, op=ops[op], group=self.control, async_op=True)
         self.wait(work, "the step's scalars (all ranks)")
         return t.tolist()
+
+    def same(self, value: int) -> bool:
+        """True when every rank passes the same ``value`` (an integer below 2**52; one collective)."""
+        top, neg_bottom = self.all_reduce([float(value), -float(value)], op="max")
+        return top == -neg_bottom
+
+    def sharing(self) -> tuple[int, int]:
+        """How many ranks of the run (this one included) run on this host, and on this rank's device.
+
+        Each rank publishes its host name and device (a GPU by its UUID, so ranks that see it under
+        different indices count as one device) when it joins; a read waits at most the store's timeout.
+        """
+        mine = _place(self.device)
+        places = [self.store.get(f"place/{r}").decode() for r in range(self.world)]
+        host = mine.split("\n")[0]
+        on_host = sum(p.split("\n")[0] == host for p in places)
+        on_device = sum(p == mine for p in places) if self.device.type != "cpu" else 1
+        return on_host, on_device
 
     def agree(self, flag: bool) -> bool:
         """True when every rank passes True (one collective on ``control``)."""
@@ -350,6 +373,18 @@ class DataParallel:
 
     def __repr__(self) -> str:
         return f"DataParallel(rank={self.rank}, world={self.world}, backend={self.backend!r})"
+
+
+def _place(device: torch.device) -> str:
+    """This process's host and device, as ``sharing`` compares them: "host\ndevice"."""
+    import socket
+
+    where = str(device)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        uuid = getattr(props, "uuid", None)
+        where = f"cuda {uuid}" if uuid is not None else f"cuda pci {getattr(props, 'pci_bus_id', device.index)}"
+    return f"{socket.gethostname()}\n{where}"
 
 
 def _name_gone(gone: list[tuple[int, int]]) -> str:

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from slidekit.distributed.group import DataParallel
-from slidekit.distributed.shards import unit_shards
 from slidekit.engine.activations import DeviceActivations, TierActivations
 from slidekit.engine.collectives import Collectives
 from slidekit.engine.core import Engine
@@ -93,14 +92,26 @@ def _check_capacity(layout: Layout, parts: EngineParts) -> None:
             )
 
 
+def _check_rank(layout: Layout, dp: DataParallel | None) -> None:
+    """Refuse a layout planned for another data-parallel rank (its shards would not be this rank's)."""
+    world, rank = (dp.world, dp.rank) if dp else (1, 0)
+    if (layout.world, layout.rank) != (world, rank):
+        raise ConfigError(
+            f"the layout was planned for data-parallel rank {layout.rank} of {layout.world}, but this process is "
+            f"rank {rank} of {world}; plan with Planner(..., world={world}, rank={rank}) "
+            "(Planner.for_run does, given the run's DataParallel)"
+        )
+
+
 def build_engine(layout: Layout, parts: EngineParts) -> Engine:
     """Allocate ``layout`` and return the engine that runs it (closed again if building fails)."""
+    _check_rank(layout, parts.parallel)
     _check_layout(layout)
     _check_capacity(layout, parts)
     spec, device, dtype = parts.spec, parts.device, parts.compute_dtype
     dp = parts.parallel
     pipeline = Pipeline(parts.timeout_s, task_hook=parts.task_hook, on_fail=dp.report if dp else None)
-    shards = unit_shards([u.numel for u in layout.units], dp.world if dp else 1, dp.rank if dp else 0)
+    shards = layout.shards
     host = acts = None
     try:
         host = HostStore(
@@ -112,16 +123,13 @@ def build_engine(layout: Layout, parts: EngineParts) -> Engine:
             grad_dtype=dtype,
             pipeline=pipeline,
             device=device,
-            numels=None if dp is None else [s.size for s in shards],
         )
         w = layout.window
         # Data-parallel: a unit's buffers hold ``world`` equal pieces (a few GRANULEs more than the unit).
-        padded = [s.padded if dp else u.numel for s, u in zip(shards, layout.units, strict=True)]
-        slot_numel = max([w.slot_numel, *(p for p, u in zip(padded, layout.units, strict=True) if u.slides)])
-        window = Window(w.window, slot_numel, dtype, device, pipeline, deterministic=dp is not None)
+        window = Window(w.window, w.slot_numel, dtype, device, pipeline, deterministic=dp is not None)
         for u in layout.units:
             if u.resident:  # its own cache unit for good, outside the rotating window
-                window.add_resident(u.index, padded[u.index])
+                window.add_resident(u.index, u.padded)
         acts = (
             DeviceActivations()
             if layout.activation_tier == "device"

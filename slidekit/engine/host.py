@@ -26,7 +26,6 @@ from slidekit.hostmem import HostBuffers
 from slidekit.interfaces import StorageTier, UnitOptimizer
 from slidekit.models.base import UnitLayout
 from slidekit.planning.layout import Layout
-from slidekit.planning.placement import unit_pieces
 
 __all__ = ["GradRing", "HostStore"]
 
@@ -67,12 +66,11 @@ class HostStore:
         grad_dtype: torch.dtype,
         pipeline: Pipeline,
         device: torch.device,
-        numels: Sequence[int] | None = None,
     ) -> None:
-        """``numels``: the parameters of each unit this process keeps (a data-parallel rank's shards,
-        ``slidekit.distributed.shards``); default: every unit whole, as ``layout`` says."""
+        """Every size is the layout's: a data-parallel rank keeps only its shard of each unit
+        (``UnitPlace.own``, ``slidekit.planning.shards``), in one process the whole unit."""
         self.units = units
-        self.numels = [u.numel for u in units] if numels is None else list(numels)
+        self.numels = [place.own for place in layout.units]
         self.memory = HostBuffers(pin=pin)  # page-locked at exact sizes when an accelerator is used
         # Units resident on the compute device keep their master there, not here.
         self.masters = [
@@ -90,18 +88,12 @@ class HostStore:
             chunk=layout.state_chunk,
             staging=layout.state_staging,
             stage_now=bool(layout.state_staging_bytes),
-            numels=None if numels is None else self.numels,
+            numels=self.numels,
         )
         # The ring holds gradients on their way down: units kept on the compute device never come down.
         self.piece = layout.ring_numel
         self.ring = GradRing(layout.ring_buffers, self.piece, grad_dtype, self.memory, pipeline)
-        if numels is None:
-            self._pieces = [list(place.pieces) for place in layout.units]
-        else:  # a shard comes down in pieces of the ring's size too (they start at GRANULE multiples)
-            self._pieces = [
-                unit_pieces(n, self.piece) if place.slides else []
-                for n, place in zip(self.numels, layout.units, strict=True)
-            ]
+        self._pieces = [list(place.pieces) for place in layout.units]  # of the rank's shard
         self._grad_dtype = grad_dtype
         self._unit_grads: dict[int, torch.Tensor] = {}
         if layout.unit_grads:  # a step that must see every gradient first keeps each sliding unit's own

@@ -3,6 +3,7 @@
 
     schedule    the visit order of a step (``schedule``, ``Visit``)
     placement   which units stay on the device, where state goes, gradient pieces (pure arithmetic)
+    shards      which part of every unit a data-parallel rank owns (``Shard``)
     layout      the run's ``Layout``: every buffer the engine allocates, per unit and for the run
     estimate    the ``Estimate``: a layout's bytes plus a step's transient work, against a ``Machine``
     machine     what the machine has (``Machine.probe``)
@@ -45,6 +46,7 @@ from slidekit.planning.profiles import PROFILES, GpuProfile, profile
 from slidekit.planning.rates import Rates, UpdateRate
 from slidekit.planning.report import PlanReport, plan_run
 from slidekit.planning.schedule import BWD, FWD, HEAD, Visit, schedule
+from slidekit.planning.shards import Shard, unit_shard, unit_shards
 from slidekit.planning.timing import StepPrediction, StepWork, predict_step
 
 __all__ = [
@@ -71,6 +73,7 @@ __all__ = [
     "PlanReport",
     "Planner",
     "Rates",
+    "Shard",
     "StepPrediction",
     "StepWork",
     "UnitPlace",
@@ -88,4 +91,6 @@ __all__ = [
     "schedule",
     "spread_host_units",
     "unit_pieces",
+    "unit_shard",
+    "unit_shards",
 ]

@@ -12,6 +12,13 @@ per-unit gradient buffers of a step that must see every gradient first
 (clipping, skipping), the device staging buffer uploads are cast through, the
 optimizer-state chunking and staging, and where boundary activations go.
 
+A data-parallel rank's layout (``world`` > 1) is that rank's: each unit's
+``shard`` says which part of it the rank owns (``slidekit.planning.shards``),
+and every per-rank size follows it: the host master, the optimizer state, the
+gradient pieces and buffers, a resident unit's master and state are the
+shard's; the window's cache units and a resident unit's weights and gradients
+hold the whole unit, padded to ``world`` equal pieces for the collectives.
+
 ``slidekit.engine.build`` allocates exactly this; ``Layout.allocations`` is
 its bytes per medium (the estimate adds the transient work of a step, see
 ``slidekit.planning.estimate``); ``slidekit plan`` prints it
@@ -28,6 +35,7 @@ import torch
 
 from slidekit.errors import ConfigError
 from slidekit.planning.placement import GRANULE, MemoryPlan, ring_numel, unit_pieces
+from slidekit.planning.shards import Shard, unit_shards
 
 __all__ = [
     "UPLOAD_CHUNK",
@@ -142,8 +150,19 @@ class UnitPlace:
     resident: bool  # master, state, weights and gradients on the compute device for good, updated there
     state_tier: str  # the tier holding its optimizer state
     state_medium: str  # that tier's medium: "device", "host" or "disk"
-    state_bytes: int
-    pieces: tuple[tuple[int, int], ...]  # ranges [a, b) its gradients come down in (none when resident)
+    state_bytes: int  # of the optimizer state of its shard (the whole unit in one process)
+    pieces: tuple[tuple[int, int], ...]  # ranges [a, b) of its shard its gradients come down in (none when resident)
+    shard: Shard  # the part this rank owns, updates and keeps the master and state of (one process: all of it)
+
+    @property
+    def own(self) -> int:
+        """Parameters of the unit this rank keeps a master and state for: its shard."""
+        return self.shard.size
+
+    @property
+    def padded(self) -> int:
+        """Elements of the unit's buffers on the compute device: ``world`` equal pieces (one process: the unit)."""
+        return self.shard.padded
 
     @property
     def slides(self) -> bool:
@@ -175,10 +194,16 @@ class Layout:
     activation_tier: str  # "device", or the tier boundary activations go to
     activation_medium: str
     activation_bytes: int  # the boundary activations of one step: every layer, every micro-batch
+    world: int = 1  # data-parallel ranks the units are sharded over (1: one process)
+    rank: int = 0  # the rank whose layout this is
 
     @property
     def resident(self) -> tuple[bool, ...]:
         return tuple(u.resident for u in self.units)
+
+    @property
+    def shards(self) -> tuple[Shard, ...]:
+        return tuple(u.shard for u in self.units)
 
     def allocations(self) -> dict[str, dict[str, int]]:
         """Bytes the engine builder allocates, per medium ("device", "host", "disk") and component.
@@ -193,7 +218,7 @@ class Layout:
         sliding = [u for u in self.units if u.slides]
         device = {
             "window": self.window.device_bytes,
-            "resident": sum(u.numel * (4 + 2 * s) + u.state_bytes for u in self.units if u.resident),
+            "resident": sum(u.padded * 2 * s + u.own * 4 + u.state_bytes for u in self.units if u.resident),
             "staging": 4 * self.upload_staging,
         }
         state = {"device": 0, "host": 0, "disk": 0}
@@ -202,11 +227,11 @@ class Layout:
         if state["device"]:
             device["state"] = state["device"]
         host = {
-            "masters": 4 * sum(u.numel for u in sliding),
+            "masters": 4 * sum(u.own for u in sliding),
             "state": state["host"],
             "state staging": self.state_staging_bytes,
             "gradients": self.ring_buffers * self.ring_numel * s
-            + (s * sum(u.numel for u in sliding) if self.unit_grads else 0),
+            + (s * sum(u.own for u in sliding) if self.unit_grads else 0),
         }
         disk: dict[str, int] = {}
         if self.activation_medium == "host":
@@ -219,7 +244,14 @@ class Layout:
 
     def describe(self) -> str:
         """The layout, unit by unit and for the run (``slidekit plan`` prints it)."""
-        lines = ["  units     kind   parameters each  where     optimizer state"]
+        lines = []
+        if self.world > 1:
+            lines.append(
+                f"  data-parallel rank {self.rank} of {self.world}: this rank keeps the master and optimizer "
+                f"state of its 1/{self.world} shard of every unit ({sum(u.own for u in self.units):,} of "
+                f"{sum(u.numel for u in self.units):,} parameters); the window holds whole units"
+            )
+        lines.append("  units     kind   parameters each  where     optimizer state")
         groups: list[tuple[int, int, tuple[object, ...]]] = []  # consecutive units placed alike
         for u in self.units:
             key = (u.kind, u.numel, u.resident, u.state_tier, u.state_medium, len(u.pieces))
@@ -264,17 +296,24 @@ def build_layout(
     resident: tuple[bool, ...],
     offload: tuple[bool, ...],
     accelerator: bool,
+    world: int = 1,
+    rank: int = 0,
 ) -> Layout:
     """The layout of ``placement`` with ``resident`` units kept on the device and ``offload`` units' state
     on the offload tier (``Planner.layout`` chooses both). ``accelerator``: the compute device is not the
-    CPU (uploads then cross a bus, through the staging buffer when they are cast)."""
+    CPU (uploads then cross a bus, through the staging buffer when they are cast). ``world``, ``rank``:
+    the data-parallel rank whose layout this is (its shards, ``slidekit.planning.shards``)."""
     from slidekit.planning.placement import plan_memory
 
     numels = [n for _, _, n in units]
+    shards = unit_shards(numels, world, rank)
+    owns = [sh.size for sh in shards]
     sliding = [not r for r in resident]
-    piece = ring_numel(numels, [k for _, k, _ in units], sliding, pieces=drivers.linear_state)
+    piece = ring_numel(owns, [k for _, k, _ in units], sliding, pieces=drivers.linear_state)
+    if any(sliding):
+        piece = max(piece, 1)  # a rank may own none of any sliding unit (tiny units, many ranks)
     places = []
-    for (index, kind, numel), on_device, off in zip(units, resident, offload, strict=True):
+    for (index, kind, numel), shard, on_device, off in zip(units, shards, resident, offload, strict=True):
         if on_device:
             tier = drivers.device_tier
             if not tier:
@@ -295,21 +334,22 @@ def build_layout(
                 resident=on_device,
                 state_tier=tier,
                 state_medium=drivers.medium(tier),
-                state_bytes=drivers.state_bytes(numel),
-                pieces=() if on_device else tuple(unit_pieces(numel, piece)),
+                state_bytes=drivers.state_bytes(shard.size),
+                pieces=() if on_device else tuple(unit_pieces(shard.size, piece)),
+                shard=shard,
             )
         )
     window = plan_memory(
-        [n for n, s in zip(numels, sliding, strict=True) if s] or [1],
+        [sh.padded for sh, s in zip(shards, sliding, strict=True) if s] or [1],
         compute_itemsize=itemsize,
         window=settings.window,
         grad_buffers=settings.grad_buffers,
         tied=tied,
     )
     linear = drivers.linear_state
-    chunk = max(GRANULE, settings.state_chunk // GRANULE * GRANULE) if linear else max(numels)
+    chunk = max(GRANULE, settings.state_chunk // GRANULE * GRANULE) if linear else max(1, *owns)
     streams = any(p.streamed and p.slides for p in places)
-    staged = max(min(chunk, n) for n in numels)
+    staged = max(min(chunk, n) for n in owns)
     acts = placement.activation_tier
     acts_medium = "device" if acts == "device" else drivers.medium(acts)
     return Layout(
@@ -328,4 +368,6 @@ def build_layout(
         activation_tier=acts,
         activation_medium=acts_medium,
         activation_bytes=num_layers * workload.grad_accum * workload.tokens * hidden_size * itemsize,
+        world=world,
+        rank=rank,
     )

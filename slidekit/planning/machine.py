@@ -3,11 +3,14 @@ and (``rates``) what it sustains, for the step-time model.
 
 ``Machine.probe`` measures it (and takes the rates of a known GPU's profile,
 ``slidekit.planning.profiles``); tests and what-if planning build one by hand
-(``what_if`` names the figures given rather than probed).
+(``what_if`` names the figures given rather than probed). A data-parallel
+rank plans on its share (``Machine.share``): the ranks of one host split its
+RAM and disks, the ranks of one GPU its memory.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from dataclasses import dataclass
@@ -44,6 +47,33 @@ class Machine:
     rates: Rates | None = None  # what it sustains (None: unknown, the planner then ranks by a fixed rule)
     gpu: str = ""  # the GPU's name (a profile's name in a what-if)
     what_if: frozenset[str] = frozenset()  # the figures given, not probed: "gpu", "ram", "disk"
+    host_ranks: int = 1  # data-parallel ranks sharing this host's RAM and disks (this is one rank's share)
+    device_ranks: int = 1  # data-parallel ranks sharing the compute device's memory
+
+    def share(self, host_ranks: int, device_ranks: int = 1) -> Machine:
+        """One rank's share of this machine, when ``host_ranks`` data-parallel ranks run on the host and
+        ``device_ranks`` of them on the same device: free memory and disk divided evenly (every rank of a
+        run holds the same shards' sizes, give or take a GRANULE), totals and rates kept."""
+        if host_ranks < 1 or device_ranks < 1 or device_ranks > host_ranks:
+            raise ValueError(
+                f"a machine is shared by at least one rank per host and per device, and a device's ranks are "
+                f"on its host: got host_ranks={host_ranks}, device_ranks={device_ranks}"
+            )
+        if (host_ranks, device_ranks) == (1, 1):
+            return self
+
+        def part(value: int | None, n: int) -> int | None:
+            return None if value is None else value // n
+
+        return dataclasses.replace(
+            self,
+            device_free=part(self.device_free, device_ranks),
+            host_available=self.host_available // host_ranks,
+            disk_free=part(self.disk_free, host_ranks),
+            run_dir_free=part(self.run_dir_free, host_ranks),
+            host_ranks=host_ranks,
+            device_ranks=device_ranks,
+        )
 
     @classmethod
     def probe(cls, device: object, offload_dir: str | None, run_dir: str | None = None) -> Machine:
@@ -107,7 +137,11 @@ class Machine:
             parts.append(f"disk {fmt_gib(self.disk_free)} free" + (" (what-if)" if "disk" in self.what_if else ""))
         if self.run_dir_free is not None:
             parts.append(f"run directory {fmt_gib(self.run_dir_free)} free")
-        return ", ".join(parts)
+        out = ", ".join(parts)
+        if self.host_ranks > 1:
+            gpu = f", the GPU's memory among {self.device_ranks}" if self.device_ranks > 1 else ""
+            out += f" (one rank's share: RAM and disks split among {self.host_ranks} ranks of this host{gpu})"
+        return out
 
 
 def _existing(directory: str) -> Path:

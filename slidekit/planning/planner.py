@@ -46,6 +46,7 @@ from slidekit.planning.layout import (
 from slidekit.planning.machine import Machine
 from slidekit.planning.placement import place_state, plan_residency
 from slidekit.planning.run_space import checkpoint_bytes, checkpoint_writes, run_dir_need
+from slidekit.planning.shards import unit_shards
 from slidekit.planning.timing import StepPrediction, StepWork, predict_step
 
 if TYPE_CHECKING:
@@ -97,6 +98,8 @@ class Planner:
         checkpoint_writes: int = 0,
         optimizer: str = "",
         clip: bool = False,
+        world: int = 1,
+        rank: int = 0,
     ) -> None:
         if state_layout is None:
             if state_bytes is None:
@@ -131,8 +134,11 @@ class Planner:
         )
         self.settings = EngineSettings(window=window, grad_buffers=grad_buffers, state_chunk=state_chunk)
         self.numels = [u.numel for u in spec.units]
-        self.state = [self.drivers.state_bytes(n) for n in self.numels]
-        self.state_per_param = sum(self.state) / sum(self.numels)
+        # A data-parallel rank plans its own shards (slidekit.planning.shards): masters and state are 1/world.
+        self.world, self.rank = world, rank
+        self.shards = unit_shards(self.numels, world, rank)
+        self.state = [self.drivers.state_bytes(sh.size) for sh in self.shards]
+        self.state_per_param = sum(self.drivers.state_bytes(n) for n in self.numels) / sum(self.numels)
         self.checkpoint_keep = checkpoint_keep  # run.keep (None: every checkpoint is kept)
         self.checkpoint_writes = checkpoint_writes  # checkpoints the run writes at most (0: no run.dir)
         self.optimizer = optimizer
@@ -147,11 +153,15 @@ class Planner:
         optimizer: UnitOptimizer,
         plugins: Plugins,
         what_if: bool = False,
+        world: int = 1,
+        rank: int = 0,
     ) -> Planner:
         """The planner of a configured run: its model, workload, engine settings and drivers.
 
         ``what_if``: planning for a device this machine lacks (``slidekit plan --gpu``): tiers of the
-        device's own memory count as available, since only that device could say otherwise."""
+        device's own memory count as available, since only that device could say otherwise. ``world``,
+        ``rank``: a data-parallel rank's planner plans that rank's shards (its machine is its share of the
+        host's, ``Machine.share``)."""
         from slidekit.planning.roles import tier_for
 
         ec, dc, oc = config.engine, config.data, config.optim
@@ -182,6 +192,8 @@ class Planner:
             checkpoint_writes=checkpoint_writes(config),
             optimizer=optimizer.name,
             clip=oc.max_grad_norm is not None,
+            world=world,
+            rank=rank,
         )
 
     # ------------------------------------------------------------------ pieces
@@ -194,8 +206,10 @@ class Planner:
         return self.drivers.medium(tier)
 
     def resident_cost(self, unit: int) -> int:
-        """Device bytes of one resident unit: FP32 master, optimizer state, weights and gradients."""
-        return self.numels[unit] * (4 + 2 * self.itemsize) + self.state[unit]
+        """Device bytes of one resident unit: FP32 master and optimizer state (of the rank's shard), weights
+        and gradients (the whole unit, padded for the collectives)."""
+        sh = self.shards[unit]
+        return sh.padded * 2 * self.itemsize + sh.size * 4 + self.state[unit]
 
     def layer_work(self) -> int:
         return layer_work(self.spec, self.workload, self.itemsize)
@@ -215,8 +229,9 @@ class Planner:
         )
 
     def checkpoint_bytes(self) -> int:
-        """Disk space of one checkpoint: every unit's FP32 master and optimizer state, and its files."""
-        return checkpoint_bytes(self.numels, self.state)
+        """Disk space of one checkpoint (a data-parallel rank's part): every unit's FP32 master and optimizer
+        state (of the rank's shards), and its files."""
+        return checkpoint_bytes([sh.size for sh in self.shards], self.state)
 
     # ------------------------------------------------------------------ layouts and estimates
 
@@ -234,9 +249,10 @@ class Planner:
             return [False] * units  # "auto" on the CPU: nothing to gain
         nothing = self.layout(placement, machine, [False] * units).allocations()["device"]
         fixed = nothing["window"] + 4 * UPLOAD_CHUNK + sum(self.flow_bytes(placement.activation_tier).values())
-        reserve = max(RESIDENT_RESERVE, (machine.device_total or 0) // 20)
+        reserve = max(RESIDENT_RESERVE, (machine.device_total or 0) // 20 // machine.device_ranks)
         budget = free - fixed - reserve
-        per_param = 4 + 2 * self.itemsize + self.state_per_param
+        # Whole weights and gradients, the shard's master and state (a data-parallel rank keeps 1/world).
+        per_param = 2 * self.itemsize + (4 + self.state_per_param) / self.world
         return plan_residency(self.numels, bytes_per_param=per_param, budget=max(budget, 0))
 
     def layout(
@@ -258,6 +274,8 @@ class Planner:
             resident=res,
             offload=tuple(place_state(len(self.numels), placement.state_offload_fraction)),
             accelerator=self.device_type != "cpu",
+            world=self.world,
+            rank=self.rank,
         )
 
     def estimate(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from slidekit.errors import ConfigError
 from slidekit.inputs import seq_len_refusal
 from slidekit.planning.estimate import Estimate
 from slidekit.planning.layout import Layout, Placement
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from slidekit.planning.profiles import GpuProfile
     from slidekit.plugins import Plugins
 
-__all__ = ["PlanReport", "plan_run", "split_line"]
+__all__ = ["PlanReport", "RankShare", "plan_run", "split_line"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -107,6 +108,41 @@ def _prediction(est: Estimate, step: StepPrediction | None, *, fits: bool) -> li
     return out
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankShare:
+    """A data-parallel run as ``slidekit plan`` sees it: ``world`` ranks, ``host_ranks`` of them on each
+    host (sharing its RAM and disks), ``device_ranks`` on each GPU. Rank 0 is planned: its shards are
+    the largest."""
+
+    world: int = 1
+    host_ranks: int = 1
+    device_ranks: int = 1
+
+    @classmethod
+    def of(
+        cls, per_node: int, nodes: int, gpus_per_node: int | None, machine: Machine, *, what_if: bool
+    ) -> RankShare:
+        """From torchrun's ``--nproc-per-node`` and ``--nnodes`` and the GPUs per host (default: one per
+        rank in a what-if, else this machine's count)."""
+        for flag, value in (("--nproc-per-node", per_node), ("--nnodes", nodes), ("--gpus-per-node", gpus_per_node)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag} must be at least 1, got {value}")
+        if machine.device_free is None:
+            return cls(world=per_node * nodes, host_ranks=per_node)  # the CPU: the device is the host's RAM
+        if gpus_per_node is None:
+            import torch
+
+            gpus_per_node = per_node if what_if or not torch.cuda.is_available() else torch.cuda.device_count()
+        return cls(world=per_node * nodes, host_ranks=per_node, device_ranks=-(-per_node // gpus_per_node))
+
+    def describe(self) -> str:
+        gpu = f", {self.device_ranks} ranks per GPU" if self.device_ranks > 1 else ""
+        return (
+            f"data-parallel: {self.world} ranks, {self.host_ranks} per host{gpu}; planned for rank 0 (the "
+            "largest shards) on its share of the machine; the collectives are not in the predicted step"
+        )
+
+
 def plan_run(
     config: TrainConfig,
     *,
@@ -114,10 +150,12 @@ def plan_run(
     machine: Machine | None = None,
     gpu: GpuProfile | None = None,
     model_name: str | None = None,
+    ranks: RankShare | None = None,
 ) -> PlanReport:
     """Plan ``config`` on this machine (or on ``machine``) without loading any weight. ``gpu``: plan for
     that profile's GPU (``machine`` then from ``slidekit.planning.what_if.what_if_machine``);
-    ``model_name``: how the summary names the model (default: its source)."""
+    ``model_name``: how the summary names the model (default: its source); ``ranks``: plan rank 0 of a
+    data-parallel run on its share of the machine."""
     from slidekit.planning.what_if import what_if_machine, what_if_setup
     from slidekit.plugins import Plugins
     from slidekit.resolve import build_optimizer, resolve
@@ -125,10 +163,14 @@ def plan_run(
     plugins = plugins or Plugins(entry_points=config.plugins.entry_points, block=config.plugins.block)
     setup = what_if_setup(config, plugins) if gpu is not None else resolve(config, plugins)
     optimizer = build_optimizer(config, setup)
-    planner = Planner.for_run(config, setup, optimizer=optimizer, plugins=plugins, what_if=gpu is not None)
+    ranks = ranks or RankShare()
+    planner = Planner.for_run(
+        config, setup, optimizer=optimizer, plugins=plugins, what_if=gpu is not None, world=ranks.world
+    )
     if machine is None:
         here = Machine.probe("cpu" if gpu else setup.device, config.engine.offload_dir, config.run.dir)
         machine = what_if_machine(gpu, here) if gpu is not None else here
+    machine = machine.share(ranks.host_ranks, ranks.device_ranks)
     placement = Placement.of(config.engine)
     requested = planner.estimate(placement, machine)
     recommended = planner.recommend(placement, machine)
@@ -140,6 +182,7 @@ def plan_run(
         + (f" ({gpu.name}, what-if)" if gpu is not None else "")
         + f"\ndrivers: optimizer {optimizer.name} ({planner.state_per_param:.2f} B/param of state), kernels "
         f"{setup.selections['kernels'].name}"
+        + (f"\n{ranks.describe()}" if ranks.world > 1 else "")
     )
     floor: tuple[str, ...] = ()
     if recommended is None:

@@ -33,7 +33,11 @@ bus copies; the bus shared by uploads and activation reads beyond taking
 turns; kernel-launch gaps inside a visit (they are in the calibrated
 rates); the compute rate's dependence on the batch and the GPU's clocks
 (one rate per kind of matmul, calibrated on all-resident steps);
-checkpoints and evaluation. ``docs/planning.md`` has the calibration
+checkpoints and evaluation; and, for a data-parallel rank's layout, the
+collectives (the gradient reduction, the weight all-gather: not yet measured
+on any machine, issue 19): a rank is priced for its own shard's uploads,
+downloads and updates and the whole unit's compute on its micro-batches.
+``docs/planning.md`` has the calibration
 against the measured steps. Test: ``pytest tests/test_timing.py``.
 """
 
@@ -182,7 +186,7 @@ def unit_costs(layout: Layout, rates: Rates, work: StepWork) -> list[UnitCost]:
             bwd = 3.0 * work.tokens * work.hidden_size * s / dev
         pieces: tuple[Piece, ...] = ()
         if u.slides:
-            per_param_state = u.state_bytes / u.numel if u.numel else 0.0
+            per_param_state = u.state_bytes / u.own if u.own else 0.0
             disk = (
                 (1 / (rates.disk_read_gbps * 1e9) + 1 / (rates.disk_write_gbps * 1e9)) if u.streamed else 0.0
             )
@@ -202,9 +206,9 @@ def unit_costs(layout: Layout, rates: Rates, work: StepWork) -> list[UnitCost]:
                 fwd_s=fwd,
                 bwd_s=bwd,
                 grad_pass_s=u.numel * GRAD_PASS_BYTES / dev,
-                upload_s=0.0 if u.resident else u.numel * 4 / h2d,
+                upload_s=0.0 if u.resident else u.own * 4 / h2d,  # a rank uploads its shard's master
                 pieces=pieces,
-                device_update_s=u.numel * (rate.device_bytes_per_param + clip) / dev if u.resident else 0.0,
+                device_update_s=u.own * (rate.device_bytes_per_param + clip) / dev if u.resident else 0.0,
                 act_write_s=per_act / write_bw if on_tier else 0.0,
                 act_read_s=per_act / read_bw if on_tier else 0.0,
                 act_lane=acts_lane,

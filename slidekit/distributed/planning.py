@@ -1,0 +1,78 @@
+"""Per-rank planning: each rank of a data-parallel run plans its own shards on its share of the machine.
+
+Every rank plans its layout itself (``Planner(..., world, rank)``: its shards'
+masters, state and gradient buffers), and every rank must take the same
+decisions: which units are resident, where each unit's state goes, the
+window. The collectives follow those decisions (a resident unit is gathered
+by a different lane than a sliding one), so ranks that planned differently
+would wait for each other forever. Two things make them agree:
+
+* ``rank_machine``: the machine each rank plans on is the same for all. Every
+  rank probes, then one collective takes the least free memory and disk any
+  rank saw (which is also a barrier: no rank allocates before every rank has
+  probed, so no probe sees another rank's buffers), and each rank takes its
+  share of it: the ranks of one host split its RAM and disks, the ranks of
+  one GPU its memory (``Machine.share``).
+* ``check_same_decisions``: before anything is allocated, the ranks compare a
+  digest of their decisions, and refuse to start when they differ.
+
+Test: ``pytest tests/distributed/test_dp_planning.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+
+from slidekit.distributed.group import DataParallel
+from slidekit.errors import ConfigError
+from slidekit.planning.layout import Layout
+from slidekit.planning.machine import Machine
+
+__all__ = ["check_same_decisions", "decisions", "rank_machine"]
+
+#: The free figures of a ``Machine`` every rank must plan with alike (the least any rank saw).
+_FREE = ("device_free", "host_available", "disk_free", "run_dir_free")
+
+
+def rank_machine(machine: Machine, parallel: DataParallel) -> Machine:
+    """This rank's share of ``machine``, planned on the least free memory and disk any rank measured.
+
+    A collective on the ``control`` group: every rank calls it once, at the same point of its set-up.
+    """
+    seen = [getattr(machine, name) for name in _FREE]
+    least = parallel.all_reduce([math.inf if v is None else float(v) for v in seen], op="min")
+    device_free, host_available, disk_free, run_dir_free = (None if math.isinf(v) else int(v) for v in least)
+    agreed = dataclasses.replace(
+        machine,
+        device_free=device_free,
+        host_available=machine.host_available if host_available is None else host_available,
+        disk_free=disk_free,
+        run_dir_free=run_dir_free,
+    )
+    host, device = parallel.sharing()
+    return agreed.share(host, device)
+
+
+def decisions(layout: Layout) -> str:
+    """What every rank's layout must have alike: placement, per unit where it lives and its state tier,
+    the window and the activation tier (not the shard sizes, which differ by rank)."""
+    units = [(u.index, u.resident, u.state_tier) for u in layout.units]
+    w = layout.window
+    return repr(
+        (layout.placement, units, (w.window, w.slot_numel), layout.prefetch, layout.unit_grads, layout.activation_tier)
+    )
+
+
+def check_same_decisions(layout: Layout, parallel: DataParallel) -> None:
+    """Refuse to start when the ranks' layouts decided differently (one collective on ``control``)."""
+    if parallel.same(zlib.crc32(decisions(layout).encode())):
+        return
+    kept = sum(u.resident for u in layout.units)
+    raise ConfigError(
+        f"rank {parallel.rank}: the data-parallel ranks planned different layouts (this rank keeps {kept} of "
+        f"{len(layout.units)} units resident, placement {layout.placement.flags()}); every rank must place "
+        "its units alike. Give every rank the same configuration, or fix the placement (e.g. "
+        "--gpu-resident none or all, --state-offload-fraction) instead of 'auto'"
+    )
