@@ -13,7 +13,9 @@ Test: ``pytest tests/distributed/test_dp_reshard.py`` (``test_read_range_*``).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -100,8 +102,15 @@ def _read_checked(man: Manifest, info: ArrayInfo, src: Any, start: int, stop: in
         a0, b0 = inside[0][1] // size, inside[-1][2] // size
         _fill(src, a0, b0, dst[a0 - start : b0 - start], dtype)
         raw = _raw(dst)
-        for k, a, b in inside:
-            _check(man, info, k, raw[a - lo_b : b - lo_b].data)
+        views = [(k, raw[a - lo_b : b - lo_b].data) for k, a, b in inside]
+        workers = min(len(views), os.cpu_count() or 1, 16)  # hashlib releases the GIL on large buffers
+        with ThreadPoolExecutor(workers) if workers > 1 else contextlib.nullcontext() as pool:
+            if pool is None:
+                for k, view in views:
+                    _check(man, info, k, view)
+            else:
+                for f in [pool.submit(_check, man, info, k, view) for k, view in views]:
+                    f.result()
     for k, a, b in touched:
         if (k, a, b) in inside:
             continue

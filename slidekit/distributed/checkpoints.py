@@ -192,6 +192,11 @@ class RankPart:
                 f"rank {self._parallel.rank}'s part of checkpoint step {step} is damaged: {'; '.join(damage[:5])}; "
                 "resume from an older step (--resume STEP)"
             )
+        if snapshot.saved_world(path) != self._parallel.world:  # a stale part another world size left
+            raise ConfigError(
+                f"{path} is not rank {self._parallel.rank}'s part of checkpoint step {step}: another world size "
+                "wrote it; resume from another step (--resume STEP)"
+            )
         meta = ck.load_meta(path)
         snapshot.restore(engine, path)  # every array read back and checksummed
         return self._resumed(engine, step, path, meta)

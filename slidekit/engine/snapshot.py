@@ -19,7 +19,8 @@ data-parallel run, and the reverse, included) re-shards it
 (``slidekit.distributed.reshard``): every rank reads its new shards' ranges
 from the old parts, bitwise the masters and state the writing run had.
 
-Test: ``pytest tests/test_resume.py tests/distributed/test_dp_checkpoints.py``.
+Test: ``pytest tests/test_resume.py tests/distributed/test_dp_checkpoints.py
+tests/distributed/test_dp_reshard.py``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
 """Re-sharding: a checkpoint written by W data-parallel ranks resumes on W' ranks (gloo, CPU, FP32).
 
-Each case trains the tiny model on W ranks for two steps with a checkpoint, resumes it on W' ranks
+Each case trains a tiny model on W ranks for two steps with a checkpoint, resumes it on W' ranks
 with the step's batch kept (grad_accum x W / W' micro-batches a rank), and trains the last two
 steps. Right after the resume, every master and optimizer-state tensor, gathered from the new
 shards, equals bit for bit the one the W ranks held (gathered from theirs); the continuation equals
 the W-rank run that never stopped: bitwise where the reductions add in the same order (two ranks of
 one micro-batch each against one process of two, untied, no clipping: ``test_dp_training``), within
-the tolerance of the other data-parallel tests elsewhere. The runs read the configured data, so the
-data position (each rank's own count of batches) is mapped to the new world too. Some units are
-resident and some keep their state on the posix tier (streamed), with both optimizers.
+the tolerance of the other data-parallel tests elsewhere. One case (the demo model, which has a
+tokenizer) reads the configured data, so the data position (each rank's own count of batches) must
+be mapped to the new world for it to pass; the others feed the same global batches to both runs.
+Some units are resident and some keep their state on the posix tier (streamed), with both optimizers.
 
 Refused, before any tensor is read: state that is not linear (naming the optimizer), and a resume
 whose step batch would change (naming the grad_accum that keeps it). ``read_range`` reads and
