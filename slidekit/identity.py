@@ -13,6 +13,9 @@ what decides which tokens a step sees, which update it applies, or what it start
     data.file               sha256 of the training data (a file, or a dataset's files: its path may change, its bytes may not)
     data.format, data.seq_len, data.batch_size, data.completion_only, data.packing,
     data.eval_fraction, data.seed, grad_accum, seed
+                            (grad_accum with the data-parallel world size: what a resume keeps is the
+                            step's batch, ranks x grad_accum; on another world size, re-sharded, it
+                            keeps it with grad_accum x old ranks / new ranks micro-batches a rank)
     optim.name              the optimizer (its state would not fit another's anyway)
     optim.lr                the peak learning rate, as used (the model's default when unset)
     optim.schedule, optim.warmup_steps, optim.min_lr_ratio
@@ -57,6 +60,7 @@ __all__ = [
     "effective_lr",
     "identity",
     "run_identity",
+    "step_batch_change",
 ]
 
 #: Configuration fields a resume must keep (dotted paths into ``TrainConfig.to_dict()``).
@@ -208,18 +212,51 @@ def _show(value: Any) -> str:
     return repr(value)
 
 
-def differences(saved: Mapping[str, Any], current: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+def differences(
+    saved: Mapping[str, Any], current: Mapping[str, Any], *, worlds: tuple[int, int] = (1, 1)
+) -> tuple[list[str], list[str]]:
     """Compare a checkpoint's identity with the resuming run's: (changes, ``FIXED`` fields unchecked).
 
     A change reads ``"data.seq_len: 128 -> 256"``; a field the checkpoint did not record (an older
-    slidekit) is unchecked, not a change."""
+    slidekit) is unchecked, not a change. ``worlds``: the data-parallel world sizes that wrote the
+    checkpoint and that resume it; ``grad_accum`` is compared as the step's batch, ranks x grad_accum
+    (``step_batch_change``)."""
     changes, unchecked = [], []
     for key in FIXED:
         if key not in saved:
             unchecked.append(key)
+        elif key == "grad_accum" and key in current:
+            change = step_batch_change(saved[key], current[key], worlds)
+            if change:
+                changes.append(change)
         elif key in current and saved[key] != current[key]:
             changes.append(f"{key}: {_show(saved[key])} -> {_show(current[key])}")
     return changes, unchecked
+
+
+def step_batch_change(saved: Any, current: Any, worlds: tuple[int, int]) -> str | None:
+    """What changes in the step's batch (ranks x ``grad_accum`` micro-batches) from the checkpoint's
+    ``saved`` grad_accum on ``worlds[0]`` ranks to ``current`` on ``worlds[1]``, with the grad_accum that
+    keeps it; None when it is the same."""
+    before, now = worlds
+    if before == now or not isinstance(saved, int) or not isinstance(current, int):
+        return None if saved == current else f"grad_accum: {_show(saved)} -> {_show(current)}"
+    if saved * before == current * now:
+        return None
+    total = saved * before
+    keep = (
+        f"grad_accum {total // now} on {_on(now)} keeps it"
+        if total % now == 0
+        else f"no grad_accum keeps it on {_on(now)}: resume on a world size dividing {total}"
+    )
+    return (
+        f"grad_accum: {saved} on {_on(before)} -> {current} on {_on(now)} (the step's batch, ranks x "
+        f"grad_accum, {total} -> {current * now} micro-batches; {keep})"
+    )
+
+
+def _on(world: int) -> str:
+    return "one process" if world == 1 else f"{world} ranks"
 
 
 def changed_settings(saved_config: Mapping[str, Any], config: Mapping[str, Any]) -> list[str]:

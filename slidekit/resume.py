@@ -21,7 +21,9 @@ is refused with every changed field named; a checkpoint of a slidekit that recor
 fingerprints is resumed with a warning naming what it could not check. The optimizer comes first,
 with its own message: the checkpoint's recorded optimizer against the configured one, then its state
 arrays against the ones the configured optimizer keeps (another optimizer, or another version of it,
-is named as such, never as "missing arrays").
+is named as such, never as "missing arrays"). A checkpoint of another data-parallel world size is
+re-sharded by the restore (``slidekit.distributed.reshard``); the identity then compares the step's
+batch, ranks x ``grad_accum``, instead of ``grad_accum`` alone.
 
 Test: ``pytest tests/test_resume.py``.
 """
@@ -57,9 +59,13 @@ def saved_identity(meta: Mapping[str, Any]) -> dict[str, Any]:
     return ident.identity(meta.get("config", {}), model=model, fingerprints={})
 
 
-def check_identity(path: Path, meta: Mapping[str, Any], current: Mapping[str, Any]) -> None:
-    """Refuse checkpoint ``path`` when the run's identity differs from the one it recorded."""
-    changes, unchecked = ident.differences(saved_identity(meta), current)
+def check_identity(
+    path: Path, meta: Mapping[str, Any], current: Mapping[str, Any], *, worlds: tuple[int, int] = (1, 1)
+) -> None:
+    """Refuse checkpoint ``path`` when the run's identity differs from the one it recorded. ``worlds``:
+    the data-parallel world sizes that wrote it and that resume it (the step's batch is ranks x
+    grad_accum, so on another world size grad_accum must change to keep it)."""
+    changes, unchecked = ident.differences(saved_identity(meta), current, worlds=worlds)
     if changes:
         raise ck.CheckpointMismatch(
             f"cannot resume from {path}: this run differs from the one that wrote it in what a resume "
@@ -110,7 +116,9 @@ def _state_names(names: Any) -> str:
 def check_state_arrays(engine: Engine, path: Path, meta: Mapping[str, Any], configured: str | None) -> None:
     """Refuse, naming the optimizer, a checkpoint whose masters fit the engine but whose optimizer state
     is not what the configured optimizer keeps (``snapshot.restore`` would list "missing arrays")."""
-    expected = snapshot.expected_arrays(engine)
+    saved = snapshot.saved_world(path)  # another world size: the arrays of rank 0's part of the old cut
+    same = saved == snapshot.engine_world(engine)
+    expected = snapshot.expected_arrays(engine) if same else snapshot.expected_arrays(engine, saved, 0)
     arrays = ck.read_manifest(path).arrays
     have = {n: (a.dtype, tuple(a.shape)) for n, a in arrays.items()}
     masters = {n for n in expected if n.startswith("master/")} | {n for n in have if n.startswith("master/")}
@@ -140,9 +148,9 @@ def _try(engine: Engine, path: Path, current: Mapping[str, Any]) -> dict[str, An
     meta = ck.load_meta(path)
     configured = current.get("optim.name")
     check_optimizer(path, meta, configured)
-    check_identity(path, meta, current)
+    check_identity(path, meta, current, worlds=(snapshot.saved_world(path), snapshot.engine_world(engine)))
     check_state_arrays(engine, path, meta, configured)
-    snapshot.restore(engine, path)  # every array read back and checksummed
+    snapshot.restore(engine, path)  # every array read back and checksummed (re-sharded: its ranges)
     return meta
 
 

@@ -181,6 +181,8 @@ class Trainer:
                 self._consumed = int(meta["batches_consumed"])
                 done = self._engine.steps_done
                 self.notes.append(f"resumed from step {done} of {config.steps} ({self.run.resumed_from})")
+                if "resharded" in meta:  # another world size wrote it (slidekit.distributed.reshard)
+                    self.notes.append(meta["resharded"])
                 changed = changed_settings(meta.get("config", {}), config.to_dict())
                 if changed:
                     self.notes.append("resumed with changed settings: " + "; ".join(changed))

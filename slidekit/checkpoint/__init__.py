@@ -57,7 +57,9 @@ either way the writer no longer reads those tensors afterwards, so the update ma
 requested while another is still running is queued (FIFO, one writer thread); its tensors are not read
 before the earlier save has finished. Resuming: ``path = latest(directory)``, then
 ``verify_compatible(path, {name: tensor, ...})``, ``load_meta(path)`` and ``read_into(path, name, t)``
-for every tensor; ``read_into`` is where a flipped bit shows, so a run's resume (``slidekit.resume``)
+for every tensor; ``read_range(path, name, start, stop, dst)`` reads part of a flat array, checking
+the segments it touches (a data-parallel resume into another world size reads each new shard's
+ranges that way). ``read_into`` is where a flipped bit shows, so a run's resume (``slidekit.resume``)
 quarantines a checkpoint that fails there too and falls back to the next older one.
 
 A full disk: the save's error says how large the checkpoint is and how much is free, and suggests a
@@ -88,6 +90,7 @@ from slidekit.checkpoint._format import (
     encode_tensor,
 )
 from slidekit.checkpoint._handle import Deferred, SaveHandle
+from slidekit.checkpoint._range import read_range
 from slidekit.checkpoint._read import (
     ArrayInfo,
     Manifest,
@@ -124,6 +127,7 @@ __all__ = [
     "read",
     "read_into",
     "read_manifest",
+    "read_range",
     "remove_leftovers",
     "set_aside",
     "step_dir",

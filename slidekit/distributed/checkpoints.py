@@ -18,8 +18,11 @@ one). Every rank must see RUN_DIR (one host, or a shared file system).
 Resume (``resume_run``): rank 0 chooses the checkpoint as one process does
 (the newest intact one, or the one asked for; identity checked), tells the
 other ranks its step, and each restores its part of that step: bitwise the
-run as it was. Another world size is refused before any tensor is read
-(``snapshot.check_world``); re-sharding is not built yet.
+run as it was. A checkpoint of another world size (one process included) is
+re-sharded (``slidekit.distributed.reshard``): every rank reads its new
+shards' ranges from the old parts, and the data position is counted for the
+new world; the returned meta then carries the note rank 0 prints
+(``"resharded"``).
 
 Test: ``pytest tests/distributed/test_dp_checkpoints.py``.
 """
@@ -35,6 +38,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from slidekit import checkpoint as ck
 from slidekit.atomic import rename_aside
+from slidekit.distributed import reshard
 from slidekit.distributed.group import DataParallel
 from slidekit.engine import snapshot
 from slidekit.errors import ConfigError, PipelineStalled
@@ -67,15 +71,25 @@ def resume_run(
     identity: Mapping[str, Any],
     parallel: DataParallel | None,
 ) -> dict[str, Any]:
-    """``run.resume`` for every rank: rank 0 picks the checkpoint, the others restore their part of it."""
+    """``run.resume`` for every rank: rank 0 picks the checkpoint, the others restore their part of it.
+
+    A checkpoint of another world size is re-sharded; its meta's ``batches_consumed`` is then this
+    rank's count in the new world, and ``meta["resharded"]`` the note that says so (rank 0 prints it)."""
     if parallel is None:
-        return run.resume(engine, target, identity)
-    if parallel.rank == 0:
+        meta = run.resume(engine, target, identity)
+    elif parallel.rank == 0:
         meta = run.resume(engine, target, identity)  # a failure is reported to the others by the Trainer
         parallel.all_reduce([float(engine.steps_done)])
+    else:
+        step = int(parallel.all_reduce([0.0])[0])
+        meta = cast("RankPart", run).resume_step(engine, step)
+    assert run.resumed_from is not None
+    saved, world = snapshot.saved_world(run.resumed_from), snapshot.engine_world(engine)
+    if saved == world:
         return meta
-    step = int(parallel.all_reduce([0.0])[0])
-    return cast("RankPart", run).resume_step(engine, step)
+    out = reshard.resharded_meta(meta, saved, world)
+    out["resharded"] = reshard.world_note(meta, saved, world, identity)
+    return out
 
 
 class RankPart:
@@ -158,7 +172,13 @@ class RankPart:
                 shutil.rmtree(rename_aside(path, _RETIRED), ignore_errors=True)
 
     def resume_step(self, engine: Engine, step: int) -> dict[str, Any]:
-        """Restore this rank's part of checkpoint ``step`` (the one rank 0 resumed) and return its meta."""
+        """Restore this rank's part of checkpoint ``step`` (the one rank 0 resumed) and return its meta; a
+        checkpoint of another world size is re-sharded from every part of it (``snapshot.restore``)."""
+        checkpoint = ck.step_dir(self.root, step)  # rank 0's part, checked by rank 0 already
+        if checkpoint.is_dir() and snapshot.saved_world(checkpoint) != self._parallel.world:
+            meta = ck.load_meta(checkpoint)
+            snapshot.restore(engine, checkpoint)  # this rank's ranges of every old part, checksummed
+            return self._resumed(engine, step, checkpoint, meta)
         path = ck.step_dir(self.checkpoints, step)
         if not path.is_dir():
             have = [s for s, _ in ck.step_dirs(self.checkpoints)]
@@ -172,8 +192,16 @@ class RankPart:
                 f"rank {self._parallel.rank}'s part of checkpoint step {step} is damaged: {'; '.join(damage[:5])}; "
                 "resume from an older step (--resume STEP)"
             )
+        if snapshot.saved_world(path) != self._parallel.world:  # a stale part another world size left
+            raise ConfigError(
+                f"{path} is not rank {self._parallel.rank}'s part of checkpoint step {step}: another world size "
+                "wrote it; resume from another step (--resume STEP)"
+            )
         meta = ck.load_meta(path)
         snapshot.restore(engine, path)  # every array read back and checksummed
+        return self._resumed(engine, step, path, meta)
+
+    def _resumed(self, engine: Engine, step: int, path: Path, meta: dict[str, Any]) -> dict[str, Any]:
         engine.steps_done = int(meta["step"])
         engine.updates_applied = int(meta["updates_applied"])
         for s, newer in ck.step_dirs(self.checkpoints):  # the abandoned continuation's parts

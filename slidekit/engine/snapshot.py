@@ -13,12 +13,14 @@ Data-parallel (``engine.collectives``): each rank's checkpoint holds its
 shards, and ``parallel/world`` (the world size and the rank). Rank 0's part
 commits the whole checkpoint: its ``parallel/world`` is produced last, once
 every other rank has reported its part committed (``DataParallel.wait_parts``),
-so rank 0's checkpoint exists only when every part does. ``restore`` refuses,
-before reading any tensor, a checkpoint of another world size or rank (and a
-one-process checkpoint in a data-parallel run, and the reverse): re-sharding
-is not built yet.
+so rank 0's checkpoint exists only when every part does. ``restore`` of a
+checkpoint written by another world size (a one-process checkpoint in a
+data-parallel run, and the reverse, included) re-shards it
+(``slidekit.distributed.reshard``): every rank reads its new shards' ranges
+from the old parts, bitwise the masters and state the writing run had.
 
-Test: ``pytest tests/test_resume.py tests/distributed/test_dp_checkpoints.py``.
+Test: ``pytest tests/test_resume.py tests/distributed/test_dp_checkpoints.py
+tests/distributed/test_dp_reshard.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from slidekit import checkpoint as ck
+from slidekit.distributed.shards import unit_shard
 from slidekit.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -37,7 +40,17 @@ if TYPE_CHECKING:
     from slidekit.distributed.group import DataParallel
     from slidekit.engine.core import Engine
 
-__all__ = ["PARALLEL", "capture", "check_world", "names_by_unit", "restore", "update_order"]
+__all__ = [
+    "PARALLEL",
+    "capture",
+    "check_world",
+    "engine_world",
+    "expected_arrays",
+    "names_by_unit",
+    "restore",
+    "saved_world",
+    "update_order",
+]
 
 #: The array of a data-parallel rank's checkpoint that says whose part it is: (world size, rank), int64.
 PARALLEL = "parallel/world"
@@ -102,43 +115,65 @@ def _read_into(path: Path, name: str, dst: torch.Tensor) -> None:
         dst.copy_(ck.read(path, name))
 
 
-def expected_arrays(engine: Engine) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """name -> (dtype, shape) of every array a checkpoint of this engine must hold."""
-    state = engine.host.state
-    out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-    for u, master in enumerate(engine.host.masters):
-        out[f"master/{u}"] = (master.dtype, tuple(master.shape))
-        for name, (dtype, numel) in state.layout(u).items():
+def expected_arrays(
+    engine: Engine, world: int | None = None, rank: int = 0
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """name -> (dtype, shape) of every array a checkpoint of this engine must hold: this rank's part, or
+    with ``world`` the part rank ``rank`` of ``world`` ranks writes (its shards of every unit)."""
+    if world is None:
+        state = engine.host.state
+        out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        for u, master in enumerate(engine.host.masters):
+            out[f"master/{u}"] = (master.dtype, tuple(master.shape))
+            for name, (dtype, numel) in state.layout(u).items():
+                out[f"state/{u}/{name}"] = (dtype, (numel,))
+        if engine.collectives is not None:
+            out[PARALLEL] = (torch.int64, (2,))
+        return out
+    out = {}
+    for u, (unit, master) in enumerate(zip(engine.spec.units, engine.host.masters, strict=True)):
+        size = unit_shard(unit.numel, world, rank).size
+        out[f"master/{u}"] = (master.dtype, (size,))
+        for name, (dtype, numel) in engine.optimizer.state_layout(size).items():
             out[f"state/{u}/{name}"] = (dtype, (numel,))
-    if engine.collectives is not None:
+    if world > 1:
         out[PARALLEL] = (torch.int64, (2,))
     return out
 
 
-def check_world(engine: Engine, path: Path) -> None:
-    """Refuse checkpoint ``path`` when it holds the shards of another data-parallel world (or rank)."""
-    dp = engine.collectives
-    world = 1 if dp is None else dp.world
+def engine_world(engine: Engine) -> int:
+    """The data-parallel world size of ``engine`` (1: one process)."""
+    return 1 if engine.collectives is None else engine.collectives.world
+
+
+def saved_world(path: Path) -> int:
+    """The world size that wrote checkpoint part ``path`` (1: one process), from its ``parallel/world``."""
     if PARALLEL not in ck.read_manifest(path).arrays:
-        if world == 1:
-            return
-        raise ConfigError(
-            f"checkpoint {path} was written by one process, and this run has {world} data-parallel ranks: "
-            "resume it on one process (re-sharding a checkpoint into another world size is not built yet)"
-        )
-    saved_world, saved_rank = (int(v) for v in ck.read(path, PARALLEL).tolist())
-    if saved_world != world:
-        how = "on one process" if saved_world == 1 else f"with torchrun --nproc-per-node {saved_world}"
-        raise ConfigError(
-            f"checkpoint {path} holds the shards of {saved_world} data-parallel ranks, and this run has "
-            f"{world}: resume it {how} (re-sharding a checkpoint into another world size is not built yet)"
-        )
-    if dp is not None and saved_rank != dp.rank:
-        raise ConfigError(f"checkpoint {path} is rank {saved_rank}'s part, not rank {dp.rank}'s")
+        return 1
+    return int(ck.read(path, PARALLEL)[0])
+
+
+def check_world(engine: Engine, path: Path) -> None:
+    """Refuse checkpoint part ``path`` when it is another rank's part of a checkpoint of this world size
+    (a checkpoint of another world size is re-sharded, ``slidekit.distributed.reshard``)."""
+    dp = engine.collectives
+    if dp is None or PARALLEL not in ck.read_manifest(path).arrays:
+        return
+    world, rank = (int(v) for v in ck.read(path, PARALLEL).tolist())
+    if world == dp.world and rank != dp.rank:
+        raise ConfigError(f"checkpoint {path} is rank {rank}'s part, not rank {dp.rank}'s")
 
 
 def restore(engine: Engine, path: Path) -> None:
-    """Load masters and optimizer state from checkpoint ``path`` (verified against this engine)."""
+    """Load masters and optimizer state from checkpoint ``path`` (verified against this engine): this
+    rank's part of a checkpoint of this world size, or the checkpoint (rank 0's part) of another world
+    size, which is re-sharded (``slidekit.distributed.reshard``: every rank reads its ranges)."""
+    world = saved_world(path)
+    if world != engine_world(engine):
+        from slidekit.distributed import reshard  # it builds on this module
+
+        reshard.restore(engine, path, world)
+        return
     check_world(engine, path)
     ck.verify_compatible(path, expected_arrays(engine))
     engine.wait_updates()

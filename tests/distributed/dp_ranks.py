@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from slidekit.hookspecs import hookimpl
+
 PRELOAD = ["torch", "torch.distributed", "slidekit.trainer", "slidekit.distributed"]
 
 
@@ -129,10 +131,47 @@ class Job:
     fit_steps: int | None = None  # steps this run trains (None: what is left of ``steps``)
     skip_steps: int = 0  # steps whose batches an earlier run took (a resumed run skips them)
     configured: bool = False  # train on config.data (the sample corpus), not on ``_batches``
+    shards: bool = False  # return the rank's shards (masters and state) as restored and as trained
 
 
 class Injected(RuntimeError):
     """The fault a test injects into one rank."""
+
+
+#: An optimizer that declares its state not linear (``Job(optimizer=WHOLE_ADAM)``): layer_adam's
+#: arithmetic, updated a unit (a shard) whole, whose state a re-sharded resume cannot re-cut.
+WHOLE_ADAM = "whole_adam"
+
+
+class _WholeAdamPlugin:
+    @hookimpl
+    def slidekit_optimizers(self) -> Any:
+        from slidekit.interfaces import OptimizerDescriptor
+        from slidekit_optim.layer_adam import LayerAdam
+
+        class WholeAdam(LayerAdam):
+            name = WHOLE_ADAM
+            linear_state = False
+
+        yield OptimizerDescriptor(name=WHOLE_ADAM, factory=WholeAdam)
+
+
+def own_shards(engine: Any) -> dict[str, Any]:
+    """This rank's shard of every unit: where it starts, its master, its optimizer state (copies)."""
+    engine.wait_updates()
+    state = engine.host.state
+    out: dict[str, Any] = {}
+    for u, master in enumerate(engine.host.masters):
+        mapped = state.mapped(u)
+        out[u] = {
+            "start": 0 if engine.collectives is None else engine.collectives.shards[u].start,
+            "master": master.detach().cpu().clone(),
+            "state": {
+                name: mapped[name].cpu().clone() if mapped is not None else state.read_buffer(u, name)
+                for name in state.layout(u)
+            },
+        }
+    return out
 
 
 def _batches(job: Job, vocab: int) -> list[Any]:
@@ -188,8 +227,13 @@ def train(rank: int, world: int, store: str, job: Job) -> dict[str, Any]:
             yield b
 
     injected = job.fail_rank == rank and job.fault != "data"
+    plugins = None
+    if job.optimizer == WHOLE_ADAM:
+        from slidekit import Plugins
+
+        plugins = Plugins(extra=[("whole-adam", _WholeAdamPlugin())])
     try:
-        with Trainer(config, parallel=parallel, fault_hook=hook if injected else None) as t:
+        with Trainer(config, parallel=parallel, plugins=plugins, fault_hook=hook if injected else None) as t:
             trainer_ref.append(t)
             batches = _batches(job, t.spec.vocab_size)
             mine = batches if world == 1 else batches[rank::world]
@@ -198,9 +242,12 @@ def train(rank: int, world: int, store: str, job: Job) -> dict[str, Any]:
             if job.fail_rank == rank and job.fault == "data":
                 mine = failing(mine)
             init = t.state_dict() if world == 1 else None
+            restored = own_shards(t.engine) if job.shards else None
             result = t.fit(None if job.configured else mine, steps=job.fit_steps)
             host = t.engine.host
             return {
+                "restored": restored,
+                "trained": own_shards(t.engine) if job.shards else None,
                 "losses": result.losses,
                 "grad_norms": result.grad_norms,
                 "state": t.state_dict(),

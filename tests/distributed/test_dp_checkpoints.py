@@ -4,7 +4,9 @@ Two ranks train four steps straight, and again as two steps, a checkpoint, then 
 processes resuming it: the same losses and the same final parameters, bit for bit, with clipping,
 accumulation and resident units (their shards gathered again after the restore). A checkpoint whose
 part on one rank failed is never committed: the previous one stays the newest and resumes. A
-checkpoint is refused by a run of another world size (or one process), before any tensor is read.
+checkpoint of another world size (or one process) whose step batch the resuming run would change is
+refused, before any tensor is read, naming the grad_accum that keeps it (``test_dp_reshard``
+re-shards it when the batch is kept).
 """
 
 from __future__ import annotations
@@ -60,20 +62,27 @@ def test_a_part_that_fails_leaves_the_previous_checkpoint_the_newest(tiny_model,
     assert [r["steps_done"] for r in resumed] == [4, 4]
 
 
-def test_another_world_size_is_refused_naming_the_one_that_wrote_it(tiny_model, tmp_path):
+def test_another_world_size_that_changes_the_step_batch_is_refused_naming_the_grad_accum_that_keeps_it(
+    tiny_model, tmp_path
+):
+    """A checkpoint of another world size is re-sharded (``test_dp_reshard``), but only with the step's
+    batch (ranks x grad_accum) kept: refused otherwise, before any tensor is read."""
     [o.ok() for o in run_ranks(train, 2, _job(tiny_model, tmp_path, fit_steps=2))]
     four = run_ranks(train, 4, _job(tiny_model, tmp_path, ranks=4, run={"resume": True}))
-    assert four[0].error == "ConfigError", four[0].message
-    assert "shards of 2 data-parallel ranks, and this run has 4" in four[0].message
-    assert "torchrun --nproc-per-node 2" in four[0].message
+    assert four[0].error == "CheckpointMismatch", four[0].message
+    assert "grad_accum: 2 on 2 ranks -> 2 on 4 ranks" in four[0].message, four[0].message
+    assert "grad_accum 1 on 4 ranks keeps it" in four[0].message
     assert all(o.error == "PeerFailed" and "rank 0" in o.message for o in four[1:]), [o.message for o in four]
-    # One process with the same settings (grad_accum included: the run's identity checks it first).
     one = run_ranks(train, 1, _job(tiny_model, tmp_path, ranks=1, run={"resume": True}))[0]
-    assert one.error == "ConfigError" and "shards of 2 data-parallel ranks, and this run has 1" in one.message
+    assert one.error == "CheckpointMismatch" and "grad_accum 4 on one process keeps it" in one.message, (
+        one.message
+    )
 
 
-def test_a_one_process_checkpoint_is_refused_by_two_ranks(tiny_model, tmp_path):
+def test_a_one_process_checkpoint_that_changes_the_step_batch_is_refused_by_two_ranks(tiny_model, tmp_path):
     run_ranks(train, 1, _job(tiny_model, tmp_path, ranks=1, fit_steps=2))[0].ok()
     two = run_ranks(train, 2, _job(tiny_model, tmp_path, run={"resume": True}))
-    assert two[0].error == "ConfigError" and "written by one process" in two[0].message, two[0].message
+    assert two[0].error == "CheckpointMismatch", two[0].message
+    assert "grad_accum: 2 on one process -> 2 on 2 ranks" in two[0].message, two[0].message
+    assert "grad_accum 1 on 2 ranks keeps it" in two[0].message
     assert two[1].error == "PeerFailed"
