@@ -35,8 +35,7 @@ from slidekit.distributed import DataParallel
 from slidekit.distributed.checkpoints import resume_run, run_directory
 from slidekit.distributed.launch import describe, launch, on_rank_zero, rank_batches
 from slidekit.distributed.weights import fill_shards
-from slidekit.engine import Engine
-from slidekit.engine import speculation
+from slidekit.engine import Engine, speculation
 from slidekit.engine.build import EngineParts, build_engine
 from slidekit.errors import ConfigError, ModelLoadError
 from slidekit.export import ExportError, check_dtype, check_target, export_guards, export_model

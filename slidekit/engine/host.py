@@ -152,7 +152,9 @@ class HostStore:
         if got is None:
             mapped = self.state.mapped(unit)
             if mapped is None or not self.can_back_up(unit):
-                raise ValueError(f"unit {unit} cannot be backed up: its master or state is not mapped in host RAM")
+                raise ValueError(
+                    f"unit {unit} cannot be backed up: its master or state is not mapped in host RAM"
+                )
             got = self._backups[unit] = (
                 torch.empty(self.masters[unit].numel(), dtype=torch.float32),
                 {name: torch.empty(t.numel(), dtype=t.dtype) for name, t in mapped.items()},

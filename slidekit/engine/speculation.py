@@ -53,25 +53,27 @@ Test: ``pytest tests/engine/test_speculative_clip.py``.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from slidekit.engine.state import slice_groups
-from slidekit.planning.placement import GRANULE
-
 from slidekit.engine.step_state import StepState
 from slidekit.engine.updates import Updates
 from slidekit.engine.window import Slot
+from slidekit.interfaces import ParamGroupRange, UnitOptimizer
+from slidekit.planning.placement import GRANULE
 
 if TYPE_CHECKING:
     from slidekit.planning.estimate import Machine
     from slidekit.planning.layout import Layout
     from slidekit.planning.planner import Planner
 
-__all__ = ["BACKUP_CHUNK", "CERTAIN", "decide", "room", "settle_scale"]
+__all__ = ["BACKUP_CHUNK", "CERTAIN", "Speculation", "decide", "room", "settle_scale", "update_backed"]
 
 #: Parameters backed up and then updated in one go: a multiple of GRANULE (so chunks of linear state
 #: start where their state does), small enough that the backed-up bytes are still in cache for the update.
@@ -114,6 +116,60 @@ def settle_scale(clip: float | None, grad_norm: float) -> float:
     return 1.0 if clip is None else min(1.0, clip / (grad_norm + 1e-6))
 
 
+Span = Callable[[int, int], Mapping[str, tuple[torch.dtype, int, int]]]
+
+
+def _relative_span(
+    span: Callable[..., Mapping[str, tuple[torch.dtype, int, int]]], unit: int, base: int, lo: int, hi: int
+) -> dict[str, tuple[torch.dtype, int, int]]:
+    """The state span of parameters [base + lo, base + hi) of ``unit``, relative to the state of ``base``."""
+    first = span(unit, base, base + 1)
+    return {
+        name: (dt, at - first[name][1], n) for name, (dt, at, n) in span(unit, base + lo, base + hi).items()
+    }
+
+
+def update_backed(
+    optimizer: UnitOptimizer,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    state: Mapping[str, torch.Tensor],
+    saved_master: torch.Tensor,
+    saved_state: Mapping[str, torch.Tensor],
+    *,
+    lr: float,
+    count: int,
+    groups: Sequence[ParamGroupRange],
+    span: Span | None,
+    chunk: int = BACKUP_CHUNK,
+) -> None:
+    """Back up and update one range of a unit, ``chunk`` parameters at a time: each chunk's master and state
+    are copied to ``saved_*`` right before the optimizer reads them (so it reads them from cache), then the
+    chunk is updated with scale 1. ``span(lo, hi)``: name -> (dtype, first, count) of the state of parameters
+    [lo, hi) of the range, for linear state; None (state that is not linear): the range in one go."""
+    n = master.numel()
+    cuts = [(0, n)] if span is None else [(lo, min(lo + chunk, n)) for lo in range(0, n, chunk)]
+    for lo, hi in cuts:
+        where = (
+            {name: (0, t.numel()) for name, t in state.items()}
+            if span is None
+            else {name: (at, m) for name, (_, at, m) in span(lo, hi).items()}
+        )
+        sub = {name: state[name][at : at + m] for name, (at, m) in where.items()}
+        for name, (at, m) in where.items():
+            saved_state[name][at : at + m].copy_(sub[name])
+        saved_master[lo:hi].copy_(master[lo:hi])
+        optimizer.step(
+            master[lo:hi],
+            grad[lo:hi],
+            sub,
+            lr=lr,
+            count=count,
+            groups=slice_groups(groups, lo, hi),
+            lowp_out=None,
+        )
+
+
 class Speculation(Updates):
     """``Updates`` with speculative clipping (the base of ``Engine``): overrides how a deferring step
     handles a unit's gradients (``_defer_unit``), queues its end-of-step updates (``_queue_update``) and
@@ -121,7 +177,9 @@ class Speculation(Updates):
 
     clip_overlap: str  # this step's policy (``OptimConfig.clip_overlap``), set by ``Engine.train_step``
 
-    def _defer_unit(self, unit: int, slot: Slot, done: Any, unit_sq: torch.Tensor | None, c: StepState) -> None:
+    def _defer_unit(
+        self, unit: int, slot: Slot, done: Any, unit_sq: torch.Tensor | None, c: StepState
+    ) -> None:
         if self._speculates(unit, c):
             self._speculate_unit(unit, slot, done, unit_sq, c)
         else:
@@ -160,13 +218,17 @@ class Speculation(Updates):
             return False
         return self.host.has_backup(unit) or self.clip_overlap == "speculate"
 
-    def _speculate_unit(self, unit: int, slot: Slot, done: Any, unit_sq: torch.Tensor | None, c: StepState) -> None:
+    def _speculate_unit(
+        self, unit: int, slot: Slot, done: Any, unit_sq: torch.Tensor | None, c: StepState
+    ) -> None:
         """Main thread: the gradients into the unit's own buffer piece by piece, each handed on to the
         optimizer thread, which updates the unit as if unclipped (``_speculate``)."""
         handoff: list[Future[tuple[int, float]]] = [
             self.pipeline.promise("d2h", unit) for _ in self.host.pieces(unit)
         ]
-        download = self.pipeline.submit("d2h", self._download, unit, slot, done, unit_sq, handoff, True, unit=unit)
+        download = self.pipeline.submit(
+            "d2h", self._download, unit, slot, done, unit_sq, handoff, True, unit=unit
+        )
         c.deferred[unit] = download  # the end of the step settles it (``_apply_deferred``)
         if self.collectives is not None:
             c.shard_sq[unit] = download
@@ -175,7 +237,9 @@ class Speculation(Updates):
             "optim", self._speculate, unit, handoff, c, self.updates_applied + 1, unit=unit
         )
 
-    def _speculate(self, unit: int, handoff: list[Future[tuple[int, float]]], c: StepState, count: int) -> None:
+    def _speculate(
+        self, unit: int, handoff: list[Future[tuple[int, float]]], c: StepState, count: int
+    ) -> None:
         """Optimizer thread: back up and update ``unit`` with scale 1, piece by piece as it arrives, unless
         the norm seen so far makes clipping certain or is not finite (then the step's end updates it)."""
         what = f"the gradient download of unit {unit}"
@@ -203,35 +267,28 @@ class Speculation(Updates):
             return False
         return True
 
-    def _apply_backed(self, unit: int, grad: torch.Tensor, *, lr: float, count: int, start: int, stop: int) -> None:
+    def _apply_backed(
+        self, unit: int, grad: torch.Tensor, *, lr: float, count: int, start: int, stop: int
+    ) -> None:
         """``_apply`` with scale 1 over parameters [start, stop), each chunk's master and state copied to
         the unit's backup right before the optimizer reads them (so they are read from cache)."""
         master, groups = self.host.masters[unit], self.groups[unit]
         saved_master, saved_state = self.host.backup(unit)
         store = self.host.state
 
-        def step(a: int, b: int, state: Any) -> None:
-            if not store.linear:  # whole buffers: the unit in one piece
-                cuts = [(a, b)]
-            else:
-                cuts = [(lo, min(lo + BACKUP_CHUNK, b)) for lo in range(a, b, BACKUP_CHUNK)]
-            first = store.span(unit, a, b)
-            for lo, hi in cuts:
-                span = store.span(unit, lo, hi) if store.linear else first
-                sub = {}
-                for name, (_, at, n) in span.items():
-                    saved_state[name][at : at + n].copy_(state[name][at - first[name][1] : at - first[name][1] + n])
-                    sub[name] = state[name][at - first[name][1] : at - first[name][1] + n]
-                saved_master[lo:hi].copy_(master[lo:hi])
-                self.optimizer.step(
-                    master[lo:hi],
-                    grad[lo - start : hi - start],
-                    sub,
-                    lr=lr,
-                    count=count,
-                    groups=slice_groups(groups, lo, hi),
-                    lowp_out=None,
-                )
+        def step(a: int, b: int, state: Mapping[str, torch.Tensor]) -> None:
+            update_backed(
+                self.optimizer,
+                master[a:b],
+                grad[a - start : b - start],
+                state,
+                saved_master[a:b],
+                {name: saved_state[name][at : at + n] for name, (_, at, n) in store.span(unit, a, b).items()},
+                lr=lr,
+                count=count,
+                groups=slice_groups(groups, a, b),
+                span=functools.partial(_relative_span, store.span, unit, a) if store.linear else None,
+            )
 
         store.update(unit, step, start, stop)
 

@@ -96,9 +96,13 @@ class Updates:
             "optim", self._update, unit, download, handoff, c.lr, self.updates_applied + 1, 1.0, unit=unit
         )
 
-    def _defer_unit(self, unit: int, slot: Slot, done: Any, unit_sq: torch.Tensor | None, c: StepState) -> None:
+    def _defer_unit(
+        self, unit: int, slot: Slot, done: Any, unit_sq: torch.Tensor | None, c: StepState
+    ) -> None:
         """The gradients into the unit's own buffer, updated once the step's norm is known."""
-        c.deferred[unit] = self.pipeline.submit("d2h", self._download, unit, slot, done, unit_sq, None, unit=unit)
+        c.deferred[unit] = self.pipeline.submit(
+            "d2h", self._download, unit, slot, done, unit_sq, None, unit=unit
+        )
         if self.collectives is not None:
             c.shard_sq[unit] = c.deferred[unit]
 

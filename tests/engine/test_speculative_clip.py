@@ -220,7 +220,13 @@ def test_nonfinite_step_rolls_back_and_skips(tiny_model, clip):
         plugins = Plugins(extra=[("late_nan", LateNaN({2}, layers=3))])
         with pytest.warns(RuntimeWarning, match="step 2.*skipped"):
             runs[policy] = _train(
-                model_dir, batches, policy=policy, clip=clip, plugins=plugins, kernels="late_nan", on_nonfinite="skip"
+                model_dir,
+                batches,
+                policy=policy,
+                clip=clip,
+                plugins=plugins,
+                kernels="late_nan",
+                on_nonfinite="skip",
             )
     want, got = runs["defer"], runs["speculate"]
     assert want[0].losses[1] == want[0].losses[1]  # the loss is finite: only gradients are poisoned
