@@ -69,8 +69,8 @@ def _train(model_dir, batches, *, grad_accum=1, plugins=None, **kw):
 
 def _same(a, b) -> None:
     (ra, sa), (rb, sb) = a, b
-    assert ra.losses == rb.losses
-    assert ra.grad_norms == rb.grad_norms
+    a, b = torch.tensor(ra.grad_norms + ra.losses), torch.tensor(rb.grad_norms + rb.losses)
+    assert a.isnan().equal(b.isnan()) and a.nan_to_num().equal(b.nan_to_num())  # NaN where one was skipped
     assert_states_equal(sa, sb)
 
 
@@ -133,15 +133,17 @@ def test_clipping_alternates(tiny_model, optimizer):
 
 
 def test_rollback_restores_speculated_units(tiny_model):
-    """A step whose norm is just above max_grad_norm: clipping is certain only late, after most units
-    were updated, which are restored from their backups."""
+    """A step whose norm is just above max_grad_norm: clipping is never certain before the norm is known,
+    so every unit was updated, and each is restored from its backup."""
     model_dir = tiny_model("llama")
     batches = random_batches(128, steps=3, seed=4)
-    clip = 0.97 * _unclipped_norms(model_dir, batches)[0]
+    clip = (1 - 1e-5) * _unclipped_norms(model_dir, batches)[0]
     want = _train(model_dir, batches, policy="defer", clip=clip)
     got = _train(model_dir, batches, policy="speculate", clip=clip)
     _same(want, got)
-    assert "restore" in got[0].timings[0] and got[0].rollbacks >= 1
+    assert got[0].rollbacks >= 1
+    # The restores run on the optimizer thread under the next forward: timed in a later step's lanes.
+    assert any("restore" in t for t in got[0].timings)
 
 
 @pytest.mark.parametrize("engine", [{"gpu_resident": "0.5"}, {"state_offload_fraction": 0.5}])
@@ -254,7 +256,7 @@ def test_matches_the_reference_loop(tiny_model):
 def test_checkpoint_after_a_rollback_resumes_bitwise(tiny_model, tmp_path):
     model_dir = tiny_model("llama")
     batches = random_batches(128, steps=4, seed=9)
-    clip = 0.97 * _unclipped_norms(model_dir, batches)[0]  # step 1 rolls back
+    clip = (1 - 1e-5) * _unclipped_norms(model_dir, batches)[0]  # step 1 rolls back
 
     def cfg(d, steps, resume=False):
         run = RunConfig(dir=str(tmp_path / d), checkpoint_every=1, resume=resume)
