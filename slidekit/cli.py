@@ -83,6 +83,11 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--weight-decay": ("optim.weight_decay", float, "decoupled weight decay (not on norms and biases)"),
     "--max-grad-norm": ("optim.max_grad_norm", float, "clip the global gradient norm"),
     "--on-nonfinite": ("optim.on_nonfinite", str, "stop or skip a step with NaN/Inf loss or gradients"),
+    "--clip-overlap": (
+        "optim.clip_overlap",
+        str,
+        "clipped steps: auto, speculate (update during the backward, roll back a step that clips) or defer",
+    ),
     "--device": ("engine.device", str, "auto, cpu, cuda or cuda:N"),
     "--dtype": ("engine.compute_dtype", str, "auto, float32 or bfloat16"),
     "--kernels": ("engine.kernels", str, "kernel-set driver, or auto"),
@@ -428,6 +433,11 @@ def finetune(
         print(
             f"done: {len(result.losses)} steps in {result.seconds:.1f}s, {result.tokens_per_s:.0f} tokens/s; "
             + loss_summary(result.losses)
+            + (
+                f"; clipping: {result.rollbacks} of {result.speculated} speculative steps rolled back"
+                if result.speculated
+                else ""
+            )
         )
     elif left <= 0:
         print(f"nothing left to do: the run already took its {total} steps")

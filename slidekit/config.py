@@ -48,6 +48,7 @@ DEFAULT_STEPS = 150
 DATA_FIELDS = ("text", "prompt", "completion", "messages", "conversations", "instruction", "input", "output")
 
 __all__ = [
+    "CLIP_OVERLAP",
     "DATA_FIELDS",
     "DEFAULT_LR",
     "DEFAULT_STEPS",
@@ -68,6 +69,8 @@ __all__ = [
 ]
 
 _DTYPES = ("auto", "float32", "bfloat16")
+#: ``OptimConfig.clip_overlap``'s choices (``slidekit.engine.speculation`` documents the trade-off).
+CLIP_OVERLAP = ("auto", "speculate", "defer")
 _SEED_LIMIT = 2**32  # seeds are in [0, 2**32), the range every generator accepts
 
 
@@ -156,6 +159,11 @@ class OptimConfig:
     min_lr_ratio: float = 0.0  # where linear and cosine decay end, as a fraction of lr
     max_grad_norm: float | None = None  # clip the global norm of the gradients exactly; None: off
     on_nonfinite: str = "stop"  # NaN/Inf loss or gradients: "stop" (raise) or "skip" the step, warning
+    # How a step that must see every gradient (clipping, on_nonfinite="skip") overlaps its updates:
+    # "speculate" updates host units during the backward as if unclipped, backed up, and rolls back the
+    # step that clips (exact; 4 B/param + the state's bytes more host RAM); "defer" queues every update
+    # at the step's end; "auto" speculates when host RAM holds the backups, not right after a clipped step.
+    clip_overlap: str = "auto"
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0  # decoupled (AdamW) weight decay
@@ -190,6 +198,10 @@ class OptimConfig:
             _positive("optim", "max_grad_norm", self.max_grad_norm)
         if self.on_nonfinite not in ("stop", "skip"):
             raise ConfigError(f"optim.on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
+        if self.clip_overlap not in CLIP_OVERLAP:
+            raise ConfigError(
+                f"optim.clip_overlap must be one of {CLIP_OVERLAP} (CLI: --clip-overlap), got {self.clip_overlap!r}"
+            )
         if self.lr is not None and self.lr > 1.0:
             warnings.warn(
                 f"optim.lr = {self.lr:g} is far above any usual fine-tuning rate (1e-6 to 1e-3): the run "

@@ -36,7 +36,7 @@ from slidekit.distributed.checkpoints import resume_run, run_directory
 from slidekit.distributed.launch import describe, launch, on_rank_zero, rank_batches
 from slidekit.distributed.planning import check_same_decisions, rank_machine
 from slidekit.distributed.weights import fill_shards
-from slidekit.engine import Engine
+from slidekit.engine import Engine, speculation
 from slidekit.engine.build import EngineParts, build_engine
 from slidekit.errors import ConfigError, ModelLoadError
 from slidekit.export import ExportError, check_dtype, check_target, export_guards, export_model
@@ -77,6 +77,8 @@ class FitResult:
     timings: list[dict[str, float]] = field(default_factory=list)  # seconds per pipeline lane, per step
     grad_norms: list[float] = field(default_factory=list)  # global gradient norm per step, before clipping
     interrupted: str | None = None  # the signal ("SIGINT", "SIGTERM", "SIGHUP") that ended the run early
+    speculated: int = 0  # steps that updated host units during the backward (optim.clip_overlap)
+    rollbacks: int = 0  # ... of which clipped (or were not finite) and were restored and redone exactly
 
     @property
     def tokens_per_s(self) -> float:
@@ -264,6 +266,9 @@ class Trainer:
                 "GPU; set engine.gpu_resident='none' or use layer_adam"
             )
         layout = planner.layout(Placement.of(ec), self.machine())
+        layout, note = speculation.room(planner, layout, self.machine(), self.config.optim.clip_overlap)
+        if note:
+            self.notes.append(note)
         self._check_fit(planner, layout)
         kept = [u for u in layout.units if u.resident]
         if kept:
@@ -500,6 +505,7 @@ class Trainer:
             lr,
             max_grad_norm=oc.max_grad_norm,
             skip_nonfinite=oc.on_nonfinite == "skip",
+            clip_overlap=oc.clip_overlap,
         )
         if res.skipped:
             warnings.warn(
@@ -511,6 +517,8 @@ class Trainer:
         result.losses.append(res.loss)
         result.timings.append(res.timings)
         result.grad_norms.append(res.grad_norm)
+        result.speculated += res.speculated
+        result.rollbacks += res.rolled_back
         result.tokens += res.tokens
         flops = sum(model_flops(self.spec, b.input_ids.numel(), b.input_ids.shape[1]) for b in micro)
         return {
@@ -521,6 +529,8 @@ class Trainer:
             **_hiding_factor(res.timings),
             "grad_norm": res.grad_norm,
             "skipped": float(res.skipped),
+            "clip_speculated": float(res.speculated),
+            "clip_rollback": float(res.rolled_back),
             "lr": lr,
             "tflops": flops / res.seconds / 1e12 if res.seconds else 0.0,
             **memory_metrics(self.device),  # gpu_mem_gib (CUDA only), host_rss_gib

@@ -52,6 +52,7 @@ PINNED_FINETUNE_OPTIONS = [
     "--weight-decay",
     "--max-grad-norm",
     "--on-nonfinite",
+    "--clip-overlap",
     "--device",
     "--dtype",
     "--kernels",

@@ -93,6 +93,7 @@ PINNED_FIELDS = {
         "min_lr_ratio",
         "max_grad_norm",
         "on_nonfinite",
+        "clip_overlap",
         "betas",
         "eps",
         "weight_decay",

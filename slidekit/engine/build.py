@@ -208,6 +208,8 @@ def footprint(engine: Engine, tiers: Mapping[str, StorageTier]) -> dict[str, dic
         "state staging": host.state.staging_bytes(),
         "gradients": sum(_nbytes(b) for b in host.ring.buffers) + host.unit_grad_bytes(),
     }
+    if layout.clip_backup:
+        out_host["clip backup"] = host.backup_bytes()
     return {
         "device": device,
         "host": out_host,

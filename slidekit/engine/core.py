@@ -34,8 +34,8 @@ from slidekit.engine.activations import ActivationStore
 from slidekit.engine.collectives import Collectives
 from slidekit.engine.host import HostStore
 from slidekit.engine.runtime import Pipeline, Streams
+from slidekit.engine.speculation import Speculation, decide
 from slidekit.engine.step_state import StepState
-from slidekit.engine.updates import Updates
 from slidekit.engine.uploads import Uploads
 from slidekit.engine.window import Slot, Window
 from slidekit.errors import NonFiniteError
@@ -58,9 +58,11 @@ class StepResult:
     seconds: float  # train_step's own wall time, the device work of the step included (its resident update too)
     grad_norm: float  # global L2 norm of the step's gradients (before clipping)
     timings: dict[str, float]  # seconds per pipeline lane (see Engine.train_step)
+    speculated: bool = False  # host units were updated during the backward as if unclipped (clip_overlap)
+    rolled_back: bool = False  # ... and the step clipped (or was not finite): they were restored and redone
 
 
-class Engine(Uploads, Updates):
+class Engine(Uploads, Speculation):
     """Runs training steps over a model whose units live on the host and slide through a window."""
 
     def __init__(
@@ -114,6 +116,8 @@ class Engine(Uploads, Updates):
         self._checkpoint: tuple[Any, dict[int, list[str]]] | None = None  # (SaveHandle, names per unit)
         self.collectives = collectives
         self._stale: set[int] = set()  # resident units whose other ranks' shards are still to be gathered
+        self.clip_overlap = "auto"
+        self._clipped_last = False  # the last step clipped or was not finite ("auto" then defers the next)
         self.sync_resident()
 
     # ================================================================== the step
@@ -125,6 +129,7 @@ class Engine(Uploads, Updates):
         *,
         max_grad_norm: float | None = None,
         skip_nonfinite: bool = False,
+        clip_overlap: str = "auto",
     ) -> StepResult:
         """One optimizer step over ``micro``-batches of (``input_ids``, ``labels``), each (B, T).
 
@@ -141,8 +146,13 @@ class Engine(Uploads, Updates):
         ``skip_nonfinite``, which skips a step whose loss or gradients are not
         finite instead of raising ``NonFiniteError``. Those keep each unit's
         gradients on the host until the end of the backward pass (2 more bytes
-        per parameter in BF16) and update during the next forward pass.
+        per parameter in BF16). ``clip_overlap`` (``OptimConfig.clip_overlap``) says whether their host
+        updates still overlap the backward, speculatively and exactly (``slidekit.engine.speculation``),
+        or wait for the next forward pass ("defer").
         """
+        if clip_overlap not in ("auto", "speculate", "defer"):
+            raise ValueError(f"clip_overlap must be 'auto', 'speculate' or 'defer', got {clip_overlap!r}")
+        self.clip_overlap = clip_overlap
         if self.collectives is None:
             return self._train_step(micro, lr, max_grad_norm, skip_nonfinite)
         try:
@@ -170,6 +180,7 @@ class Engine(Uploads, Updates):
         tgt = [t.to(self.device, torch.int64, non_blocking=True) for _, t in micro]
         # Micro-batches may differ in length: each gets the first T rows of one shared table.
         rope = [self.rope.get(i.shape[1], self.device, self.dtype) for i in ids]
+        defer = max_grad_norm is not None or skip_nonfinite
         c = StepState(
             ids=ids,
             labels=tgt,
@@ -177,8 +188,14 @@ class Engine(Uploads, Updates):
             lr=lr,
             labelled=labelled,
             clip=max_grad_norm,
-            defer=max_grad_norm is not None or skip_nonfinite,
+            defer=defer,
             sq_norm=torch.zeros((), dtype=torch.float32, device=self.device),
+            speculate=decide(
+                self.clip_overlap,
+                defer=defer,
+                backed_up=self.layout.clip_backup,
+                clipped_last=self._clipped_last,
+            ),
         )
         run: dict[str, Callable[..., Any]] = {FWD: self._forward, HEAD: self._head, BWD: self._backward}
         self._request(0)
@@ -202,6 +219,8 @@ class Engine(Uploads, Updates):
             seconds=time.perf_counter() - t0,
             grad_norm=grad_norm,
             timings=timings,
+            speculated=bool(c.speculative),
+            rolled_back=c.rolled_back,
         )
 
     def _global_sums(self, c: StepState, loss_sum: float) -> tuple[float, float]:
@@ -218,6 +237,7 @@ class Engine(Uploads, Updates):
     def _conclude(self, c: StepState, loss: float, grad_norm: float, skip_nonfinite: bool) -> bool:
         """Apply deferred updates, or skip / refuse a non-finite step. True when skipped."""
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        self._clipped_last = not finite or (c.clip is not None and c.clip / (grad_norm + 1e-6) < 1.0)
         if finite:
             self._update_resident(c, grad_norm)
             if c.defer:

@@ -12,6 +12,11 @@ memory is therefore about 4 (master) + the optimizer's state bytes per
 parameter, plus a few layer-sized buffers. A unit kept on the compute device
 (``device_masters[i]`` set) keeps its master there and never uses the ring;
 when every unit is kept there, the ring is empty.
+
+Speculative clipping (``slidekit.engine.speculation``): each sliding unit whose
+state is mapped in host RAM has a backup of its master and state (plain
+pageable memory, allocated once when ``Layout.clip_backup``), which a step
+that clips restores before its exact update.
 """
 
 from __future__ import annotations
@@ -95,6 +100,10 @@ class HostStore:
         self.ring = GradRing(layout.ring_buffers, self.piece, grad_dtype, self.memory, pipeline)
         self._pieces = [list(place.pieces) for place in layout.units]  # of the rank's shard
         self._grad_dtype = grad_dtype
+        self._backups: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
+        for place in layout.backed_up():  # this rank's part: as long as the master it holds
+            if self.can_back_up(place.index):
+                self.backup(place.index)
         self._unit_grads: dict[int, torch.Tensor] = {}
         if layout.unit_grads:  # a step that must see every gradient first keeps each sliding unit's own
             for place in layout.units:
@@ -118,6 +127,47 @@ class HostStore:
     def unit_grad_bytes(self) -> int:
         """Bytes of the per-unit gradient buffers allocated so far."""
         return sum(b.numel() * b.element_size() for b in self._unit_grads.values())
+
+    def can_back_up(self, unit: int) -> bool:
+        """Whether a speculative step can update ``unit`` during the backward: its master is in host RAM and
+        its optimizer state is mapped there (streamed state is updated at the step's end instead)."""
+        return self.masters[unit].device.type == "cpu" and not self.state.streamed(unit)
+
+    def has_backup(self, unit: int) -> bool:
+        return unit in self._backups
+
+    def backup(self, unit: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The unit's backup: an FP32 master and one buffer per state buffer, of the same sizes. Allocated
+        up front for the layout's backed-up units (``Layout.clip_backup``), else on first use (a step asked
+        to speculate directly)."""
+        got = self._backups.get(unit)
+        if got is None:
+            mapped = self.state.mapped(unit)
+            if mapped is None or not self.can_back_up(unit):
+                raise ValueError(
+                    f"unit {unit} cannot be backed up: its master or state is not mapped in host RAM"
+                )
+            got = self._backups[unit] = (
+                torch.empty(self.masters[unit].numel(), dtype=torch.float32),
+                {name: torch.empty(t.numel(), dtype=t.dtype) for name, t in mapped.items()},
+            )
+        return got
+
+    def restore(self, unit: int) -> None:
+        """Put the unit's master and state back as its backup holds them (optimizer thread)."""
+        master, state = self._backups[unit]
+        self.masters[unit].copy_(master)
+        mapped = self.state.mapped(unit)
+        assert mapped is not None
+        for name, saved in state.items():
+            mapped[name].copy_(saved)
+
+    def backup_bytes(self) -> int:
+        """Bytes of the speculative-clipping backups allocated so far."""
+        return sum(
+            m.numel() * m.element_size() + sum(t.numel() * t.element_size() for t in st.values())
+            for m, st in self._backups.values()
+        )
 
     def close(self) -> None:
         self.state.close()

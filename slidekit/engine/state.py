@@ -136,6 +136,11 @@ class StateStore:
         size = dict(self._optimizer.state_layout(stop - start))
         return {name: (dt, before.get(name, (dt, 0))[1], n) for name, (dt, n) in size.items()}
 
+    def span(self, unit: int, start: int, stop: int) -> dict[str, tuple[torch.dtype, int, int]]:
+        """name -> (dtype, first element, element count) of the state of parameters [start, stop)
+        (linear state: ``start`` a multiple of ``GRANULE``; else the whole buffers)."""
+        return self._span(unit, start, stop)
+
     def _stage(self, k: int, unit: int, start: int, stop: int) -> dict[str, torch.Tensor]:
         """Views into staging set ``k`` shaped for the state of parameters [start, stop)."""
         self._staging_sets()

@@ -30,6 +30,13 @@ class StepState:
     resident_due: list[int] = field(default_factory=list)  # resident units to update on the device
     shard_sq: dict[int, Future[float]] = field(default_factory=dict)  # data-parallel: unit -> its shard's
     # squared gradient norm, once the d2h lane has reduced the unit's gradient over the ranks
+    # Speculative clipping (slidekit.engine.speculation): units updated during the backward as if unclipped.
+    speculate: bool = False  # this step speculates (the main thread decided at its start)
+    speculative: set[int] = field(default_factory=set)  # units handed to the optimizer thread to speculate
+    speculated: set[int] = field(default_factory=set)  # of those, the ones it updated (optimizer thread)
+    halted: bool = False  # the optimizer thread found clipping certain (or a non-finite norm): defer the rest
+    seen_sq: float = 0.0  # the squared norms of the speculative units so far (optimizer thread)
+    rolled_back: bool = False  # the step clipped or was not finite after speculating: updates redone
 
     def take_x(self) -> list[torch.Tensor]:
         """The hidden states, let go of here (the head is their last reader)."""

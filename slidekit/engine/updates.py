@@ -82,12 +82,8 @@ class Updates:
         # Bump the version now, on this thread: from here on no slot holding the old
         # parameters can be mistaken for current, and every upload waits for the update.
         self.version[unit] += 1
-        if c.defer:  # into the unit's own buffer, updated once the step's norm is known
-            c.deferred[unit] = self.pipeline.submit(
-                "d2h", self._download, unit, slot, done, unit_sq, None, unit=unit
-            )
-            if self.collectives is not None:
-                c.shard_sq[unit] = c.deferred[unit]
+        if c.defer:
+            self._defer_unit(unit, slot, done, unit_sq, c)
             return
         # Futures the download completes piece by piece: stall reports follow them to the d2h lane.
         handoff: list[Future[tuple[int, float]]] = [
@@ -100,6 +96,16 @@ class Updates:
             "optim", self._update, unit, download, handoff, c.lr, self.updates_applied + 1, 1.0, unit=unit
         )
 
+    def _defer_unit(
+        self, unit: int, slot: Slot, done: Any, unit_sq: torch.Tensor | None, c: StepState
+    ) -> None:
+        """The gradients into the unit's own buffer, updated once the step's norm is known."""
+        c.deferred[unit] = self.pipeline.submit(
+            "d2h", self._download, unit, slot, done, unit_sq, None, unit=unit
+        )
+        if self.collectives is not None:
+            c.shard_sq[unit] = c.deferred[unit]
+
     def _download(
         self,
         unit: int,
@@ -107,6 +113,7 @@ class Updates:
         computed: Any,
         unit_sq: torch.Tensor | None,
         handoff: list[Future[tuple[int, float]]] | None,
+        keep: bool = False,
     ) -> float:
         """Download thread: the unit's gradients to the host; returns their squared norm.
 
@@ -114,7 +121,8 @@ class Updates:
         piece lands in a ring buffer whose index (with the norm) is handed to the
         optimizer thread as soon as it has arrived, so a unit larger than a
         buffer is updated while its later pieces come down. Without, the whole
-        unit goes into its own buffer, kept until the step ends.
+        unit goes into its own buffer, kept until the step ends. With both (``keep``, speculative
+        clipping) the pieces land in the unit's own buffer and are handed on as they arrive.
 
         Data-parallel (``unit_sq`` None): first the gradient is reduced over the ranks; then only
         this rank's shard comes down, and the norm returned is the shard's.
@@ -131,6 +139,8 @@ class Updates:
             for k, (a, b) in enumerate(self.host.pieces(unit) if handoff is not None else [(0, n)]):
                 if handoff is None:
                     index, dst = -1, self.host.unit_grad(unit)
+                elif keep:
+                    index, dst = -1, self.host.unit_grad(unit)[a:b]
                 else:
                     with self.timeline.host("d2h_wait", unit):  # waiting for the optimizer to free a buffer
                         index = self.host.ring.acquire()
@@ -229,18 +239,14 @@ class Updates:
         torch.nn.utils.clip_grad_norm_ semantics: scale = min(1, max_norm / (norm + 1e-6)).
         """
         scale = 1.0 if c.clip is None else min(1.0, c.clip / (grad_norm + 1e-6))
+        c.rolled_back = bool(c.speculative) and scale != 1.0  # speculated with scale 1: redo them
         for unit in sorted(c.deferred):  # resident units are updated on the device instead
-            self.updated[unit] = self.pipeline.submit(
-                "optim",
-                self._update,
-                unit,
-                c.deferred.pop(unit),
-                None,
-                c.lr,
-                self.updates_applied + 1,
-                scale,
-                unit=unit,
-            )
+            self._queue_update(unit, c.deferred.pop(unit), c, scale)
+
+    def _queue_update(self, unit: int, download: Future[float], c: StepState, scale: float) -> None:
+        self.updated[unit] = self.pipeline.submit(
+            "optim", self._update, unit, download, None, c.lr, self.updates_applied + 1, scale, unit=unit
+        )
 
     def _update_resident(self, c: StepState, grad_norm: float) -> None:
         """Update the device-resident units on the device, in the order the next forward pass needs them.

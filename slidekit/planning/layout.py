@@ -67,6 +67,9 @@ class Workload:
     seq_len: int
     grad_accum: int = 1
     keep_grads: bool = False
+    #: With ``keep_grads``: every sliding unit whose state is mapped in host RAM keeps a backup of its
+    #: master and state, for speculative clipping (``optim.clip_overlap``, ``slidekit.engine.speculation``).
+    clip_backup: bool = False
 
     @property
     def tokens(self) -> int:
@@ -187,6 +190,7 @@ class Layout:
     ring_buffers: int  # shared host gradient buffers (0: nothing slides)
     ring_numel: int  # elements of each
     unit_grads: bool  # every sliding unit has a host gradient buffer of its own (``Workload.keep_grads``)
+    clip_backup: bool = False  # sliding units with state in host RAM keep a backup (``Workload.clip_backup``)
     upload_staging: int  # FP32 elements on the device uploads are cast through (0: none needed)
     state_chunk: int  # parameters per streamed state chunk
     state_staging: int  # parameters one state staging set holds
@@ -233,6 +237,8 @@ class Layout:
             "gradients": self.ring_buffers * self.ring_numel * s
             + (s * sum(u.own for u in sliding) if self.unit_grads else 0),
         }
+        if self.clip_backup:  # the speculated units' pre-update master and state
+            host["clip backup"] = sum(4 * u.numel + u.state_bytes for u in self.backed_up())
         disk: dict[str, int] = {}
         if self.activation_medium == "host":
             host["activations"] = self.activation_bytes
@@ -241,6 +247,10 @@ class Layout:
         if state["disk"]:
             disk["state"] = state["disk"]
         return {"device": device, "host": host, "disk": disk}
+
+    def backed_up(self) -> list[UnitPlace]:
+        """The units a speculative step updates during the backward (``clip_backup``): sliding, state in RAM."""
+        return [u for u in self.units if u.slides and u.state_medium == "host"] if self.clip_backup else []
 
     def describe(self) -> str:
         """The layout, unit by unit and for the run (``slidekit plan`` prints it)."""
@@ -270,6 +280,7 @@ class Layout:
             f"  window: {w.window} cache units of {w.slot_numel:,} parameters (+ gradients), {self.prefetch} "
             f"loaded ahead; gradient ring: {self.ring_buffers} x {self.ring_numel:,}"
             + ("; every sliding unit keeps its gradients until the step ends" if self.unit_grads else "")
+            + (f"; {len(self.backed_up())} units back up their master and state" if self.clip_backup else "")
         )
         extra = []
         if self.upload_staging:
@@ -361,6 +372,9 @@ def build_layout(
         ring_buffers=settings.grad_buffers if piece else 0,
         ring_numel=piece,
         unit_grads=workload.keep_grads and any(sliding),
+        clip_backup=workload.keep_grads
+        and workload.clip_backup
+        and any(p.slides and p.state_medium == "host" for p in places),
         upload_staging=UPLOAD_CHUNK if accelerator and itemsize < 4 and any(sliding) else 0,
         state_chunk=chunk,
         state_staging=staged,

@@ -173,7 +173,12 @@ class Planner:
         device = host if setup.family == "cpu" else roles["device"].name if roles["device"] else ""
         return cls(
             setup.spec,
-            Workload(batch_size=dc.batch_size, seq_len=dc.seq_len, grad_accum=config.grad_accum),
+            Workload(
+                batch_size=dc.batch_size,
+                seq_len=dc.seq_len,
+                grad_accum=config.grad_accum,
+                clip_backup=oc.clip_overlap != "defer",  # speculative clipping's backups (host RAM)
+            ),
             compute_itemsize=setup.itemsize,
             state_layout=optimizer.state_layout,
             media={r.name: r.descriptor.medium for r in plugins.drivers("tier")},

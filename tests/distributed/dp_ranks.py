@@ -119,6 +119,7 @@ class Job:
     lr: float = 1e-4
     optimizer: str = "layer_adam"
     max_grad_norm: float | None = None
+    clip_overlap: str = "auto"  # optim.clip_overlap
     gpu_resident: str = "none"
     window: int = 3
     timeout_s: float = 30.0
@@ -191,7 +192,13 @@ def train(rank: int, world: int, store: str, job: Job) -> dict[str, Any]:
 
     config = TrainConfig(
         model=ModelConfig(source=job.model_dir),
-        optim=OptimConfig(lr=job.lr, weight_decay=0.1, name=job.optimizer, max_grad_norm=job.max_grad_norm),
+        optim=OptimConfig(
+            lr=job.lr,
+            weight_decay=0.1,
+            name=job.optimizer,
+            max_grad_norm=job.max_grad_norm,
+            clip_overlap=job.clip_overlap,
+        ),
         engine=EngineConfig(
             device="cpu",
             compute_dtype="float32",
@@ -253,6 +260,8 @@ def train(rank: int, world: int, store: str, job: Job) -> dict[str, Any]:
                 "state": t.state_dict(),
                 "init": init,
                 "steps_done": t.engine.steps_done,
+                "speculated": result.speculated,
+                "rollbacks": result.rollbacks,
                 "notes": list(t.notes),
                 "master_numel": sum(m.numel() for m in host.masters),
                 "state_bytes": sum(host.state.nbytes(u) for u in range(len(host.masters))),

@@ -94,3 +94,23 @@ def test_streamed_state_on_disk_shards_too(tiny_model, tmp_path):
     ref = run_ranks(train, 1, job)[0].ok()
     outs = [o.ok() for o in run_ranks(train, 2, job)]
     _check(ref, outs, bitwise=False)
+
+
+def test_speculative_clipping_rolls_back_on_every_rank(tiny_model):
+    """Each rank speculates on its shards; the rollback depends on the global norm only, so every rank
+    rolls back the same steps, and the result is the deferred path's on every rank (bitwise: the same
+    reductions, only the updates' timing differs)."""
+    model = str(tiny_model("llama"))
+    free = run_ranks(train, 2, Job(model_dir=model, ranks=2, steps=4))[0].ok()
+    clip = sorted(free["grad_norms"])[1]  # some steps clip, others do not
+    runs = {
+        policy: [o.ok() for o in run_ranks(train, 2, Job(model_dir=model, ranks=2, steps=4, max_grad_norm=clip,
+                                                        clip_overlap=policy))]
+        for policy in ("defer", "speculate")
+    }  # fmt: skip
+    clipped = sum(n + 1e-6 > clip for n in runs["defer"][0]["grad_norms"])
+    assert 0 < clipped < 4, "the test must clip on some steps only"
+    for want, got in zip(runs["defer"], runs["speculate"], strict=True):
+        assert got["losses"] == want["losses"] and got["grad_norms"] == want["grad_norms"]
+        assert_states_equal(got["state"], want["state"])
+        assert (got["speculated"], got["rollbacks"]) == (4, clipped)

@@ -6,7 +6,7 @@ activations on the device, in RAM or on disk, gradients kept for clipping or
 not, both optimizers) the engine is built and trained one step, then
 ``slidekit.engine.build.footprint`` measures what it holds: the tensors of the
 window, the resident units, the masters, the ring, the per-unit gradient
-buffers and the staging buffers, and each tier's own allocation counter
+buffers, the speculative-clipping backups and the staging buffers, and each tier's own allocation counter
 (state, and the activations the step saved). Every component must equal the
 layout's bytes.
 """
@@ -33,6 +33,7 @@ CONFIGS = st.fixed_dictionaries(
         "offload": st.sampled_from([0.0, 0.5, 1.0]),
         "acts": st.sampled_from(["device", "ram", "posix"]),
         "clip": st.booleans(),
+        "clip_overlap": st.sampled_from(["auto", "speculate", "defer"]),
         "optimizer": st.sampled_from(["layer_adam", "adamw_8bit"]),
         "accum": st.integers(1, 2),
         "chunk": st.sampled_from([4096, 1 << 22]),
@@ -51,7 +52,10 @@ def test_the_engine_allocates_its_layout(cfg, tiny_model, tmp_path):
         model=model,
         data=DataConfig(batch_size=2, seq_len=16),
         optim=OptimConfig(
-            name=cfg["optimizer"], lr=1e-3, max_grad_norm=1.0 if cfg["clip"] else None
+            name=cfg["optimizer"],
+            lr=1e-3,
+            max_grad_norm=1.0 if cfg["clip"] else None,
+            clip_overlap=cfg["clip_overlap"],
         ),
         engine=EngineConfig(
             device="cpu",
@@ -79,6 +83,12 @@ def test_the_engine_allocates_its_layout(cfg, tiny_model, tmp_path):
                 # the layout counts state on host tiers; measured: the mapped tensors of sliding units
                 want = sum(u.state_bytes for u in layout.units if u.slides and u.state_medium == "host")
             assert nbytes == want, f"{medium} {name}: engine {nbytes} B, layout {want} B ({cfg})"
+    # Speculative clipping's backups: the master and state of every sliding unit with state in RAM.
+    backed = [u for u in layout.units if u.slides and u.state_medium == "host"]
+    planned = cfg["clip"] and cfg["clip_overlap"] != "defer" and bool(backed)
+    assert layout.clip_backup == planned, cfg
+    want_backup = sum(4 * u.numel + u.state_bytes for u in backed) if planned else 0
+    assert expected["host"].get("clip backup", 0) == measured["host"].get("clip backup", 0) == want_backup
     per_tier: dict[str, int] = {}
     regions: dict[str, int] = {}
     for u in layout.units:

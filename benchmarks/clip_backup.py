@@ -1,0 +1,126 @@
+"""The cost of speculative clipping's backup: one unit's update with and without it, on this CPU.
+
+    python benchmarks/clip_backup.py --numel 20000000                   # quick, anywhere
+    python benchmarks/clip_backup.py --numel 100000000 --chunks 65536,1048576,4194304
+
+A speculative step (``slidekit.engine.speculation``) copies each chunk of a
+unit's FP32 master and optimizer state into the unit's backup right before the
+optimizer updates that chunk (``update_backed``), so the update reads the bytes
+the copy has just brought into cache. Per optimizer driver (``layer_adam`` and
+``adamw_8bit``, fused C++ kernels, through the plugin registry as the engine
+gets them), this times, on one unit of ``--numel`` parameters with an FP32
+gradient (the CPU engine's; BF16 on the GPU) and weight decay 0.1:
+
+* ``update``: the update alone, whole unit in one call (today's path);
+* ``backed_<chunk>``: ``update_backed`` with each chunk size of ``--chunks``;
+* ``copy_then_update``: the whole unit copied first, then updated (the naive backup).
+
+``--repeat`` interleaved rounds (a change of background load hits all alike),
+median per contender; prints one JSON line with seconds, and each contender's
+extra time over ``update`` (``<driver>_<contender>_extra``, a fraction).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from statistics import median
+
+import torch
+
+from slidekit import Plugins
+from slidekit.engine.speculation import BACKUP_CHUNK, update_backed
+from slidekit.interfaces import OptimizerHyper, ParamGroupRange
+
+Step = Callable[[], None]
+
+
+def _unit(opt, n: int):
+    master = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    state = {k: torch.zeros(c, dtype=dt) for k, (dt, c) in opt.state_layout(n).items()}
+    saved_master = torch.empty_like(master)
+    saved_state = {k: torch.empty_like(t) for k, t in state.items()}
+    return master, state, saved_master, saved_state
+
+
+def _contenders(opt, n: int, chunks: list[int]) -> dict[str, Step]:
+    grad = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    groups = [ParamGroupRange(start=0, stop=n, weight_decay=0.1)]
+    master, state, saved_master, saved_state = _unit(opt, n)
+    count = [0]
+
+    def span(lo: int, hi: int) -> dict[str, tuple[torch.dtype, int, int]]:
+        before = dict(opt.state_layout(lo)) if lo else {}
+        return {k: (dt, before.get(k, (dt, 0))[1], c) for k, (dt, c) in opt.state_layout(hi - lo).items()}
+
+    def update() -> None:
+        count[0] += 1
+        opt.step(master, grad, state, lr=1e-6, count=count[0], groups=groups, lowp_out=None)
+
+    def backed(chunk: int) -> Step:
+        def step() -> None:
+            count[0] += 1
+            update_backed(
+                opt, master, grad, state, saved_master, saved_state,
+                lr=1e-6, count=count[0], groups=groups, span=span, chunk=chunk,
+            )  # fmt: skip
+
+        return step
+
+    def copy_then_update() -> None:
+        saved_master.copy_(master)
+        for k, t in state.items():
+            saved_state[k].copy_(t)
+        update()
+
+    out = {"update": update, "copy_then_update": copy_then_update}
+    out |= {f"backed_{c}": backed(c) for c in chunks}
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--numel", type=int, default=20_000_000)
+    p.add_argument("--chunks", default=f"{BACKUP_CHUNK // 16},{BACKUP_CHUNK},{BACKUP_CHUNK * 16}")
+    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    chunks = [int(c) for c in args.chunks.split(",")]
+    hyper = OptimizerHyper(weight_decay=0.1)
+    steps: dict[str, Step] = {}
+    for reg in Plugins().drivers("optimizer"):
+        if reg.name in ("layer_adam", "adamw_8bit"):
+            opt = reg.descriptor.factory(hyper, impl="cpp")
+            steps |= {f"{reg.name}_{k}": s for k, s in _contenders(opt, args.numel, chunks).items()}
+    for step in steps.values():
+        step()  # warm-up: first touch, kernel caches
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(args.repeat):
+        for name, step in steps.items():
+            t0 = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - t0)
+    secs = {k: median(v) for k, v in times.items()}
+    out: dict[str, object] = {
+        "numel": args.numel,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "default_chunk": BACKUP_CHUNK,
+        "repeat": args.repeat,
+    }
+    out |= {f"{k}_s": round(v, 5) for k, v in secs.items()}
+    for name in secs:
+        driver = name.split("_update")[0] if name.endswith("_update") and "copy" not in name else None
+        if driver:
+            for other, v in secs.items():
+                if other.startswith(driver + "_") and other != name:
+                    out[f"{other}_extra"] = round(v / secs[name] - 1, 3)
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

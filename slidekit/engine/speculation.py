@@ -1,0 +1,317 @@
+"""Speculative clipping: exact global-norm clipping whose host updates still overlap the backward pass.
+
+A step that clips by the global norm (``max_grad_norm``), or skips a
+non-finite step, must see every gradient before any parameter changes. The
+deferred path (``Updates._apply_deferred``) therefore queues every update at
+the end of the step, so they overlap only the next forward pass. Most steps of
+a fine-tune do not clip, so this module bets that the step will not:
+
+* during the backward, each sliding unit whose master and optimizer state are
+  in host RAM (``HostStore.can_back_up``) is updated at once with scale 1, as
+  in the unclipped path, piece by piece as its gradient arrives. Right before
+  each chunk of ``BACKUP_CHUNK`` parameters is updated, the optimizer thread
+  copies that chunk's master and state into the unit's backup
+  (``HostStore.backup``), so the bytes the update then reads are hot in cache.
+  The gradient stays in the unit's own buffer (``HostStore.unit_grad``), as the
+  deferred path keeps it;
+* at the end of the step, when the global norm is known: with scale exactly
+  1.0 and a finite norm the bet was right and the speculated units are done;
+  the others (streamed state, units the bet stopped for) get their deferred
+  update as today. Otherwise the step *rolls back*: per unit, in the order
+  the next forward needs them, the optimizer thread restores master and state
+  from the backup and applies today's deferred update with the clip scale, so
+  every bit equals the deferred path's. The unit's version is bumped, so no
+  cache unit uploaded from a speculated master is taken as current, and the
+  next forward's upload of the unit waits for that restore-and-update. A
+  non-finite step restores and then skips (or raises ``NonFiniteError``,
+  nothing updated);
+* early stop: the squared norm only grows as units finish. Once the sum seen
+  so far makes clipping certain (or is not finite), the remaining units of the
+  step are not speculated, which saves their backup and restore.
+
+Exactness does not depend on the bet: the chunked update equals the whole-unit
+one bit for bit (the optimizer's state is linear, ``UnitOptimizer.linear_state``,
+which the streamed and piecewise paths rely on too), and a rolled-back unit is
+put back byte for byte before the exact update. The early stop only chooses
+which units speculate.
+
+The trade-off (``OptimConfig.clip_overlap``): "speculate" holds a backup of
+4 B/param (master) plus the optimizer's state bytes (8 for layer_adam, 2 for
+adamw_8bit) for every backed-up unit, in host RAM, and costs a copy of those
+bytes per update (``benchmarks/clip_backup.py`` measures it); a step that
+clips pays a restore and the whole deferred update at its end, more than the
+deferred path. "defer" is the deferred path. "auto" speculates where the
+planner found host RAM for the backups (``room``), and not on the step right
+after a step that clipped or was not finite: clipping tends to persist, and
+deferring then costs no rollback.
+
+Data-parallel: each rank speculates on its own shards; the rollback decision
+depends only on the global norm, so every rank takes the same one.
+
+Test: ``pytest tests/engine/test_speculative_clip.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from slidekit.engine.state import slice_groups
+from slidekit.engine.step_state import StepState
+from slidekit.engine.updates import Updates
+from slidekit.engine.window import Slot
+from slidekit.interfaces import ParamGroupRange, UnitOptimizer
+from slidekit.planning.placement import GRANULE
+
+if TYPE_CHECKING:
+    from slidekit.planning.estimate import Machine
+    from slidekit.planning.layout import Layout
+    from slidekit.planning.planner import Planner
+
+__all__ = ["BACKUP_CHUNK", "CERTAIN", "Speculation", "decide", "room", "settle_scale", "update_backed"]
+
+#: Parameters backed up and then updated in one go: a multiple of GRANULE (so chunks of linear state
+#: start where their state does), small enough that much of the backed-up bytes (12 MiB with layer_adam)
+#: are still in cache for the update, large enough that each optimizer call's fixed cost (its threads'
+#: start) stays small: on the 2-core test machine 1 M beat 64 K (benchmarks/clip_backup.py, NOTES.md 14).
+BACKUP_CHUNK = 256 * GRANULE
+#: The early stop declares clipping certain once the norm seen so far exceeds max_grad_norm by this
+#: share: the host's sum of the units' FP32 squared norms differs from the device's by rounding only.
+CERTAIN = 1e-4
+
+
+def room(planner: Planner, layout: Layout, machine: Machine, policy: str) -> tuple[Layout, str | None]:
+    """``layout`` for ``policy`` (``optim.clip_overlap``): "auto" drops the backups when host RAM cannot
+    hold them (with a note saying so); "speculate" keeps them (the fit check refuses what does not fit);
+    "defer" has none."""
+    import dataclasses
+
+    if policy != "auto" or not layout.clip_backup:
+        return layout, None
+    if planner.estimate_layout(layout, machine).host_fits(machine):
+        return layout, None
+    backup = layout.allocations()["host"]["clip backup"]
+    return dataclasses.replace(layout, clip_backup=False), (
+        f"optim.clip_overlap='auto': host RAM lacks the {backup / 2**30:.1f} GiB the speculative-clipping "
+        "backups need, so clipped steps defer their updates to the step's end (slower; free host RAM or "
+        "set optim.clip_overlap='defer' to silence this)"
+    )
+
+
+def decide(policy: str, *, defer: bool, backed_up: bool, clipped_last: bool) -> bool:
+    """Whether a step speculates: it must defer (clipping, skipping non-finite steps); "speculate" always
+    does, "auto" where the layout has backups and the previous step did not clip, "defer" never."""
+    if not defer or policy == "defer":
+        return False
+    if policy == "speculate":
+        return True
+    return backed_up and not clipped_last
+
+
+def settle_scale(clip: float | None, grad_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor: min(1, max_norm / (norm + 1e-6)); 1.0 without clipping."""
+    return 1.0 if clip is None else min(1.0, clip / (grad_norm + 1e-6))
+
+
+Span = Callable[[int, int], Mapping[str, tuple[torch.dtype, int, int]]]
+
+
+def _relative_span(
+    span: Callable[..., Mapping[str, tuple[torch.dtype, int, int]]], unit: int, base: int, lo: int, hi: int
+) -> dict[str, tuple[torch.dtype, int, int]]:
+    """The state span of parameters [base + lo, base + hi) of ``unit``, relative to the state of ``base``."""
+    first = span(unit, base, base + 1)
+    return {
+        name: (dt, at - first[name][1], n) for name, (dt, at, n) in span(unit, base + lo, base + hi).items()
+    }
+
+
+def update_backed(
+    optimizer: UnitOptimizer,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    state: Mapping[str, torch.Tensor],
+    saved_master: torch.Tensor,
+    saved_state: Mapping[str, torch.Tensor],
+    *,
+    lr: float,
+    count: int,
+    groups: Sequence[ParamGroupRange],
+    span: Span | None,
+    chunk: int = BACKUP_CHUNK,
+) -> None:
+    """Back up and update one range of a unit, ``chunk`` parameters at a time: each chunk's master and state
+    are copied to ``saved_*`` right before the optimizer reads them (so it reads them from cache), then the
+    chunk is updated with scale 1. ``span(lo, hi)``: name -> (dtype, first, count) of the state of parameters
+    [lo, hi) of the range, for linear state; None (state that is not linear): the range in one go."""
+    n = master.numel()
+    cuts = [(0, n)] if span is None else [(lo, min(lo + chunk, n)) for lo in range(0, n, chunk)]
+    for lo, hi in cuts:
+        where = (
+            {name: (0, t.numel()) for name, t in state.items()}
+            if span is None
+            else {name: (at, m) for name, (_, at, m) in span(lo, hi).items()}
+        )
+        sub = {name: state[name][at : at + m] for name, (at, m) in where.items()}
+        for name, (at, m) in where.items():
+            saved_state[name][at : at + m].copy_(sub[name])
+        saved_master[lo:hi].copy_(master[lo:hi])
+        optimizer.step(
+            master[lo:hi],
+            grad[lo:hi],
+            sub,
+            lr=lr,
+            count=count,
+            groups=slice_groups(groups, lo, hi),
+            lowp_out=None,
+        )
+
+
+class Speculation(Updates):
+    """``Updates`` with speculative clipping (the base of ``Engine``): overrides how a deferring step
+    handles a unit's gradients (``_defer_unit``), queues its end-of-step updates (``_queue_update``) and
+    drops a non-finite step (``_drop_deferred``)."""
+
+    clip_overlap: str  # this step's policy (``OptimConfig.clip_overlap``), set by ``Engine.train_step``
+
+    def _defer_unit(
+        self, unit: int, slot: Slot, done: Any, unit_sq: torch.Tensor | None, c: StepState
+    ) -> None:
+        if self._speculates(unit, c):
+            self._speculate_unit(unit, slot, done, unit_sq, c)
+        else:
+            super()._defer_unit(unit, slot, done, unit_sq, c)
+
+    def _queue_update(self, unit: int, download: Future[float], c: StepState, scale: float) -> None:
+        """At the step's end (finite): settle a speculated unit, or queue the deferred update of another.
+        A rolled-back unit's version moves on: no cache unit holding weights uploaded from its speculated
+        master is current, and its next upload waits for the restore and the exact update."""
+        if unit not in c.speculative:
+            super()._queue_update(unit, download, c, scale)
+            return
+        if c.rolled_back:
+            self.version[unit] += 1
+        self.updated[unit] = self.pipeline.submit(
+            "optim", self._settle, unit, download, c, self.updates_applied + 1, scale, unit=unit
+        )
+
+    def _drop_deferred(self, c: StepState) -> None:
+        """A non-finite step: restore the speculated units, wait for the other downloads, apply nothing."""
+        c.rolled_back = bool(c.speculative)
+        for unit, download in c.take_deferred().items():
+            if unit not in c.speculative:
+                self.pipeline.result(download, f"the gradient download of unit {unit}")
+                continue
+            self.version[unit] += 1
+            fut = self.updated[unit] = self.pipeline.submit(
+                "optim", self._settle, unit, download, c, 0, None, unit=unit
+            )
+            self.pipeline.result(fut, f"restoring unit {unit} from its backup")
+
+    def _speculates(self, unit: int, c: StepState) -> bool:
+        """Whether ``unit`` is updated during the backward: the step speculates, the optimizer thread has
+        not stopped it (read without a lock: a late stop only defers a unit more), and the unit can be."""
+        if not c.speculate or c.halted or not self.host.can_back_up(unit):
+            return False
+        return self.host.has_backup(unit) or self.clip_overlap == "speculate"
+
+    def _speculate_unit(
+        self, unit: int, slot: Slot, done: Any, unit_sq: torch.Tensor | None, c: StepState
+    ) -> None:
+        """Main thread: the gradients into the unit's own buffer piece by piece, each handed on to the
+        optimizer thread, which updates the unit as if unclipped (``_speculate``)."""
+        handoff: list[Future[tuple[int, float]]] = [
+            self.pipeline.promise("d2h", unit) for _ in self.host.pieces(unit)
+        ]
+        download = self.pipeline.submit(
+            "d2h", self._download, unit, slot, done, unit_sq, handoff, True, unit=unit
+        )
+        c.deferred[unit] = download  # the end of the step settles it (``_apply_deferred``)
+        if self.collectives is not None:
+            c.shard_sq[unit] = download
+        c.speculative.add(unit)
+        self.updated[unit] = self.pipeline.submit(
+            "optim", self._speculate, unit, handoff, c, self.updates_applied + 1, unit=unit
+        )
+
+    def _speculate(
+        self, unit: int, handoff: list[Future[tuple[int, float]]], c: StepState, count: int
+    ) -> None:
+        """Optimizer thread: back up and update ``unit`` with scale 1, piece by piece as it arrives, unless
+        the norm seen so far makes clipping certain or is not finite (then the step's end updates it)."""
+        what = f"the gradient download of unit {unit}"
+        grad = self.host.unit_grad(unit)
+        for k, (a, b) in enumerate(self.host.pieces(unit)):
+            _, sq = self.pipeline.result(handoff[k], what)
+            if k == 0:
+                if not self._still_betting(c, sq):
+                    return
+                self._wait_checkpoint(unit)
+                c.speculated.add(unit)
+            with self.timeline.host("update", unit):
+                self._apply_backed(unit, grad[a:b], lr=c.lr, count=count, start=a, stop=b)
+
+    def _still_betting(self, c: StepState, sq: float) -> bool:
+        """Optimizer thread: add a unit's squared norm; False (for this unit and the rest of the step) once
+        the sum makes clipping certain or is not finite. Data-parallel: the rank's shards, a lower bound."""
+        if c.halted:
+            return False
+        c.seen_sq += sq
+        if not math.isfinite(c.seen_sq) or (
+            c.clip is not None and math.sqrt(c.seen_sq) + 1e-6 > c.clip * (1 + CERTAIN)
+        ):
+            c.halted = True
+            return False
+        return True
+
+    def _apply_backed(
+        self, unit: int, grad: torch.Tensor, *, lr: float, count: int, start: int, stop: int
+    ) -> None:
+        """``_apply`` with scale 1 over parameters [start, stop), each chunk's master and state copied to
+        the unit's backup right before the optimizer reads them (so they are read from cache)."""
+        master, groups = self.host.masters[unit], self.groups[unit]
+        saved_master, saved_state = self.host.backup(unit)
+        store = self.host.state
+
+        def step(a: int, b: int, state: Mapping[str, torch.Tensor]) -> None:
+            update_backed(
+                self.optimizer,
+                master[a:b],
+                grad[a - start : b - start],
+                state,
+                saved_master[a:b],
+                {name: saved_state[name][at : at + n] for name, (_, at, n) in store.span(unit, a, b).items()},
+                lr=lr,
+                count=count,
+                groups=slice_groups(groups, a, b),
+                span=functools.partial(_relative_span, store.span, unit, a) if store.linear else None,
+            )
+
+        store.update(unit, step, start, stop)
+
+    def _settle(
+        self: Updates,
+        unit: int,
+        download: Future[float],
+        c: StepState,
+        count: int,
+        scale: float | None,
+    ) -> None:
+        """Optimizer thread, at the step's end: a speculated unit is done unless the step rolls back; then
+        (or when it was not speculated) restore it and apply the deferred update with ``scale`` exactly as
+        the deferred path does; ``scale`` None (a non-finite step): restore only."""
+        speculated = unit in c.speculated  # the unit's ``_speculate`` ran before this, on this thread
+        if speculated and not c.rolled_back:
+            return
+        if speculated:
+            with self.timeline.host("restore", unit):
+                self.host.restore(unit)
+        if scale is None:
+            self.pipeline.result(download, f"the gradient download of unit {unit}")
+            return
+        self._update(unit, download, None, c.lr, count, scale)

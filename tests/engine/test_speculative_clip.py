@@ -1,0 +1,317 @@
+"""Speculative clipping (``slidekit.engine.speculation``) is bitwise today's deferred clipping.
+
+Each run is trained with ``optim.clip_overlap`` "defer" (updates queued at the step's end, the exact
+path) and "speculate" / "auto" (host units updated during the backward as if unclipped, rolled back
+when the step clips); parameters, optimizer state, losses and norms must be equal bit for bit. Runs
+where every step clips, where none does and where clipping alternates; both bundled optimizers; half
+the units resident; state streamed from the posix tier; accumulation; a non-finite step skipped after
+speculating; a checkpoint right after a rollback; and the transformers + torch.optim.AdamW +
+clip_grad_norm_ reference loop.
+
+Test: ``pytest tests/engine/test_speculative_clip.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from slidekit import EngineConfig, ModelConfig, OptimConfig, Plugins, RunConfig, TrainConfig, Trainer
+from slidekit.hookspecs import hookimpl
+from slidekit.interfaces import KernelSetDescriptor
+from slidekit.testing.asserts import assert_losses_close, assert_states_close, assert_states_equal
+from slidekit.testing.models import random_batches
+from slidekit.testing.reference import reference_run
+from slidekit_kernels.torch_ref import TorchRef
+
+LR = 1e-3
+WD = 0.1
+
+
+def _config(model_dir, steps, *, policy, clip, optimizer="layer_adam", grad_accum=1, run=None, **engine):
+    return TrainConfig(
+        model=ModelConfig(source=str(model_dir)),
+        optim=OptimConfig(
+            lr=LR,
+            weight_decay=WD,
+            name=optimizer,
+            max_grad_norm=clip,
+            clip_overlap=policy,
+            on_nonfinite=engine.pop("on_nonfinite", "stop"),
+        ),
+        engine=EngineConfig(device="cpu", compute_dtype="float32", **engine),
+        run=run or RunConfig(),
+        steps=steps,
+        grad_accum=grad_accum,
+    )
+
+
+def _state(t: Trainer) -> dict[str, torch.Tensor]:
+    """Every master and every optimizer state buffer (after all updates)."""
+    out = {f"master/{k}": v.clone() for k, v in t.state_dict().items()}
+    store = t.engine.host.state
+    for u in range(len(t.spec.units)):
+        for name in store.layout(u):
+            out[f"state/{u}/{name}"] = store.read_buffer(u, name)
+    return out
+
+
+def _train(model_dir, batches, *, grad_accum=1, plugins=None, **kw):
+    cfg = _config(model_dir, len(batches) // grad_accum, grad_accum=grad_accum, **kw)
+    with Trainer(cfg, plugins=plugins) as t:
+        result = t.fit(batches)
+        return result, _state(t)
+
+
+def _same(a, b) -> None:
+    (ra, sa), (rb, sb) = a, b
+    a, b = torch.tensor(ra.grad_norms + ra.losses), torch.tensor(rb.grad_norms + rb.losses)
+    assert a.isnan().equal(b.isnan()) and a.nan_to_num().equal(b.nan_to_num())  # NaN where one was skipped
+    assert_states_equal(sa, sb)
+
+
+def _unclipped_norms(model_dir, batches, **kw) -> list[float]:
+    return _train(model_dir, batches, policy="defer", clip=None, **kw)[0].grad_norms
+
+
+@pytest.mark.parametrize("optimizer", ["layer_adam", "adamw_8bit"])
+def test_every_step_clips(tiny_model, optimizer):
+    model_dir = tiny_model("llama")
+    batches = random_batches(128, steps=4, seed=1)
+    want = _train(model_dir, batches, policy="defer", clip=1e-3, optimizer=optimizer)
+    spec = _train(model_dir, batches, policy="speculate", clip=1e-3, optimizer=optimizer)
+    auto = _train(model_dir, batches, policy="auto", clip=1e-3, optimizer=optimizer)
+    assert all(n > 1e-3 for n in want[0].grad_norms), "every step must clip"
+    _same(want, spec)
+    _same(want, auto)
+    assert (spec[0].speculated, spec[0].rollbacks) == (4, 4)
+    assert (auto[0].speculated, auto[0].rollbacks) == (1, 1)  # "auto" defers once clipping is seen
+    assert (want[0].speculated, want[0].rollbacks) == (0, 0)
+    # The head's norm alone makes clipping certain: no unit is updated, so nothing is restored.
+    assert all("restore" not in t for t in spec[0].timings)
+
+
+@pytest.mark.parametrize("optimizer", ["layer_adam", "adamw_8bit"])
+def test_no_step_clips(tiny_model, optimizer):
+    model_dir = tiny_model("qwen2")
+    batches = random_batches(128, steps=4, seed=2)
+    want = _train(model_dir, batches, policy="defer", clip=1e6, optimizer=optimizer)
+    for policy in ("speculate", "auto"):
+        got = _train(model_dir, batches, policy=policy, clip=1e6, optimizer=optimizer)
+        _same(want, got)
+        assert (got[0].speculated, got[0].rollbacks) == (4, 0)
+    # And equal to the unclipped run, whose updates overlap the backward the same way.
+    free = _train(model_dir, batches, policy="defer", clip=None, optimizer=optimizer)
+    _same(want, free)
+
+
+def _alternating(model_dir, batches, **kw) -> float:
+    """A max_grad_norm between the run's gradient norms, so that some steps clip and others do not."""
+    return statistics.median(_unclipped_norms(model_dir, batches, **kw))
+
+
+@pytest.mark.parametrize("optimizer", ["layer_adam", "adamw_8bit"])
+def test_clipping_alternates(tiny_model, optimizer):
+    model_dir = tiny_model("mistral")
+    batches = random_batches(128, steps=8, seed=3)
+    clip = _alternating(model_dir, batches, optimizer=optimizer)
+    want = _train(model_dir, batches, policy="defer", clip=clip, optimizer=optimizer)
+    spec = _train(model_dir, batches, policy="speculate", clip=clip, optimizer=optimizer)
+    auto = _train(model_dir, batches, policy="auto", clip=clip, optimizer=optimizer)
+    _same(want, spec)
+    _same(want, auto)
+    clipped = [n + 1e-6 > clip for n in want[0].grad_norms]
+    assert 0 < sum(clipped) < len(clipped), "the test must clip on some steps only"
+    assert spec[0].rollbacks == sum(clipped) and spec[0].speculated == len(clipped)
+    # "auto" does not speculate on a step right after one that clipped.
+    after_clip = sum(clipped[:-1])
+    assert auto[0].speculated == len(clipped) - after_clip
+
+
+def test_rollback_restores_speculated_units(tiny_model):
+    """A step whose norm is just above max_grad_norm: clipping is never certain before the norm is known,
+    so every unit was updated, and each is restored from its backup."""
+    model_dir = tiny_model("llama")
+    batches = random_batches(128, steps=3, seed=4)
+    clip = (1 - 1e-5) * _unclipped_norms(model_dir, batches)[0]
+    want = _train(model_dir, batches, policy="defer", clip=clip)
+    got = _train(model_dir, batches, policy="speculate", clip=clip)
+    _same(want, got)
+    assert got[0].rollbacks >= 1
+    # The restores run on the optimizer thread under the next forward: timed in a later step's lanes.
+    assert any("restore" in t for t in got[0].timings)
+
+
+@pytest.mark.parametrize("engine", [{"gpu_resident": "0.5"}, {"state_offload_fraction": 0.5}])
+def test_resident_and_streamed_units(tiny_model, tmp_path, engine):
+    """Resident units are updated at the step's end on the device; units with state streamed from the
+    posix tier are not speculated (their deferred update as today); the rest speculate."""
+    if "state_offload_fraction" in engine:
+        engine = {**engine, "state_offload_tier": "posix", "offload_dir": str(tmp_path)}
+    model_dir = tiny_model("qwen3")
+    batches = random_batches(128, steps=6, seed=5)
+    clip = _alternating(model_dir, batches, **engine)
+    want = _train(model_dir, batches, policy="defer", clip=clip, **engine)
+    got = _train(model_dir, batches, policy="speculate", clip=clip, **engine)
+    _same(want, got)
+    assert 0 < got[0].rollbacks < got[0].speculated == 6
+
+
+def test_accumulation(tiny_model):
+    model_dir = tiny_model("llama")
+    batches = random_batches(128, steps=8, seed=6)  # 4 steps of 2 micro-batches
+    clip = _alternating(model_dir, batches, grad_accum=2)
+    want = _train(model_dir, batches, policy="defer", clip=clip, grad_accum=2)
+    got = _train(model_dir, batches, policy="speculate", clip=clip, grad_accum=2)
+    _same(want, got)
+    assert 0 < got[0].rollbacks < got[0].speculated == 4
+
+
+class LateNaN:
+    """A kernel set whose RMSNorm passes NaN gradients back in the first layer's backward (its last
+    two RMSNorms of the step that run under autograd), during the steps listed in ``steps``: the loss is
+    finite, the head and the later layers' gradients too, so they are speculated before the NaN shows."""
+
+    def __init__(self, steps: set[int], layers: int) -> None:
+        self.steps, self.current, self.calls = steps, 1, 0
+        poison = self
+        last = 1 + 2 * layers  # the head's RMSNorm, then two per layer
+
+        class Nan(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.view_as(x)
+
+            @staticmethod
+            def backward(ctx, g):
+                return g * float("nan")
+
+        class LateNaNKernels(TorchRef):
+            name = "late_nan"
+
+            def rms_norm(self, x, weight, eps):
+                out = super().rms_norm(x, weight, eps)
+                if not torch.is_grad_enabled():
+                    return out
+                poison.calls += 1
+                if poison.current in poison.steps and poison.calls > last - 2:
+                    return Nan.apply(out)
+                return out
+
+        self.kernels = LateNaNKernels
+
+    @hookimpl
+    def slidekit_kernel_sets(self) -> Iterator[KernelSetDescriptor]:
+        yield KernelSetDescriptor(name="late_nan", factory=self.kernels)
+
+    @hookimpl
+    def slidekit_step_end(self, step):
+        self.current, self.calls = step + 1, 0
+
+
+@pytest.mark.parametrize("clip", [None, 1e6])
+def test_nonfinite_step_rolls_back_and_skips(tiny_model, clip):
+    model_dir = tiny_model("llama")
+    batches = random_batches(128, steps=4, seed=7)
+    runs = {}
+    for policy in ("defer", "speculate"):
+        plugins = Plugins(extra=[("late_nan", LateNaN({2}, layers=3))])
+        with pytest.warns(RuntimeWarning, match="step 2.*skipped"):
+            runs[policy] = _train(
+                model_dir,
+                batches,
+                policy=policy,
+                clip=clip,
+                plugins=plugins,
+                kernels="late_nan",
+                on_nonfinite="skip",
+            )
+    want, got = runs["defer"], runs["speculate"]
+    assert want[0].losses[1] == want[0].losses[1]  # the loss is finite: only gradients are poisoned
+    _same(want, got)
+    assert got[0].rollbacks == 1 and "restore" in got[0].timings[1]
+
+
+def test_matches_the_reference_loop(tiny_model):
+    """transformers + torch.optim.AdamW + clip_grad_norm_, at a tolerance."""
+    model_dir = tiny_model("qwen2")
+    batches = random_batches(128, steps=6, seed=8)
+    clip = _alternating(model_dir, batches)
+    cfg = _config(model_dir, len(batches), policy="speculate", clip=clip)
+    with Trainer(cfg) as t:
+        init = t.state_dict()
+        res = t.fit(batches)
+        state = t.state_dict()
+        hf = t.hf_config
+    ref = reference_run(hf, init, batches, lr=LR, weight_decay=WD, max_grad_norm=clip)
+    assert 0 < res.rollbacks < res.speculated
+    assert_losses_close(res.losses, ref.losses, rtol=1e-5)
+    assert_states_close(state, ref.state, rtol=1e-5)
+
+
+def test_checkpoint_after_a_rollback_resumes_bitwise(tiny_model, tmp_path):
+    model_dir = tiny_model("llama")
+    batches = random_batches(128, steps=4, seed=9)
+    clip = (1 - 1e-5) * _unclipped_norms(model_dir, batches)[0]  # step 1 rolls back
+
+    def cfg(d, steps, resume=False):
+        run = RunConfig(dir=str(tmp_path / d), checkpoint_every=1, resume=resume)
+        return _config(model_dir, steps, policy="speculate", clip=clip, run=run)
+
+    with Trainer(cfg("whole", 4)) as t:
+        whole = t.fit(batches)
+        want = _state(t)
+    with Trainer(cfg("cut", 4)) as t:
+        first = t.fit(batches[:1], steps=1)
+    metrics = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["clip_rollback"] == 1.0 and metrics[0]["clip_speculated"] == 1.0
+    with Trainer(cfg("cut", 4, resume=True)) as t:
+        assert t.engine.steps_done == 1
+        rest = t.fit(batches[1:])
+        got = _state(t)
+    assert first.losses + rest.losses == whole.losses
+    assert_states_equal(got, want)
+
+
+@pytest.mark.parametrize("optimizer", ["layer_adam", "adamw_8bit"])
+def test_backed_update_in_chunks_is_the_whole_update(optimizer):
+    """``update_backed`` over several chunks: the same bits as one whole-unit update, and the backup holds
+    the master and state exactly as they were before (the tiny models' units fit in one chunk)."""
+    from slidekit import Plugins
+    from slidekit.engine.speculation import update_backed
+    from slidekit.interfaces import OptimizerHyper, ParamGroupRange
+    from slidekit.planning.placement import GRANULE
+
+    reg = next(r for r in Plugins().drivers("optimizer") if r.name == optimizer)
+    opt = reg.descriptor.factory(OptimizerHyper(weight_decay=0.1))
+    n = 5 * GRANULE + 123
+    gen = torch.Generator().manual_seed(0)
+    groups = [
+        ParamGroupRange(start=0, stop=3000, weight_decay=0.0),
+        ParamGroupRange(start=3000, stop=n, weight_decay=0.1),
+    ]
+
+    def unit():
+        master = torch.randn(n, generator=torch.Generator().manual_seed(1))
+        state = {k: torch.zeros(c, dtype=dt) for k, (dt, c) in opt.state_layout(n).items()}
+        return master, state
+
+    def span(lo, hi):
+        before = dict(opt.state_layout(lo)) if lo else {}
+        return {k: (dt, before.get(k, (dt, 0))[1], c) for k, (dt, c) in opt.state_layout(hi - lo).items()}
+
+    (wm, ws), (gm, gs) = unit(), unit()
+    for count in (1, 2, 3):
+        grad = torch.randn(n, generator=gen)
+        before_m, before_s = gm.clone(), {k: t.clone() for k, t in gs.items()}
+        opt.step(wm, grad, ws, lr=1e-3, count=count, groups=groups, lowp_out=None)
+        saved_m, saved_s = torch.empty_like(gm), {k: torch.empty_like(t) for k, t in gs.items()}
+        update_backed(
+            opt, gm, grad, gs, saved_m, saved_s, lr=1e-3, count=count, groups=groups, span=span, chunk=GRANULE
+        )
+        assert gm.equal(wm) and all(gs[k].equal(ws[k]) for k in ws)
+        assert saved_m.equal(before_m) and all(saved_s[k].equal(before_s[k]) for k in before_s)
