@@ -16,7 +16,16 @@ from dp_ranks import run_ranks
 from slidekit.cli import main
 from slidekit.engine.build import build_engine
 from slidekit.errors import ConfigError
-from slidekit.planning import GRANULE, RESIDENT_RESERVE, UPLOAD_CHUNK, Machine, Placement, Planner, Workload, unit_shards
+from slidekit.planning import (
+    GRANULE,
+    RESIDENT_RESERVE,
+    UPLOAD_CHUNK,
+    Machine,
+    Placement,
+    Planner,
+    Workload,
+    unit_shards,
+)
 from slidekit.plugins import Plugins
 from slidekit.testing.models import tiny_config
 
