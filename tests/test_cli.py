@@ -62,6 +62,7 @@ PINNED_FINETUNE_OPTIONS = [
     "--offload-dir",
     "--window",
     "--gpu-resident",
+    "--recompute",
     "--run-dir",
     "--checkpoint-every",
     "--keep",
