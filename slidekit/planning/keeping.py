@@ -32,11 +32,15 @@ __all__ = ["RECOMPUTE", "check_keeps", "kept_runs", "plan_keeps"]
 RECOMPUTE = ("auto", "all", "none")
 
 
-class _Place(Protocol):
-    index: int
-    kind: str
-    resident: bool
-    keeps: bool
+class _Place(Protocol):  # what check_keeps reads of a ``UnitPlace`` (read-only: it is frozen)
+    @property
+    def index(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def resident(self) -> bool: ...
+    @property
+    def keeps(self) -> bool: ...
 
 
 def plan_keeps(
