@@ -120,6 +120,8 @@ def _planner(record: dict[str, Any]) -> Any:
         disk_tier="posix",
         optimizer=record["optimizer"],
         clip=clip,
+        # Every committed cell was measured with every layer recomputing (before engine.recompute existed).
+        recompute=record.get("recompute", "all"),
     )
 
 

@@ -243,6 +243,9 @@ class EngineConfig:
     grad_buffers: int = 2  # shared host gradient buffers
     loss_chunk: int | None = None  # tokens per chunk of the fused linear + cross-entropy; None = auto
     timeout_s: float = 600.0  # a run that makes no progress for this long fails (PipelineStalled), not hangs
+    recompute: str = "auto"  # decoder layers recomputed in the backward instead of keeping their activations:
+    # "auto" (resident layers keep what the GPU's memory left holds, the last first), "all" (every layer
+    # recomputes), "none" (every layer keeps; needs every layer resident). See slidekit.planning.keeping
 
     def __post_init__(self) -> None:
         check_types("engine", self)
@@ -258,6 +261,10 @@ class EngineConfig:
             _positive("engine", "loss_chunk", self.loss_chunk)
         _positive("engine", "state_chunk", self.state_chunk)
         self.resident_fraction()  # validates gpu_resident
+        if self.recompute not in ("auto", "all", "none"):
+            raise ConfigError(
+                f"engine.recompute (CLI: --recompute) must be 'auto', 'all' or 'none', got {self.recompute!r}"
+            )
         if not 0.0 <= self.state_offload_fraction <= 1.0:
             raise ConfigError(
                 f"engine.state_offload_fraction must lie in [0, 1], got {self.state_offload_fraction!r}"

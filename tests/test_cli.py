@@ -63,6 +63,7 @@ PINNED_FINETUNE_OPTIONS = [
     "--offload-dir",
     "--window",
     "--gpu-resident",
+    "--recompute",
     "--run-dir",
     "--checkpoint-every",
     "--keep",

@@ -115,6 +115,7 @@ PINNED_FIELDS = {
         "grad_buffers",
         "loss_chunk",
         "timeout_s",
+        "recompute",
     ],
     "TrainConfig": ["model", "data", "optim", "engine", "plugins", "run", "steps", "grad_accum", "seed", "epochs"],
 }

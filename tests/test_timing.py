@@ -83,15 +83,19 @@ def _rates(**changes: object) -> Rates:
 # ---------------------------------------------------------------------------- the model's parts
 
 
-def test_all_resident_is_compute_only_and_matches_the_arithmetic():
-    """Every unit resident: the step is the device's work, unit by unit, plus the per-step host time."""
+@pytest.mark.parametrize(("recompute", "passes"), [("all", 4), ("auto", 3)])
+def test_all_resident_is_compute_only_and_matches_the_arithmetic(recompute, passes):
+    """Every unit resident: the step is the device's work, unit by unit, plus the per-step host time. A
+    layer's forward and backward are 4 forwards when it recomputes, 3 when it keeps its activations
+    ("auto" on 80 GB: every layer keeps)."""
     spec = _spec("llama", num_hidden_layers=4)
-    p = _planner(spec, batch=2, seq=16, accum=3)
+    p = _planner(spec, batch=2, seq=16, accum=3, recompute=recompute)
     layout = p.layout(Placement(gpu_resident="all"), _machine())
+    assert [u.keeps for u in layout.units] == [False, *[recompute == "auto"] * 4, False]
     pred = predict_step(layout, RATES, p.work)
     tokens, micro = 2 * 16, 3
     attention = 4 * spec.num_heads * spec.head_dim * 16 * tokens
-    layers = sum(4 * (2 * u.numel * tokens + attention) for u in spec.units if u.kind == "layer") / 2e12
+    layers = sum(passes * (2 * u.numel * tokens + attention) for u in spec.units if u.kind == "layer") / 2e12
     head = 6 * spec.vocab_size * spec.hidden_size * tokens / 1e12
     embed = 3 * tokens * spec.hidden_size * 2 / 100e9
     passes = sum(u.numel for u in spec.units) * (GRAD_PASS_BYTES + 28) / 100e9
@@ -160,13 +164,32 @@ def test_clipping_adds_one_pass_over_each_gradient_and_defers_the_updates():
 
 def test_activations_on_a_tier_cross_the_bus_each_way():
     spec = _spec("llama", num_hidden_layers=4)
-    p = _planner(spec, batch=8, seq=64, accum=2)
+    p = _planner(spec, batch=8, seq=64, accum=2, recompute="all")
     layout = p.layout(Placement(gpu_resident="all", activation_tier="ram"), _machine())
     pred = predict_step(layout, RATES, p.work)
     assert pred.work["activations"] == pytest.approx(2 * layout.activation_bytes / 10e9)
     on_disk = p.layout(Placement(gpu_resident="all", activation_tier="posix"), _machine(disk=1))
     disk = predict_step(on_disk, RATES, p.work)
     assert disk.work["activations"] == pytest.approx(on_disk.activation_bytes * (1 / 1e9 + 1 / 0.5e9))
+
+
+def test_layers_that_keep_their_activations_send_none_to_the_tier():
+    """Keeping layers save no boundary activation: only the recomputing ones' inputs cross the bus."""
+    spec = _spec("llama", num_hidden_layers=4)
+    every = _planner(spec, batch=8, seq=64, accum=2, recompute="all")
+    auto = _planner(spec, batch=8, seq=64, accum=2)
+    placement = Placement(gpu_resident="all", activation_tier="ram")
+    base = every.layout(placement, _machine())
+    kept = auto.layout(placement, _machine())
+    assert sum(u.keeps for u in kept.units) == 4 and kept.activation_bytes == 0
+    assert "activations" not in predict_step(kept, RATES, auto.work).work
+    # The last two keeping: half the traffic; their backward is 2 forwards instead of 3.
+    half = auto._layout(placement, [True] * 6, (False, False, False, True, True, False))
+    assert half.activation_bytes == base.activation_bytes // 2
+    pred, full = predict_step(half, RATES, auto.work), predict_step(base, RATES, every.work)
+    assert pred.work["activations"] == pytest.approx(full.work["activations"] / 2)
+    forward = sum(auto.work.layer_flops(u.numel) for u in spec.units[3:5]) / 2e12
+    assert full.compute_s - pred.compute_s == pytest.approx(2 * forward, rel=1e-9)  # 2 micro-batches
 
 
 def test_an_optimizer_without_a_rate_is_priced_by_the_bytes_it_moves():

@@ -56,9 +56,10 @@ def rank_machine(machine: Machine, parallel: DataParallel) -> Machine:
 
 
 def decisions(layout: Layout) -> str:
-    """What every rank's layout must have alike: placement, per unit where it lives and its state tier,
-    the window and the activation tier (not the shard sizes, which differ by rank)."""
-    units = [(u.index, u.resident, u.state_tier) for u in layout.units]
+    """What every rank's layout must have alike: placement, per unit where it lives, its state tier and
+    whether it keeps its activations, the window and the activation tier (not the shard sizes, which
+    differ by rank)."""
+    units = [(u.index, u.resident, u.state_tier, u.keeps) for u in layout.units]
     w = layout.window
     return repr(
         (layout.placement, units, (w.window, w.slot_numel), layout.prefetch, layout.unit_grads, layout.activation_tier)

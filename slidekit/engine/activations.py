@@ -6,7 +6,13 @@ them: on the compute device (``DeviceActivations``), or on a storage tier
 (``TierActivations``): the forward pass writes each one out asynchronously,
 and the backward pass reads the next one back while the current layer
 recomputes. Either way a layer's activations inside the layer
-are never kept: the backward pass recomputes them from the boundary.
+are not kept: the backward pass recomputes them from the boundary.
+
+A resident layer that *keeps* its activations (``UnitPlace.keeps``,
+``slidekit.planning.keeping``) saves no boundary activation: its forward
+runs with autograd on and ``KeptGraphs`` holds, per micro-batch, its input
+(a leaf that requires grad) and its output, whose graph its backward then
+back-propagates through without recomputing.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import torch
 from slidekit.engine.runtime import Pipeline
 from slidekit.interfaces import StorageTier
 
-__all__ = ["ActivationStore", "DeviceActivations", "TierActivations"]
+__all__ = ["ActivationStore", "DeviceActivations", "KeptGraphs", "TierActivations"]
 
 
 class ActivationStore:
@@ -125,3 +131,27 @@ class TierActivations(ActivationStore):
         for key in self._regions:
             self.tier.free(self._key(key))
         self._regions.clear()
+
+
+class KeptGraphs:
+    """The autograd graphs of the layers that keep their activations, per (unit, micro-batch), for one step.
+
+    ``keep`` takes the layer's input (the leaf its graph starts from) and its output; ``take`` hands
+    them to the backward pass and lets go of them. ``clear`` drops whatever a failed step left.
+    """
+
+    def __init__(self) -> None:
+        self._graphs: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def keep(self, key: Hashable, x: torch.Tensor, y: torch.Tensor) -> None:
+        assert x.requires_grad and x.is_leaf and y.grad_fn is not None, f"{key}: no graph to keep"
+        self._graphs[key] = (x, y)
+
+    def take(self, key: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._graphs.pop(key)
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def clear(self) -> None:
+        self._graphs.clear()

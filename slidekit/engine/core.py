@@ -7,6 +7,11 @@ One step, for a model of L layers (units 0..L+1)::
     backward  layer L..1          (recompute from the saved input, backprop)
               embed               (scatter-add of the input gradient)
 
+A resident layer that keeps its activations (``UnitPlace.keeps``, chosen by
+the planner: ``slidekit.planning.keeping``) runs its forward with autograd
+on instead and saves no input; its backward back-propagates through the kept
+graph: the same operations in the same order as a recompute, one forward fewer.
+
 While the device computes visit k, the upload thread loads the parameters
 of the next visits into free cache units. After a unit's backward, the
 download thread copies its gradients into a shared host buffer and the
@@ -30,7 +35,7 @@ from typing import Any
 
 import torch
 
-from slidekit.engine.activations import ActivationStore
+from slidekit.engine.activations import ActivationStore, KeptGraphs
 from slidekit.engine.collectives import Collectives
 from slidekit.engine.host import HostStore
 from slidekit.engine.runtime import Pipeline, Streams
@@ -43,6 +48,7 @@ from slidekit.inputs import check_step
 from slidekit.interfaces import KernelSet, ParamGroupRange, UnitOptimizer
 from slidekit.models.base import ArchSpec, UnitKind
 from slidekit.models.decoder import RopeTables, embed_backward, embed_forward, head_loss, layer_forward
+from slidekit.planning.keeping import check_keeps
 from slidekit.planning.layout import Layout
 from slidekit.planning.schedule import BWD, FWD, HEAD, Visit, schedule
 from slidekit.telemetry import Timeline
@@ -118,6 +124,9 @@ class Engine(Uploads, Speculation):
         self._stale: set[int] = set()  # resident units whose other ranks' shards are still to be gathered
         self.clip_overlap = "auto"
         self._clipped_last = False  # the last step clipped or was not finite ("auto" then defers the next)
+        check_keeps(layout.units)  # only resident layers: a sliding one's cache unit is reused before its backward
+        self.keeps = tuple(u.keeps for u in layout.units)
+        self.kept = KeptGraphs()  # the graphs of the layers that keep their activations, this step
         self.sync_resident()
 
     # ================================================================== the step
@@ -258,15 +267,25 @@ class Engine(Uploads, Speculation):
     def _forward(self, k: int, visit: Visit, c: StepState) -> None:
         slot = self._acquire(k)
         unit = self.spec.units[visit.unit]
-        w = slot.weights(unit, trainable=False)
-        with torch.no_grad(), self.timeline.device("fwd", visit.unit, self.streams.compute):
+        keeps = self.keeps[visit.unit]
+        # A keeping layer binds the weights its backward accumulates into: the leaves whose .grad is the
+        # cache unit's gradient buffer (Slot.weights), as a recompute would bind them.
+        w = slot.weights(unit, trainable=keeps)
+        with torch.set_grad_enabled(keeps), self.timeline.device("fwd", visit.unit, self.streams.compute):
             if unit.kind == UnitKind.EMBED:
+                self.kept.clear()  # the step's first visit: nothing a failed step left is used again
                 c.x = [embed_forward(w, ids).to(self.dtype) for ids in c.ids]
             else:
                 for mb, x in enumerate(c.x):
-                    self.acts.save((visit.unit, mb), x)
                     cos, sin = c.rope[mb]
-                    c.x[mb] = layer_forward(self.spec, w, x, cos, sin, self.kernels)
+                    if keeps:  # the graph from a leaf input, exactly the recompute's
+                        x = x.detach().requires_grad_(True)
+                        y = layer_forward(self.spec, w, x, cos, sin, self.kernels)
+                        self.kept.keep((visit.unit, mb), x, y)
+                        c.x[mb] = y.detach()
+                    else:
+                        self.acts.save((visit.unit, mb), x)
+                        c.x[mb] = layer_forward(self.spec, w, x, cos, sin, self.kernels)
         if not slot.pinned:
             self.window.release(slot, self.streams.record(self.streams.compute))
 
@@ -298,6 +317,9 @@ class Engine(Uploads, Speculation):
             return
         slot = self._acquire(k)
         slot.grads[: unit.numel].zero_()
+        if self.keeps[visit.unit]:
+            self._kept_backward(visit, slot, c)
+            return
         w = slot.weights(unit, trainable=True)
         micro = len(c.dx)
         for mb in range(micro):
@@ -311,6 +333,20 @@ class Engine(Uploads, Speculation):
             with torch.enable_grad(), self.timeline.device("bwd", visit.unit, self.streams.compute):
                 cos, sin = c.rope[mb]
                 y = layer_forward(self.spec, w, x, cos, sin, self.kernels)
+                torch.autograd.backward(y, c.dx[mb])
+            assert x.grad is not None
+            c.dx[mb] = x.grad
+        self._finish_unit(visit.unit, slot, c)
+
+    def _kept_backward(self, visit: Visit, slot: Slot, c: StepState) -> None:
+        """Back-propagate through a keeping layer's graphs, micro-batch by micro-batch, as ``_backward``
+        does through its recomputed ones: the weight gradients add up in the cache unit's buffer."""
+        micro = len(c.dx)
+        for mb in range(micro):
+            if mb + 1 == micro and visit.unit > 1:  # the layer below may recompute: its input, on its way
+                self.acts.prefetch((visit.unit - 1, 0))
+            x, y = self.kept.take((visit.unit, mb))
+            with torch.enable_grad(), self.timeline.device("bwd", visit.unit, self.streams.compute):
                 torch.autograd.backward(y, c.dx[mb])
             assert x.grad is not None
             c.dx[mb] = x.grad
@@ -434,6 +470,7 @@ class Engine(Uploads, Speculation):
         return out
 
     def close(self) -> None:
+        self.kept.clear()
         self.pipeline.close()
         self.acts.close()
         self.host.close()

@@ -4,8 +4,10 @@ An ``Estimate`` is the bytes of a ``Layout`` (``Layout.allocations``: what the
 engine builder allocates) plus what a step uses beyond them, on the compute
 device (``step_work``):
 
-    activations  boundary activations of every layer and micro-batch (``activation_tier="device"``),
-                 or the two in flight when they live on a tier
+    activations  boundary activations of every recomputing layer and micro-batch
+                 (``activation_tier="device"``), or the two in flight when they live on a tier
+    kept         the autograd graphs of the layers that keep their activations (``kept_bytes`` per
+                 layer and micro-batch, and the last one's output, held until its backward)
     hidden       the hidden states and their gradients of every micro-batch, as they flow
     working      the peak of one step's work beyond those: the head (final norm, the fused loss's
                  logits chunk, the head weight's gradient before it is added into the cache unit) or
@@ -19,6 +21,11 @@ keeps for backward (per token: 4 hidden-sized, 3 head-sized per query head and
 2 per key/value head, and the SwiGLU's gate, up and output, then their three
 gradients); ``tests/gpu/test_planner_gpu.py`` checks the GPU total against
 ``torch.cuda.max_memory_allocated`` within 10% on the H200.
+
+``kept_bytes`` is what a layer's autograd graph holds when the layer keeps its activations (its
+forward runs with autograd on and its backward needs no recompute): op by op in its docstring, and
+``tests/engine/test_keep_activations.py`` checks it against the tensors autograd really saves
+(``torch.autograd.graph.saved_tensors_hooks``), for both kinds of kernel set and several shapes.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from slidekit.models.base import ArchSpec
 from slidekit.planning.layout import Layout, Placement, Workload
 from slidekit.planning.machine import Machine, fmt_gib
 
-__all__ = ["DEVICE_HEADROOM", "DEVICE_SLACK", "RUNTIME_HOST", "Estimate", "step_work"]
+__all__ = ["DEVICE_HEADROOM", "DEVICE_SLACK", "RUNTIME_HOST", "Estimate", "kept_bytes", "step_work"]
 
 #: Host memory the process itself takes (interpreter, torch, CUDA libraries), beyond the planned buffers.
 RUNTIME_HOST = {"cpu": 1 << 30, "cuda": 3 << 30, "rocm": 3 << 30}
@@ -41,16 +48,62 @@ DEVICE_SLACK = 512 << 20
 
 
 def step_work(
-    spec: ArchSpec, workload: Workload, *, itemsize: int, activations_on_device: bool, loss_workspace: int
+    spec: ArchSpec,
+    workload: Workload,
+    *,
+    itemsize: int,
+    activations_on_device: bool,
+    loss_workspace: int,
+    keeps: int = 0,
+    kept_runs: int = 0,
+    fused_kernels: bool = True,
 ) -> dict[str, int]:
-    """Activations, the flowing hidden states and the working peak of a step, on the device."""
+    """Activations, the flowing hidden states and the working peak of a step, on the device.
+
+    ``keeps``: layers that keep their activations (they save no boundary activation; their graphs
+    are ``kept``), in ``kept_runs`` runs of consecutive layers; ``fused_kernels``: see ``kept_bytes``."""
     s, w = itemsize, workload
     n, h, a = w.tokens, spec.hidden_size, w.grad_accum
     per_layer = n * h * s  # one boundary activation of one micro-batch
-    acts = spec.num_layers * a * per_layer if activations_on_device else 2 * per_layer
+    recomputing = spec.num_layers - keeps
+    acts = recomputing * a * per_layer if activations_on_device else (2 * per_layer if recomputing else 0)
     hidden = a * per_layer  # the micro-batches' hidden states, later their gradients
     work = max(head_work(spec, w, s, loss_workspace), layer_work(spec, w, s))
-    return {"activations": acts, "hidden": hidden, "working": work}
+    out = {"activations": acts, "hidden": hidden, "working": work}
+    if keeps:
+        # Each run's last output is held until that layer's backward, beyond the hidden states.
+        out["kept"] = a * (keeps * kept_bytes(spec, n, s, fused_kernels=fused_kernels) + kept_runs * per_layer)
+    return out
+
+
+def kept_bytes(spec: ArchSpec, tokens: int, itemsize: int, *, fused_kernels: bool = True) -> int:
+    """Bytes one decoder layer's autograd graph holds over ``tokens`` tokens when it keeps its activations.
+
+    The tensors ``slidekit.models.decoder.layer_forward`` leaves for its backward, per token (s the
+    compute dtype's size; H hidden, q = heads x head_dim, kv = kv_heads x head_dim, I intermediate):
+
+        RMSNorm x2      its input (the layer's input; the residual sum), s*H each, + FP32 1/rms
+        q/k/v proj      their input, the first norm's output: s*H
+        attention       q and k after RoPE, v, its output (o_proj's input, a view): s*(2q + 2kv),
+                        + FP32 log-sum-exp per head
+        MLP             the second norm's output s*H; gate and up (SwiGLU's inputs) 2s*I; down's input s*I
+        q/k norms       (Qwen3) their inputs s*(q + kv) + FP32 1/rms per head
+
+    RoPE keeps only its cos/sin tables (shared by every layer, not counted here); weights are views
+    of the unit's cache unit. That is the fused kernel sets (``triton_cuda``, ``triton_rocm``).
+    ``fused_kernels=False``: ``torch_ref``, whose plain-PyTorch RMSNorm keeps an FP32 copy of its input
+    and its normalised FP32 product (4 B per element each, in place of the input; the product cast
+    to the compute dtype as well) and whose SwiGLU keeps SiLU's output too (s*I).
+    """
+    sp, s = spec, itemsize
+    q, kv = sp.num_heads * sp.head_dim, sp.num_kv_heads * sp.head_dim
+    h, inter = sp.hidden_size, sp.intermediate_size
+    normed = [h, h] + ([q, kv] if sp.flags.qk_norm else [])  # the widths the RMSNorms see, per token
+    rows = 2 + ((sp.num_heads + sp.num_kv_heads) if sp.flags.qk_norm else 0)  # their FP32 1/rms
+    per_token = s * (2 * h + 2 * q + 2 * kv + 3 * inter) + s * sum(normed) + 4 * rows + 4 * sp.num_heads
+    if not fused_kernels:
+        per_token += 4 * sum(normed) + s * inter
+    return tokens * per_token
 
 
 def layer_work(spec: ArchSpec, workload: Workload, itemsize: int) -> int:

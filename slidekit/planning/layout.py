@@ -166,6 +166,7 @@ class UnitPlace:
     def padded(self) -> int:
         """Elements of the unit's buffers on the compute device: ``world`` equal pieces (one process: the unit)."""
         return self.shard.padded
+    keeps: bool = False  # a resident layer that keeps its activations: no recompute (slidekit.planning.keeping)
 
     @property
     def slides(self) -> bool:
@@ -197,7 +198,7 @@ class Layout:
     state_staging_bytes: int  # bytes of the STAGING_SETS sets, allocated when a unit's state streams (else 0)
     activation_tier: str  # "device", or the tier boundary activations go to
     activation_medium: str
-    activation_bytes: int  # the boundary activations of one step: every layer, every micro-batch
+    activation_bytes: int  # the boundary activations of one step: every recomputing layer, every micro-batch
     world: int = 1  # data-parallel ranks the units are sharded over (1: one process)
     rank: int = 0  # the rank whose layout this is
 
@@ -264,17 +265,18 @@ class Layout:
         lines.append("  units     kind   parameters each  where     optimizer state")
         groups: list[tuple[int, int, tuple[object, ...]]] = []  # consecutive units placed alike
         for u in self.units:
-            key = (u.kind, u.numel, u.resident, u.state_tier, u.state_medium, len(u.pieces))
+            key = (u.kind, u.numel, u.resident, u.state_tier, u.state_medium, len(u.pieces), u.keeps)
             if groups and groups[-1][2] == key and groups[-1][1] == u.index - 1:
                 groups[-1] = (groups[-1][0], u.index, key)
             else:
                 groups.append((u.index, u.index, key))
-        for first, last, (kind, numel, resident, tier, medium, pieces) in groups:
+        for first, last, (kind, numel, resident, tier, medium, pieces, keeps) in groups:
             span = f"{first}" if first == last else f"{first}-{last}"
             where = "resident" if resident else "slides"
             streamed = ", streamed" if medium == "disk" and not resident else ""
             cut = f", {pieces} gradient pieces" if isinstance(pieces, int) and pieces > 1 else ""
-            lines.append(f"  {span:<9} {kind:<6} {numel:>15,}  {where:<9} {tier} ({medium}{streamed}){cut}")
+            kept = "; keeps its activations" if keeps else ""
+            lines.append(f"  {span:<9} {kind:<6} {numel:>15,}  {where:<9} {tier} ({medium}{streamed}){cut}{kept}")
         w = self.window
         lines.append(
             f"  window: {w.window} cache units of {w.slot_numel:,} parameters (+ gradients), {self.prefetch} "
@@ -289,6 +291,9 @@ class Layout:
             extra.append(f"state staging {STAGING_SETS} x {self.state_staging:,} parameters")
         acts = self.activation_tier if self.activation_tier == "device" else f"{self.activation_tier} ({self.activation_medium})"
         extra.append(f"boundary activations on {acts}")
+        keeping = sum(u.keeps for u in self.units)
+        layers = sum(u.kind == "layer" for u in self.units)
+        extra.append(f"{keeping} of {layers} layers keep their activations (the rest recompute)")
         lines.append("  " + "; ".join(extra))
         return "\n".join(lines)
 
@@ -309,12 +314,17 @@ def build_layout(
     accelerator: bool,
     world: int = 1,
     rank: int = 0,
+    keeps: tuple[bool, ...] | None = None,
 ) -> Layout:
     """The layout of ``placement`` with ``resident`` units kept on the device and ``offload`` units' state
     on the offload tier (``Planner.layout`` chooses both). ``accelerator``: the compute device is not the
     CPU (uploads then cross a bus, through the staging buffer when they are cast). ``world``, ``rank``:
-    the data-parallel rank whose layout this is (its shards, ``slidekit.planning.shards``)."""
+    the data-parallel rank whose layout this is (its shards, ``slidekit.planning.shards``). ``keeps``: the
+    resident layers that keep their activations (``slidekit.planning.keeping``; None: none)."""
+    from slidekit.planning.keeping import check_keeps
     from slidekit.planning.placement import plan_memory
+
+    keeps = keeps or (False,) * len(units)
 
     numels = [n for _, _, n in units]
     shards = unit_shards(numels, world, rank)
@@ -348,8 +358,10 @@ def build_layout(
                 state_bytes=drivers.state_bytes(shard.size),
                 pieces=() if on_device else tuple(unit_pieces(shard.size, piece)),
                 shard=shard,
+                keeps=keeps[index],
             )
         )
+    check_keeps(places)
     window = plan_memory(
         [sh.padded for sh, s in zip(shards, sliding, strict=True) if s] or [1],
         compute_itemsize=itemsize,
@@ -381,7 +393,7 @@ def build_layout(
         state_staging_bytes=STAGING_SETS * drivers.state_bytes(staged) if streams else 0,
         activation_tier=acts,
         activation_medium=acts_medium,
-        activation_bytes=num_layers * workload.grad_accum * workload.tokens * hidden_size * itemsize,
+        activation_bytes=(num_layers - sum(keeps)) * workload.grad_accum * workload.tokens * hidden_size * itemsize,
         world=world,
         rank=rank,
     )

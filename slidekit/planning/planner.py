@@ -32,7 +32,17 @@ from typing import TYPE_CHECKING
 
 from slidekit.config import resident_fraction
 from slidekit.models.base import ArchSpec
-from slidekit.planning.estimate import RUNTIME_HOST, Estimate, head_work, layer_work, step_work
+from slidekit.planning.estimate import (
+    DEVICE_HEADROOM,
+    DEVICE_SLACK,
+    RUNTIME_HOST,
+    Estimate,
+    head_work,
+    kept_bytes,
+    layer_work,
+    step_work,
+)
+from slidekit.planning.keeping import kept_runs, plan_keeps
 from slidekit.planning.layout import (
     UPLOAD_CHUNK,
     Drivers,
@@ -72,6 +82,8 @@ class Planner:
     unit's gradients stay on the host until the step ends (global-norm clipping, skipping non-finite
     steps). ``device_tier``: the tier resident units keep their state on. ``optimizer`` (its name, for
     its update rate) and ``clip`` (clipping by the global norm) are what the step-time model needs.
+    ``recompute`` (``engine.recompute``) and ``fused_kernels`` (the kernel set keeps only its inputs,
+    ``estimate.kept_bytes``): which layers keep their activations (``keeps``).
     """
 
     def __init__(
@@ -100,6 +112,8 @@ class Planner:
         clip: bool = False,
         world: int = 1,
         rank: int = 0,
+        recompute: str = "auto",
+        fused_kernels: bool = True,
     ) -> None:
         if state_layout is None:
             if state_bytes is None:
@@ -143,6 +157,8 @@ class Planner:
         self.checkpoint_writes = checkpoint_writes  # checkpoints the run writes at most (0: no run.dir)
         self.optimizer = optimizer
         self.clip = clip
+        self.recompute = recompute
+        self.fused_kernels = fused_kernels
 
     @classmethod
     def for_run(
@@ -199,6 +215,8 @@ class Planner:
             clip=oc.max_grad_norm is not None,
             world=world,
             rank=rank,
+            recompute=ec.recompute,
+            fused_kernels=setup.selections["kernels"].descriptor.name != "torch_ref",
         )
 
     # ------------------------------------------------------------------ pieces
@@ -222,8 +240,9 @@ class Planner:
     def head_work(self) -> int:
         return head_work(self.spec, self.workload, self.itemsize, self.drivers.loss_workspace)
 
-    def flow_bytes(self, activation_tier: str) -> dict[str, int]:
-        """Activations, the flowing hidden states and the working peak of a step, on the device."""
+    def flow_bytes(self, activation_tier: str, keeps: Sequence[bool] = ()) -> dict[str, int]:
+        """Activations, the flowing hidden states and the working peak of a step, on the device
+        (``keeps``: per unit, whether it keeps its activations)."""
         on_device = activation_tier == "device" or self.medium(activation_tier) == "device"
         return step_work(
             self.spec,
@@ -231,6 +250,9 @@ class Planner:
             itemsize=self.itemsize,
             activations_on_device=on_device,
             loss_workspace=self.drivers.loss_workspace,
+            keeps=sum(keeps),
+            kept_runs=kept_runs(keeps),
+            fused_kernels=self.fused_kernels,
         )
 
     def checkpoint_bytes(self) -> int:
@@ -260,11 +282,38 @@ class Planner:
         per_param = 2 * self.itemsize + (4 + self.state_per_param) / self.world
         return plan_residency(self.numels, bytes_per_param=per_param, budget=max(budget, 0))
 
+    def keeps(self, placement: Placement, machine: Machine, resident: Sequence[bool]) -> list[bool]:
+        """Layers that keep their activations (``slidekit.planning.keeping``): for "auto", as many resident
+        layers as the device memory left beyond the layout without any (and the reserve) holds."""
+        kinds = [str(u.kind) for u in self.spec.units]
+        budget = None
+        w, s = self.workload, self.itemsize
+        boundary = w.grad_accum * w.tokens * self.spec.hidden_size * s  # a layer's, every micro-batch
+        if self.recompute == "auto" and machine.device_free is not None:
+            need = self.estimate_layout(self._layout(placement, resident, None), machine).device_bytes
+            reserve = max(RESIDENT_RESERVE, (machine.device_total or 0) // 20 // machine.device_ranks)
+            usable = (machine.device_free - reserve - DEVICE_SLACK) / (1 + DEVICE_HEADROOM)
+            budget = max(int(usable) - need, 0)
+        tier = placement.activation_tier
+        on_device = tier == "device" or self.medium(tier) == "device"
+        graphs = w.grad_accum * kept_bytes(self.spec, w.tokens, s, fused_kernels=self.fused_kernels)
+        return plan_keeps(
+            kinds,
+            resident,
+            recompute=self.recompute,
+            per_layer=graphs - (boundary if on_device else 0),  # it saves no boundary activation
+            fixed=boundary,
+            budget=budget,
+        )
+
     def layout(
         self, placement: Placement, machine: Machine, resident: Sequence[bool] | None = None
     ) -> Layout:
         """Where every buffer of ``placement`` lives (``resident`` overrides the residency plan)."""
         res = tuple(self.residency(placement, machine) if resident is None else resident)
+        return self._layout(placement, res, tuple(self.keeps(placement, machine, res)))
+
+    def _layout(self, placement: Placement, res: Sequence[bool], keeps: tuple[bool, ...] | None) -> Layout:
         sp = self.spec
         return build_layout(
             tuple((u.index, str(u.kind), u.numel) for u in sp.units),
@@ -276,11 +325,12 @@ class Planner:
             drivers=self.drivers,
             settings=self.settings,
             placement=placement,
-            resident=res,
+            resident=tuple(res),
             offload=tuple(place_state(len(self.numels), placement.state_offload_fraction)),
             accelerator=self.device_type != "cpu",
             world=self.world,
             rank=self.rank,
+            keeps=keeps,
         )
 
     def estimate(
@@ -295,7 +345,7 @@ class Planner:
         device = {k: alloc["device"][k] for k in ("window", "resident", "staging")}
         if "state" in alloc["device"]:
             device["state"] = alloc["device"]["state"]
-        device.update(self.flow_bytes(layout.placement.activation_tier))
+        device.update(self.flow_bytes(layout.placement.activation_tier, [u.keeps for u in layout.units]))
         host = dict(alloc["host"])
         host["runtime"] = RUNTIME_HOST.get(self.device_type, RUNTIME_HOST["cuda"])
         run_dir, fix = run_dir_need(

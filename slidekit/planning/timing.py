@@ -16,7 +16,8 @@ rest is hidden under compute).
 Costs per unit and step (``StepWork``: the model's shape and the run's tokens):
 
     forward     2 x parameters x tokens + 4 x heads x head_dim x seq x tokens FLOPs at layer_tflops
-    backward    3 x the forward (recompute from the boundary, then backward)
+    backward    3 x the forward (recompute from the boundary, then backward); 2 x for a layer that
+                keeps its activations (no recompute)
     head        6 x vocab x hidden x tokens at head_tflops (loss and gradients in one visit)
     gradients   zeroed and their norm taken: 4 B/param at device_gbps, once a step
     upload      the FP32 master, 4 B/param at h2d_gbps
@@ -25,8 +26,8 @@ Costs per unit and step (``StepWork``: the model's shape and the run's tokens):
                 parameter at device_gbps; clipping adds a 4 B/param pass (host_gbps / device_gbps)
     streamed    state on a disk tier: read and written back at disk_read/write_gbps, the update
                 taking the longer of that and its CPU time
-    activations on a tier: each layer's input written in the forward, read in the backward, over the
-                bus (a host tier) or the disk
+    activations on a tier: each recomputing layer's input written in the forward, read in the backward,
+                over the bus (a host tier) or the disk
 
 What it ignores: contention for host memory between the optimizer and the
 bus copies; the bus shared by uploads and activation reads beyond taking
@@ -167,7 +168,7 @@ def unit_costs(layout: Layout, rates: Rates, work: StepWork) -> list[UnitCost]:
     host_bw = rates.host_gbps * 1e9
     rate = rates.update(work.optimizer, work.state_bytes_per_param)
     clip = CLIP_PASS_BYTES if work.clip else 0
-    layers = sum(u.kind == "layer" for u in layout.units)
+    layers = sum(u.kind == "layer" and not u.keeps for u in layout.units)  # those saving a boundary
     acts_lane, write_bw, read_bw = {
         "host": ("d2h", d2h, h2d),
         "disk": ("disk", rates.disk_write_gbps * 1e9, rates.disk_read_gbps * 1e9),
@@ -179,7 +180,7 @@ def unit_costs(layout: Layout, rates: Rates, work: StepWork) -> list[UnitCost]:
         fwd = bwd = 0.0
         if u.kind == "layer":
             fwd = work.layer_flops(u.numel) / tflops_layer
-            bwd = 3 * fwd
+            bwd = (2 if u.keeps else 3) * fwd
         elif u.kind == "head":
             bwd = 6.0 * work.head_params * work.tokens / tflops_head
         else:  # the embedding's backward: a scatter-add of the input gradient
@@ -198,7 +199,7 @@ def unit_costs(layout: Layout, rates: Rates, work: StepWork) -> list[UnitCost]:
                 )
                 for a, b in u.pieces
             )
-        on_tier = u.kind == "layer" and write_bw > 0
+        on_tier = u.kind == "layer" and not u.keeps and write_bw > 0
         out.append(
             UnitCost(
                 kind=u.kind,

@@ -42,6 +42,10 @@ CASES = {  # family, ranks, job settings, bitwise
     "4 ranks, tied, all resident, adamw_8bit, clipping": (
         "qwen2", 4, {"gpu_resident": "all", "optimizer": "adamw_8bit", "max_grad_norm": 0.5}, False,
     ),
+    # Resident units are gathered before their forward; every layer keeps its activations (no recompute).
+    "2 ranks, tied, all resident, every layer keeping, accumulation": (
+        "qwen2", 2, {"gpu_resident": "all", "micro": 2, "engine": {"recompute": "none"}}, False,
+    ),
 }  # fmt: skip
 
 #: Relative tolerance where the reduction order differs. adamw_8bit stores its moments as 8-bit codes:

@@ -80,6 +80,7 @@ def measure_slidekit(args: argparse.Namespace) -> dict[str, Any]:
         setup_s = time.perf_counter() - t0
         spec, device = trainer.spec, trainer.device
         resident = f"{len(trainer.engine.window.resident)}/{len(spec.units)}"
+        kept = sum(trainer.engine.keeps)  # layers keeping their activations (engine.recompute "auto")
         data = (Batch(x, y) for x, y in synthetic_tokens(spec.vocab_size, args.batch, args.seq, args.seed))
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -94,6 +95,8 @@ def measure_slidekit(args: argparse.Namespace) -> dict[str, Any]:
         **run_header("slidekit", args, device),
         "resident": args.resident,
         "resident_units": resident,
+        "recompute": trainer.config.engine.recompute,
+        "kept_layers": kept,
         "activations": args.activations,
         "state_tier": args.state_tier,
         "state_offload": [args.state_offload_tier, args.state_offload_fraction]
