@@ -78,7 +78,7 @@ __all__ = ["BACKUP_CHUNK", "CERTAIN", "Speculation", "decide", "room", "settle_s
 #: Parameters backed up and then updated in one go: a multiple of GRANULE (so chunks of linear state
 #: start where their state does), small enough that much of the backed-up bytes (12 MiB with layer_adam)
 #: are still in cache for the update, large enough that each optimizer call's fixed cost (its threads'
-#: start) stays small: on the 2-core test machine 1 M beat 64 K (benchmarks/clip_backup.py, NOTES.md 14).
+#: start) stays small: on the 2-core test machine 1 M beat 64 K (benchmarks/clip_backup.py, NOTES.md 15).
 BACKUP_CHUNK = 256 * GRANULE
 #: The early stop declares clipping certain once the norm seen so far exceeds max_grad_norm by this
 #: share: the host's sum of the units' FP32 squared norms differs from the device's by rounding only.
