@@ -239,7 +239,7 @@ class Layout:
             + (s * sum(u.own for u in sliding) if self.unit_grads else 0),
         }
         if self.clip_backup:  # the speculated units' pre-update master and state
-            host["clip backup"] = sum(4 * u.numel + u.state_bytes for u in self.backed_up())
+            host["clip backup"] = sum(4 * u.own + u.state_bytes for u in self.backed_up())
         disk: dict[str, int] = {}
         if self.activation_medium == "host":
             host["activations"] = self.activation_bytes
