@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from dp_ranks import Job, run_ranks, train
 
-from slidekit import Plugins
-from slidekit.models.loading import load_hf_config
+from slidekit import ModelConfig, Plugins, TrainConfig
+from slidekit.resolve import resolve_spec
 from slidekit.telemetry import model_flops
 
 SEQ = 16
@@ -34,8 +34,7 @@ def test_tflops_count_every_rank_as_tokens_do(tiny_model, tmp_path):
         run = {"dir": str(tmp_path / f"world-{world}")}
         for outcome in run_ranks(train, world, dataclasses.replace(job, run=run)):
             outcome.ok()
-    hf, _ = load_hf_config(str(model))
-    spec = Plugins().adapter_for(hf.model_type).descriptor.factory(hf)
+    spec, _, _ = resolve_spec(TrainConfig(model=ModelConfig(source=str(model))), Plugins())
     one, two = _rows(tmp_path / "world-1"), _rows(tmp_path / "world-2")
     assert len(one) == len(two) == 2
     for single, dp in zip(one, two, strict=True):
