@@ -11,6 +11,9 @@ what decides which tokens a step sees, which update it applies, or what it start
     model.<architecture>    model_type, layers, params, hidden_size, intermediate_size, heads, kv_heads,
                             head_dim, vocab_size, rms_eps, tie_embeddings, sliding_window, flags, rope
     data.file               sha256 of the training data (a file, or a dataset's files: its path may change, its bytes may not)
+    data.split, data.columns
+                            which split of a dataset the run reads, and which column each record
+                            field is read from (same bytes, other records)
     data.format, data.seq_len, data.batch_size, data.completion_only, data.packing,
     data.eval_fraction, data.seed, grad_accum, seed
                             (grad_accum with the data-parallel world size: what a resume keeps is the
@@ -31,13 +34,16 @@ arithmetic, an intervention a person makes on purpose (``NOTED``: the optimizer'
 weight decay and its exemptions, clipping, the policy for non-finite steps, the device, precision
 and kernels, and steps, data.path and model.source where they are allowed to differ), are listed in a
 note when the run resumes. A checkpoint from a slidekit that recorded no fingerprints is resumed with
-a warning naming the fields that could not be checked.
+a warning naming the fields that could not be checked. A field added after checkpoints began
+recording identities (``ADDED``: data.split, data.columns) is taken, where a checkpoint lacks it,
+from the configuration it recorded, or else is the default every run had before the setting existed.
 
 Test: ``pytest tests/test_identity.py``.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 from collections.abc import Mapping
@@ -52,10 +58,12 @@ if TYPE_CHECKING:
     from slidekit.models.base import ArchSpec
 
 __all__ = [
+    "ADDED",
     "FIXED",
     "NOTED",
     "architecture",
     "changed_settings",
+    "completed",
     "differences",
     "effective_lr",
     "identity",
@@ -65,6 +73,8 @@ __all__ = [
 
 #: Configuration fields a resume must keep (dotted paths into ``TrainConfig.to_dict()``).
 _CONFIG_FIXED = (
+    "data.split",
+    "data.columns",
     "data.format",
     "data.seq_len",
     "data.batch_size",
@@ -105,6 +115,9 @@ FIXED = (
     "optim.lr",
     "optim.schedule_steps",
 )
+#: Identity fields added after checkpoints began recording an identity, with the value every run had
+#: before the setting existed: what a checkpoint that lacks one (and whose configuration lacks it) ran with.
+ADDED: Mapping[str, Any] = {"data.split": "train", "data.columns": {}}
 #: Configuration fields a resume may change that alter the arithmetic: changes are listed in a note.
 NOTED = (
     "model.source",
@@ -169,6 +182,7 @@ def identity(
     out.update(fingerprints)
     for dotted in _CONFIG_FIXED:
         out[dotted] = _get(config, dotted)
+    out = completed(out, {})  # a configuration from before a setting existed ran with its default
     ratio = _get(config, "optim.warmup_ratio") or 0.0
     if ratio and not out["optim.warmup_steps"]:  # the warm-up as used (OptimConfig.warmup)
         out["optim.warmup_steps"] = math.ceil((_get(config, "steps") or 0) * ratio)
@@ -204,6 +218,17 @@ def run_identity(
             "data.file": data_fingerprint(config.data.path, config.data.split),
         },
     )
+
+
+def completed(saved: Mapping[str, Any], config: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpoint's recorded identity ``saved`` with each ``ADDED`` field it lacks (or records as None)
+    filled in from the configuration it recorded (``config``, ``TrainConfig.to_dict()``), else its default."""
+    out = dict(saved)
+    for dotted, default in ADDED.items():
+        if out.get(dotted) is None:
+            value = _get(config, dotted)
+            out[dotted] = copy.deepcopy(default) if value is None else value
+    return out
 
 
 def _show(value: Any) -> str:

@@ -46,6 +46,7 @@ SCALARS: Mapping[str, str] = {
     "grad_norm": "train/grad_norm",
     "tokens_per_s": "train/tokens_per_s",
     "tflops": "train/tflops",
+    "tflops_per_rank": "train/tflops_per_rank",
     "seconds": "train/step_seconds",
     "eval_loss": "eval/loss",
     "gpu_mem_gib": "memory/gpu_mem_gib",

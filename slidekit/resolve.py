@@ -4,7 +4,9 @@
 model's config.json, finds its adapter (the ``ArchSpec``), and selects every
 driver the configuration names (explicit names must be available; "auto"
 says what it chose). The trainer builds a run from it; ``slidekit plan``
-plans one from it without loading a single weight.
+plans one from it without loading a single weight. ``resolve_spec`` is its
+model part alone (``slidekit.planning.what_if`` plans with it for a GPU this
+machine lacks).
 
 Test: ``pytest tests/test_planner.py tests/test_plugins.py tests/test_capabilities.py``.
 """
@@ -26,7 +28,7 @@ from slidekit.models.base import ArchSpec
 from slidekit.models.loading import load_hf_config
 from slidekit.plugins import Plugins, Selection, driver_options
 
-__all__ = ["RunSetup", "build_optimizer", "compute_dtype", "resolve", "resolve_device"]
+__all__ = ["RunSetup", "build_optimizer", "compute_dtype", "resolve", "resolve_device", "resolve_spec"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,17 +58,7 @@ def resolve(config: TrainConfig, plugins: Plugins) -> RunSetup:
     ec = config.engine
     device = resolve_device(ec.device)
     family = device_family(device)
-    hf_config, model_dir = load_hf_config(config.model.source, config.model.overrides)
-    adapter = plugins.adapter_for(hf_config.model_type)
-    try:
-        spec: ArchSpec = adapter.descriptor.factory(hf_config)
-    except ValueError as exc:  # the adapter refuses the shape: say whose shape it is
-        overrides = config.model.overrides
-        if overrides:
-            raise ConfigError(f"model.overrides {dict(overrides)} make no usable model: {exc}") from exc
-        raise ModelLoadError(
-            f"{model_dir}: the {hf_config.model_type} adapter refuses this model: {exc}"
-        ) from exc
+    spec, hf_config, model_dir = resolve_spec(config, plugins)
     selections = {
         "kernels": plugins.select("kernels", ec.kernels, family),
         "optimizer": plugins.select("optimizer", config.optim.name, family),
@@ -86,6 +78,24 @@ def resolve(config: TrainConfig, plugins: Plugins) -> RunSetup:
         spec=spec,
         selections=selections,
     )
+
+
+def resolve_spec(config: TrainConfig, plugins: Plugins) -> tuple[ArchSpec, Any, Path]:
+    """The model's ``ArchSpec``, its Hugging Face config and its directory, read from its config.json
+    (``model.overrides`` applied) without loading a weight. An adapter that refuses the shape is a
+    ConfigError naming the overrides where there are any, else a ModelLoadError naming the model."""
+    hf_config, model_dir = load_hf_config(config.model.source, config.model.overrides)
+    adapter = plugins.adapter_for(hf_config.model_type)
+    try:
+        spec: ArchSpec = adapter.descriptor.factory(hf_config)
+    except ValueError as exc:  # the adapter refuses the shape: say whose shape it is
+        overrides = config.model.overrides
+        if overrides:
+            raise ConfigError(f"model.overrides {dict(overrides)} make no usable model: {exc}") from exc
+        raise ModelLoadError(
+            f"{model_dir}: the {hf_config.model_type} adapter refuses this model: {exc}"
+        ) from exc
+    return spec, hf_config, model_dir
 
 
 def build_optimizer(config: TrainConfig, setup: RunSetup) -> UnitOptimizer:

@@ -53,8 +53,8 @@ def _steps(checkpoints: Path) -> str:
 
 def saved_identity(meta: Mapping[str, Any]) -> dict[str, Any]:
     """The identity a checkpoint recorded, or for an older one what its configuration says of it."""
-    if "identity" in meta:
-        return dict(meta["identity"])
+    if "identity" in meta:  # one that predates a field (identity.ADDED) has what its configuration says
+        return ident.completed(meta["identity"], meta.get("config", {}))
     model = {f"model.{k}": v for k, v in dict(meta.get("model", {})).items()}
     return ident.identity(meta.get("config", {}), model=model, fingerprints={})
 

@@ -10,12 +10,12 @@ anything is built, refuses the changes a resume cannot make, naming each field, 
 The rule is ``slidekit.identity``'s, which the checkpoint is checked against again when it is restored:
 
 refused
-    what decides which tokens each step sees (``data.format``, ``seq_len``, ``batch_size``,
-    ``completion_only``, ``packing``, ``eval_fraction``, ``data.seed``, ``grad_accum``, ``seed``), the
-    learning rate of each step (``optim.lr``, ``schedule``, ``warmup_steps``, ``warmup_ratio``,
-    ``min_lr_ratio``, and ``steps`` under a linear or cosine schedule, whose length it is), the optimizer
-    (``optim.name``: the checkpoint holds that optimizer's state) and the weights the run started from
-    (``model.random_init``, ``init_seed``, ``overrides``).
+    what decides which tokens each step sees (``data.split``, ``columns``, ``format``, ``seq_len``,
+    ``batch_size``, ``completion_only``, ``packing``, ``eval_fraction``, ``data.seed``, ``grad_accum``,
+    ``seed``), the learning rate of each step (``optim.lr``, ``schedule``, ``warmup_steps``,
+    ``warmup_ratio``, ``min_lr_ratio``, and ``steps`` under a linear or cosine schedule, whose length it
+    is), the optimizer (``optim.name``: the checkpoint holds that optimizer's state) and the weights the
+    run started from (``model.random_init``, ``init_seed``, ``overrides``).
 allowed, and said to change the arithmetic (maybe)
     ``steps`` under a constant schedule (the run goes on at the same rate), the optimizer's betas, eps,
     weight decay and its exemptions, clipping, ``on_nonfinite``, the device, the compute dtype and the
@@ -64,6 +64,8 @@ _WHY = {
     "seed": "decides the order of the batches: the resumed steps would see other data than the run's",
     "data.seed": "decides the held-out split and the batch order: the resumed steps would see other data",
     "grad_accum": "decides how many rows make one step: the steps would change size",
+    "data.split": "picks the records the run reads: the resumed steps would see other data than the run's",
+    "data.columns": "maps record fields to columns: the resumed steps would see other data than the run's",
 }
 
 

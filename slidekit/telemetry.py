@@ -16,7 +16,10 @@ The first term is the weights (2 forward + 4 backward FLOPs per parameter
 and token); ``matmul_params`` is every parameter except the input
 embedding's, which is a table lookup, not a matmul (a tied LM head keeps the
 matrix: its matmul counts once). The second term is the attention scores
-and their weighted sum.
+and their weighted sum. ``step_tflops`` turns a step's FLOPs into the
+metrics ``tflops`` (the whole run's: every rank's FLOPs, as ``tokens`` counts
+every rank's tokens) and ``tflops_per_rank`` (its share per rank: what one
+GPU did, equal to ``tflops`` in one process).
 
 ``Timeline`` records the time every pipeline lane spent per unit, from which
 the engine reports per-step totals and the hiding factor
@@ -63,6 +66,7 @@ __all__ = [
     "peak_rss_bytes",
     "proc_sizes",
     "reset_peak_rss",
+    "step_tflops",
 ]
 
 GIB = float(2**30)
@@ -94,6 +98,15 @@ def model_flops(spec: ArchSpec, tokens: int, seq_len: int) -> float:
     weights = 6 * matmul_params(spec) * tokens
     attention = 12 * spec.num_layers * spec.num_heads * spec.head_dim * seq_len * tokens
     return float(weights + attention)
+
+
+def step_tflops(flops: float, seconds: float, ranks: int = 1) -> dict[str, float]:
+    """A step's model TFLOPS from ``flops``, the ``model_flops`` of every rank's micro-batches, over its
+    ``seconds``: ``tflops``, the whole run's, and ``tflops_per_rank``, that divided among ``ranks``."""
+    if ranks < 1:
+        raise ValueError(f"step_tflops: ranks must be 1 or more, got {ranks!r}")
+    tflops = flops / seconds / 1e12 if seconds else 0.0
+    return {"tflops": tflops, "tflops_per_rank": tflops / ranks}
 
 
 def proc_sizes(path: str) -> dict[str, int]:

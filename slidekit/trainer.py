@@ -58,7 +58,7 @@ from slidekit.plugins import Plugins, Selection, build_kernel_set, driver_option
 from slidekit.reporting import check_loggers
 from slidekit.resolve import build_optimizer, resolve
 from slidekit.run import RunDirectory
-from slidekit.telemetry import Progress, hiding_factor, memory_metrics, model_flops
+from slidekit.telemetry import Progress, hiding_factor, memory_metrics, model_flops, step_tflops
 from slidekit.trace import TraceWriter
 
 __all__ = ["FitResult", "Trainer", "param_groups"]
@@ -521,6 +521,8 @@ class Trainer:
         result.rollbacks += res.rolled_back
         result.tokens += res.tokens
         flops = sum(model_flops(self.spec, b.input_ids.numel(), b.input_ids.shape[1]) for b in micro)
+        if self.parallel is not None:  # every rank's, as res.tokens counts every rank's tokens
+            flops = self.parallel.all_reduce([flops])[0]
         return {
             "loss": res.loss,
             "tokens": float(res.tokens),
@@ -532,7 +534,7 @@ class Trainer:
             "clip_speculated": float(res.speculated),
             "clip_rollback": float(res.rolled_back),
             "lr": lr,
-            "tflops": flops / res.seconds / 1e12 if res.seconds else 0.0,
+            **step_tflops(flops, res.seconds, 1 if self.parallel is None else self.parallel.world),
             **memory_metrics(self.device),  # gpu_mem_gib (CUDA only), host_rss_gib
             **{f"t_{lane}": t for lane, t in res.timings.items()},
         }

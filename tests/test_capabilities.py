@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import re
 import unittest
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 
 import pytest
 import torch
+from example_optimizer import MomentumSGD
 
 from slidekit import ModelConfig, OptimConfig, Plugins, TrainConfig
 from slidekit.capabilities import GRANULE, check_optimizer, layout_nonlinearity, state_is_linear
 from slidekit.errors import PluginError
 from slidekit.hookspecs import hookimpl
-from slidekit.interfaces import OptimizerDescriptor, OptimizerHyper, ParamGroupRange, UnitOptimizer
+from slidekit.interfaces import OptimizerDescriptor, OptimizerHyper, UnitOptimizer
 from slidekit.resolve import build_optimizer, resolve
 from slidekit.testing import optimizers as kit
 from slidekit_optim.adamw_8bit import AdamW8bit
@@ -29,44 +30,14 @@ WHO = "optimizer 'fake' (plugin 'fakes')"
 W = re.escape(WHO)
 
 
-class Momentum:
-    """SGD with momentum and decoupled weight decay, elementwise: linear state, runs on any device."""
-
-    name = "momentum"
-    device_update = True
-    linear_state = True
-
-    def __init__(self, hyper: OptimizerHyper | None = None) -> None:
-        self.beta = 0.9
-
-    def state_layout(self, numel: int) -> Mapping[str, tuple[torch.dtype, int]]:
-        return {"buf": (torch.float32, numel)}
-
-    def step(
-        self,
-        master: torch.Tensor,
-        grad: torch.Tensor,
-        state: Mapping[str, torch.Tensor],
-        *,
-        lr: float,
-        count: int,
-        groups: Sequence[ParamGroupRange],
-        lowp_out: torch.Tensor | None = None,
-    ) -> None:
-        for g in groups:
-            master[g.start : g.stop].mul_(1 - lr * g.weight_decay)
-        buf = state["buf"]
-        buf.mul_(self.beta).add_(grad.float())
-        master.sub_(self._update(master, buf).mul_(lr))  # two ops, each rounded once on any device
-        if lowp_out is not None:
-            lowp_out.copy_(master)
-
-    def _update(self, master: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-        return buf.clone()
+def momentum() -> MomentumSGD:
+    """The example plugin's momentum SGD (elementwise: linear state, runs on any device)."""
+    return MomentumSGD(OptimizerHyper())
 
 
-class TrustRatio(Momentum):
-    """Momentum scaled by ||p|| / ||update|| over the tensors it is given (LAMB's trust ratio).
+class TrustRatio(MomentumSGD):
+    """Momentum SGD with its step scaled by ||p|| / ||buffer|| over the tensors it is given (LAMB's
+    trust ratio).
 
     Its layout is linear, but the update of an element depends on the whole unit, so a piece by
     piece update is not the whole one: declaring linear_state = True is a lie only ``step`` tells.
@@ -74,11 +45,16 @@ class TrustRatio(Momentum):
 
     name = "trust_ratio"
 
-    def _update(self, master: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
-        return buf * (master.norm() / buf.norm().clamp_min(1e-12))
+    def __init__(self, hyper: OptimizerHyper | None = None) -> None:
+        super().__init__(hyper or OptimizerHyper())
+
+    def step(self, master: torch.Tensor, grad: torch.Tensor, state: Mapping[str, torch.Tensor], **kw) -> None:
+        buf = state["momentum_buffer"] * self.momentum + grad.float()  # the buffer this step makes
+        ratio = float(master.norm() / buf.norm().clamp_min(1e-12))
+        super().step(master, grad, state, **{**kw, "lr": kw["lr"] * ratio})
 
 
-class Layout(Momentum):
+class Layout(MomentumSGD):
     """An optimizer whose state_layout is given as a function of numel."""
 
     def __init__(self, layout, *, linear_state: object = True, device_update: object = True) -> None:
@@ -113,8 +89,8 @@ def test_the_bundled_optimizers_declare_both_and_their_layouts_agree(make):
 def test_a_missing_declaration_is_refused_naming_the_attribute_and_the_fix(attr):
     class Undeclared:
         name = "undeclared"
-        state_layout = Momentum.state_layout
-        step = Momentum.step
+        state_layout = MomentumSGD.state_layout
+        step = MomentumSGD.step
 
     declared = {"device_update": True, "linear_state": True}
     del declared[attr]
@@ -224,8 +200,8 @@ def test_a_run_refuses_an_optimizer_without_declarations_naming_the_plugin(tiny_
     class Old:  # an optimizer written before the declarations
         name = "old"
         linear_state = True
-        state_layout = Momentum.state_layout
-        step = Momentum.step
+        state_layout = MomentumSGD.state_layout
+        step = MomentumSGD.step
 
         def __init__(self, hyper: OptimizerHyper) -> None:
             self.hyper = hyper
@@ -240,7 +216,7 @@ def test_a_run_refuses_a_contradicted_linear_state_naming_the_plugin(tiny_model)
 
 
 def test_a_run_builds_an_optimizer_that_declares_both(tiny_model):
-    assert isinstance(_build(tiny_model, Momentum), Momentum)
+    assert isinstance(_build(tiny_model, MomentumSGD), MomentumSGD)
 
 
 # --------------------------------------------------------------------------- the conformance kit
@@ -249,7 +225,7 @@ def test_a_run_builds_an_optimizer_that_declares_both(tiny_model):
 @pytest.mark.parametrize("check", kit.CHECKS, ids=lambda c: c.__name__)
 def test_the_kit_passes_a_conforming_optimizer(check):
     try:
-        check(Momentum)
+        check(momentum)
     except unittest.SkipTest:
         assert check is kit.check_device_update and not torch.cuda.is_available()
 
@@ -273,20 +249,20 @@ def test_the_kit_skips_what_is_declared_false_and_reports_bad_declarations():
         with pytest.raises(unittest.SkipTest, match=r"declares (linear_state|device_update) = False"):
             check(Whole)
     kit.check_optimizer(Whole)
-    with pytest.raises(AssertionError, match=r"optimizer 'momentum' declares linear_state = 1 \(int\)"):
+    with pytest.raises(AssertionError, match=r"optimizer 'momentum_sgd' declares linear_state = 1 \(int\)"):
         kit.check_declarations(lambda: Layout(lambda n: {"buf": (torch.float32, n)}, linear_state=1))
 
 
 def test_the_kit_catches_a_step_that_does_not_write_lowp_out():
-    class NoCopy(Momentum):
+    class NoCopy(MomentumSGD):
         def step(self, master, grad, state, *, lr, count, groups, lowp_out=None):
             super().step(master, grad, state, lr=lr, count=count, groups=groups, lowp_out=None)
 
     with pytest.raises(AssertionError, match="lowp_out against the updated master"):
-        kit.check_step(NoCopy)
+        kit.check_step(lambda: NoCopy(OptimizerHyper()))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip on a machine without CUDA")
 def test_the_device_check_skips_without_cuda():
     with pytest.raises(unittest.SkipTest, match="needs a CUDA device"):
-        kit.check_device_update(Momentum)
+        kit.check_device_update(momentum)

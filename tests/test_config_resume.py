@@ -87,6 +87,8 @@ def test_safe_changes_apply_and_are_listed(tmp_path, argv, field, value):
         (["--seq-len", "64"], r"data\.seq_len: 32 -> 64 \(decides which tokens each step sees"),
         (["--batch-size", "4"], r"data\.batch_size: 2 -> 4 \(decides which tokens"),
         (["--grad-accum", "2"], r"grad_accum: 1 -> 2 \(decides how many rows make one step"),
+        (["--data-split", "test"], r"data\.split: 'train' -> 'test' \(picks the records the run reads"),
+        (["--data-columns", "text=body"], r"data\.columns: \{\} -> \{'text': 'body'\} \(maps record fields"),
         (["--seed", "3"], r"seed: 0 -> 3 \(decides the order of the batches"),
         (["--lr", "2e-3"], r"optim\.lr: 0\.001 -> 0\.002 \(the peak learning rate"),
         (["--learning-rate", "2e-3"], r"optim\.lr: 0\.001 -> 0\.002"),

@@ -21,8 +21,17 @@ from slidekit import (
 )
 from slidekit import checkpoint as ck
 from slidekit.fingerprint import SAMPLE_BYTES, file_sha256, files_fingerprint, weights_fingerprint
-from slidekit.identity import FIXED, architecture, changed_settings, differences, identity, run_identity
+from slidekit.identity import (
+    ADDED,
+    FIXED,
+    architecture,
+    changed_settings,
+    differences,
+    identity,
+    run_identity,
+)
 from slidekit.models.loading import demo_dir, weight_files
+from slidekit.resume import saved_identity
 from slidekit.testing.models import random_batches, save_tiny_model, tiny_config
 
 BASE = TrainConfig(
@@ -49,6 +58,8 @@ def _identity(cfg: TrainConfig) -> dict[str, object]:
 @pytest.mark.parametrize(
     ("path", "value", "shown"),
     [
+        ("data.split", "validation", "data.split: 'train' -> 'validation'"),
+        ("data.columns", {"text": "body"}, "data.columns: {} -> {'text': 'body'}"),
         ("data.format", "text", "data.format: 'auto' -> 'text'"),
         ("data.seq_len", 64, "data.seq_len: 128 -> 64"),
         ("data.batch_size", 4, "data.batch_size: 8 -> 4"),
@@ -107,6 +118,25 @@ def test_a_constant_rate_run_may_be_extended_and_the_change_is_noted():
         "steps 10 -> 50",
         "optim.weight_decay 0.0 -> 0.1",
     ]
+
+
+def test_an_identity_recorded_before_split_and_columns_reads_them_from_its_config_or_the_default():
+    """A checkpoint whose identity predates data.split and data.columns (``ADDED``): its recorded
+    configuration says what it ran with, and a configuration without them ran with the defaults."""
+    old = {k: v for k, v in _identity(BASE).items() if k not in ADDED}
+    with_config = saved_identity({"identity": old, "config": BASE.to_dict()})
+    config = BASE.to_dict()
+    del config["data"]["split"], config["data"]["columns"]
+    without = saved_identity({"identity": old, "config": config})
+    for saved in (with_config, without, identity(config, model={}, fingerprints={})):
+        assert differences(saved, _identity(BASE)) == differences(_identity(BASE), _identity(BASE))
+        assert differences(saved, _identity(_with("data.split", "test")))[0] == [
+            "data.split: 'train' -> 'test'"
+        ]
+    other = _with("data.columns", {"text": "body"})
+    recorded = saved_identity({"identity": old, "config": other.to_dict()})  # it ran with a mapping
+    assert differences(recorded, _identity(other))[0] == []
+    assert differences(recorded, _identity(BASE))[0] == ["data.columns: {'text': 'body'} -> {}"]
 
 
 def test_the_default_learning_rate_is_compared_as_used():
@@ -237,3 +267,19 @@ def test_resume_refuses_other_data_and_allows_the_same_data_moved(tmp_path):
         f.write('{"text": "one more document"}\n')
     with pytest.raises(ck.CheckpointMismatch, match=r"data\.file: sha256:[0-9a-f]{12} -> sha256:"):
         Trainer(_run(run, data=DataConfig(seq_len=32, batch_size=2, path=str(data)), run=resume))
+
+
+def test_resume_refuses_another_column_mapping_of_the_same_data(tmp_path):
+    """Same bytes, other records: the column a field is read from is part of what a resume keeps."""
+    data = tmp_path / "corpus.jsonl"
+    lines = [json.loads(line) for line in (demo_dir() / "corpus.jsonl").read_text().splitlines()]
+    data.write_text("".join(json.dumps({"text": r["text"], "body": r["text"][::-1]}) + "\n" for r in lines))
+    mapped = DataConfig(seq_len=32, batch_size=2, path=str(data), columns={"text": "body"})
+    run = tmp_path / "run"
+    with Trainer(_run(run, data=mapped)) as t:
+        t.fit(steps=2)
+    resume = dataclasses.replace(_run(run).run, resume=True)
+    with pytest.raises(ck.CheckpointMismatch, match=r"data\.columns: \{'text': 'body'\} -> \{\}"):
+        Trainer(_run(run, data=dataclasses.replace(mapped, columns={}), run=resume))
+    with Trainer(_run(run, data=mapped, run=resume)) as t:
+        assert t.engine.steps_done == 2

@@ -9,52 +9,23 @@ import dataclasses
 
 import pytest
 import torch
+from planning_fixtures import cuda_machine, planner, tiny_spec
 
 from slidekit import EngineConfig, ModelConfig, OptimConfig, TrainConfig, Trainer
 from slidekit.cli import main
 from slidekit.config import DataConfig
 from slidekit.errors import ConfigError
 from slidekit.hostmem import registered_bytes
-from slidekit.models.base import ArchSpec
-from slidekit.planning import GIB, GRANULE, Machine, Placement, Planner, Workload, plan_run, spread_host_units
+from slidekit.planning import GIB, GRANULE, Machine, Placement, plan_run, spread_host_units
 from slidekit.plugins import Plugins
-from slidekit.testing.models import save_tiny_model, tiny_config
-
-MEDIA = {"ram": "host", "posix": "disk", "gds": "disk", "gpu": "device"}
-
-
-def _spec(family: str = "llama", **overrides: object) -> ArchSpec:
-    hf = tiny_config(family, **overrides)
-    return Plugins().adapter_for(hf.model_type).descriptor.factory(hf)
-
-
-def _planner(spec: ArchSpec, *, batch: int = 4, seq: int = 32, accum: int = 1, **kw: object) -> Planner:
-    args: dict[str, object] = {
-        "compute_itemsize": 2,
-        "state_bytes": lambda n: 8 * n,
-        "media": MEDIA,
-        "device_type": "cuda",
-    }
-    args.update(kw)
-    return Planner(spec, Workload(batch_size=batch, seq_len=seq, grad_accum=accum), **args)  # type: ignore[arg-type]
-
-
-def _cuda_machine(gpu: float, ram: float = 64.0, disk: float | None = None) -> Machine:
-    return Machine(
-        device_type="cuda",
-        device_free=int(gpu * GIB),
-        device_total=int(gpu * GIB),
-        host_available=int(ram * GIB),
-        host_total=int(ram * GIB),
-        disk_free=None if disk is None else int(disk * GIB),
-    )
+from slidekit.testing.models import save_tiny_model
 
 
 def test_components_follow_the_formulas():
-    spec = _spec("qwen2")  # tied embeddings: one more cache unit
-    p = _planner(spec, batch=2, seq=16, accum=3)
+    spec = tiny_spec("qwen2")  # tied embeddings: one more cache unit
+    p = planner(spec, batch=2, seq=16, accum=3)
     numels = [u.numel for u in spec.units]
-    est = p.estimate(Placement(gpu_resident="none"), _cuda_machine(80))
+    est = p.estimate(Placement(gpu_resident="none"), cuda_machine(80))
     assert est.device["window"] == 2 * (3 + 1) * max(numels) * 2
     assert est.device["activations"] == spec.num_layers * 3 * 2 * 16 * spec.hidden_size * 2
     assert est.device["hidden"] == 3 * 2 * 16 * spec.hidden_size * 2
@@ -63,22 +34,22 @@ def test_components_follow_the_formulas():
     assert est.host["gradients"] == 2 * max(numels) * 2
     assert est.disk == {}
     # activations on ram move to the host; the device keeps the two in flight
-    est2 = p.estimate(Placement(gpu_resident="none", activation_tier="ram"), _cuda_machine(80))
+    est2 = p.estimate(Placement(gpu_resident="none", activation_tier="ram"), cuda_machine(80))
     assert est2.host["activations"] == est.device["activations"]
     assert est2.device["activations"] == 2 * 2 * 16 * spec.hidden_size * 2
 
 
 def test_resident_units_move_master_and_state_to_the_device_and_shrink_the_window():
-    spec = _spec("llama", vocab_size=4096)  # embedding and head far larger than a layer
-    p = _planner(spec)
+    spec = tiny_spec("llama", vocab_size=4096)  # embedding and head far larger than a layer
+    p = planner(spec)
     numels = [u.numel for u in spec.units]
-    all_res = p.estimate(Placement(gpu_resident="all"), _cuda_machine(80))
+    all_res = p.estimate(Placement(gpu_resident="all"), cuda_machine(80))
     assert all(all_res.resident)
     assert all_res.device["resident"] == sum(n * (4 + 2 * 2 + 8) for n in numels)
     assert all_res.host["masters"] == 0 and all_res.host["state"] == 0
     # half resident, the host half spread over the backward order from the head down: the window is
     # sized for the largest unit still sliding (the head)
-    half = p.estimate(Placement(gpu_resident="0.5"), _cuda_machine(80))
+    half = p.estimate(Placement(gpu_resident="0.5"), cuda_machine(80))
     host = len(numels) - round(0.5 * len(numels))
     assert half.resident == tuple(not h for h in spread_host_units(len(numels), host))
     assert sum(half.resident) == round(0.5 * len(numels)) and half.resident[0] and not half.resident[-1]
@@ -87,15 +58,15 @@ def test_resident_units_move_master_and_state_to_the_device_and_shrink_the_windo
     assert "units on the host" not in all_res.table()
     assert half.device["window"] == 2 * 3 * numels[-1] * 2
     layers_only = p.estimate(
-        Placement(), _cuda_machine(80), resident=[True] + [False] * (len(numels) - 2) + [True]
+        Placement(), cuda_machine(80), resident=[True] + [False] * (len(numels) - 2) + [True]
     )
     assert layers_only.device["window"] == 2 * 3 * numels[1] * 2
 
 
 def test_auto_residency_keeps_the_fewest_host_units_the_spare_memory_allows_spread_out():
-    spec = _spec("llama", num_hidden_layers=8, vocab_size=512)
-    p = _planner(spec)
-    none = p.estimate(Placement(gpu_resident="none"), _cuda_machine(80))
+    spec = tiny_spec("llama", num_hidden_layers=8, vocab_size=512)
+    p = planner(spec)
+    none = p.estimate(Placement(gpu_resident="none"), cuda_machine(80))
     units = len(spec.units)
     per_unit = [p.resident_cost(u) for u in range(units)]
     reserve = 4 * GIB
@@ -106,7 +77,7 @@ def test_auto_residency_keeps_the_fewest_host_units_the_spare_memory_allows_spre
 
     for spare in sorted({0, per_unit[1] // 2, *(kept(layout) + 1 for layout in layouts)}):
         machine = dataclasses.replace(
-            _cuda_machine(80), device_free=none.device_bytes + reserve + spare, device_total=1
+            cuda_machine(80), device_free=none.device_bytes + reserve + spare, device_total=1
         )
         res = p.residency(Placement(), machine)
         host = units - sum(res)
@@ -117,57 +88,57 @@ def test_auto_residency_keeps_the_fewest_host_units_the_spare_memory_allows_spre
 
 
 def test_optimizer_without_device_updates_keeps_everything_on_the_host():
-    p = _planner(_spec(), device_updates=False)
-    assert not any(p.estimate(Placement(gpu_resident="auto"), _cuda_machine(80)).resident)
+    p = planner(tiny_spec(), device_updates=False)
+    assert not any(p.estimate(Placement(gpu_resident="auto"), cuda_machine(80)).resident)
 
 
 def test_state_fraction_goes_to_disk_and_is_streamed():
-    spec = _spec("llama", num_hidden_layers=6)
-    p = _planner(spec, state_chunk=1024)
+    spec = tiny_spec("llama", num_hidden_layers=6)
+    p = planner(spec, state_chunk=1024)
     place = Placement(gpu_resident="none", state_offload_tier="posix", state_offload_fraction=0.5)
-    est = p.estimate(place, _cuda_machine(80, disk=10))
+    est = p.estimate(place, cuda_machine(80, disk=10))
     numels = [u.numel for u in spec.units]
     assert est.disk["state"] + est.host["state"] == 8 * sum(numels)
     assert est.disk["state"] > 0 and est.host["state"] > 0
     # Chunks start at multiples of GRANULE: the engine rounds a smaller chunk up to one (the old planner
     # counted the 1,024 asked for, a quarter of what the engine allocated).
     assert est.host["state staging"] == 3 * GRANULE * 8
-    assert _planner(spec).estimate(place, _cuda_machine(80)).host["state staging"] == 3 * 8 * max(numels)
+    assert planner(spec).estimate(place, cuda_machine(80)).host["state staging"] == 3 * 8 * max(numels)
     # no offload directory: the disk need is a shortfall that says how to fix it
-    problems = est.shortfalls(_cuda_machine(80, disk=None))
+    problems = est.shortfalls(cuda_machine(80, disk=None))
     assert len(problems) == 1 and "offload_dir" in problems[0]
-    tiny_disk = est.shortfalls(_cuda_machine(80, disk=1e-6))
+    tiny_disk = est.shortfalls(cuda_machine(80, disk=1e-6))
     assert len(tiny_disk) == 1 and tiny_disk[0].startswith("disk: needs")
 
 
 def test_shortfalls_name_each_medium_with_numbers():
-    p = _planner(_spec(), batch=64, seq=64)
-    est = p.estimate(Placement(gpu_resident="none"), _cuda_machine(1e-3, ram=1e-3))
-    problems = est.shortfalls(_cuda_machine(1e-3, ram=1e-3))
+    p = planner(tiny_spec(), batch=64, seq=64)
+    est = p.estimate(Placement(gpu_resident="none"), cuda_machine(1e-3, ram=1e-3))
+    problems = est.shortfalls(cuda_machine(1e-3, ram=1e-3))
     assert [x.split(":")[0] for x in problems] == ["GPU memory", "host RAM"]
     assert "window" in problems[0] and "GiB free" in problems[0]
     assert "masters" in problems[1] and "available" in problems[1]
-    assert est.fits(_cuda_machine(80))
+    assert est.fits(cuda_machine(80))
 
 
 def test_recommendation_is_the_fastest_placement_that_fits():
-    spec = _spec("llama", num_hidden_layers=8, vocab_size=512)
-    p = _planner(spec, batch=8, seq=64)
+    spec = tiny_spec("llama", num_hidden_layers=8, vocab_size=512)
+    p = planner(spec, batch=8, seq=64)
     base = Placement(gpu_resident="none")
-    roomy = p.recommend(base, _cuda_machine(80))
+    roomy = p.recommend(base, cuda_machine(80))
     assert roomy is not None and roomy.placement.gpu_resident == "all"
     # A device too small for the activations (and an optimizer that cannot update there): activations to RAM.
-    p = _planner(spec, batch=8, seq=64, device_updates=False)
-    sliding = p.estimate(Placement(gpu_resident="none"), _cuda_machine(80))
+    p = planner(spec, batch=8, seq=64, device_updates=False)
+    sliding = p.estimate(Placement(gpu_resident="none"), cuda_machine(80))
     acts = sliding.device["activations"]
     tight = sliding.device_bytes * 1.05 + (512 << 20) - acts / 2
     rec = p.recommend(
-        base, dataclasses.replace(_cuda_machine(80), device_free=int(tight), device_total=int(tight))
+        base, dataclasses.replace(cuda_machine(80), device_free=int(tight), device_total=int(tight))
     )
     assert rec is not None and rec.placement.activation_tier == "ram" and not any(rec.resident)
     # Host RAM too small for all the state: part of it goes to disk, the smallest share that fits.
     host = sliding.host_bytes - 0.4 * sliding.host["state"]
-    machine = dataclasses.replace(_cuda_machine(1e-3, ram=0, disk=100), host_available=int(host))
+    machine = dataclasses.replace(cuda_machine(1e-3, ram=0, disk=100), host_available=int(host))
     machine = dataclasses.replace(machine, device_free=int(tight * 2), device_total=int(tight * 2))
     rec = p.recommend(base, machine, "posix")
     assert rec is not None and rec.placement.state_offload_tier == "posix"
@@ -180,7 +151,7 @@ def test_recommendation_is_the_fastest_placement_that_fits():
 
 
 def test_candidates_run_from_fastest_to_slowest():
-    p = _planner(_spec())
+    p = planner(tiny_spec())
     order = p.candidates(Placement(), "posix")
     assert order[0] == Placement(gpu_resident="all") and order[1] == Placement(gpu_resident="auto")
     fractions = [c.state_offload_fraction for c in order]
@@ -300,13 +271,17 @@ def test_tier_roles_are_found_by_medium_and_priority():
     bundled = Plugins(entry_points=["ram", "posix", "gpu", "gds"])
     host, disk = tier_for(bundled, "host", "cpu"), tier_for(bundled, "disk", "cpu")
     assert host is not None and host.name == "ram"
-    assert disk is not None and disk.name == "posix"  # gds, unavailable without the CUDA driver, is passed over
+    assert (
+        disk is not None and disk.name == "posix"
+    )  # gds, unavailable without the CUDA driver, is passed over
     assert tier_for(bundled, "device", "cpu") is None  # the gpu tier serves accelerators only
 
     class Fast:
         @hookimpl
         def slidekit_storage_tiers(self):
-            yield TierDescriptor(name="fast_ram", factory=RamTier, priority=150, medium="host")  # above ram (100)
+            yield TierDescriptor(
+                name="fast_ram", factory=RamTier, priority=150, medium="host"
+            )  # above ram (100)
             yield TierDescriptor(name="broken", factory=RamTier, priority=200, medium="host",
                                  available=lambda: (False, "not here"))  # fmt: skip
 

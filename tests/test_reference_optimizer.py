@@ -1,20 +1,19 @@
 """``reference_run`` takes an optimizer factory, so a plugin optimizer is checked against the plain loop.
 
-A momentum-SGD driver (defined here, registered as a plugin) trains the tiny models in slidekit; the
-reference trains the transformers model with ``torch.optim.SGD(momentum=0.9)`` built by the factory:
-losses and every final parameter agree.
+The example plugin's momentum-SGD driver (``tests/example_optimizer.py``, registered here as a
+plugin) trains the tiny models in slidekit; the reference trains the transformers model with
+``torch.optim.SGD(momentum=0.9)`` built by the factory: losses and every final parameter agree.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-
 import pytest
 import torch
+from example_optimizer import MomentumSGD
 
 from slidekit import EngineConfig, ModelConfig, OptimConfig, Plugins, TrainConfig, Trainer
 from slidekit.hookspecs import hookimpl
-from slidekit.interfaces import OptimizerDescriptor, OptimizerHyper, ParamGroupRange
+from slidekit.interfaces import OptimizerDescriptor
 from slidekit.testing.asserts import assert_losses_close, assert_states_close, rel_error
 from slidekit.testing.models import random_batches
 from slidekit.testing.reference import reference_run
@@ -22,53 +21,17 @@ from slidekit.testing.reference import reference_run
 LR, WD, MOMENTUM, STEPS = 2e-2, 0.05, 0.9, 5
 
 
-class MomentumSGD:
-    """``torch.optim.SGD(momentum, weight_decay)`` unit by unit: L2 decay added to the gradient."""
-
-    name = "momentum_sgd_test"
-    device_update = False
-    linear_state = True
-
-    def __init__(self, hyper: OptimizerHyper) -> None:
-        self.momentum = float(hyper.options.get("momentum", MOMENTUM))
-
-    def state_layout(self, numel: int) -> Mapping[str, tuple[torch.dtype, int]]:
-        return {"buf": (torch.float32, numel)}
-
-    def step(
-        self,
-        master: torch.Tensor,
-        grad: torch.Tensor,
-        state: Mapping[str, torch.Tensor],
-        *,
-        lr: float,
-        count: int,
-        groups: Sequence[ParamGroupRange],
-        lowp_out: torch.Tensor | None = None,
-    ) -> None:
-        d_p = grad.float()
-        for g in groups:
-            d_p[g.start : g.stop].add_(master[g.start : g.stop], alpha=g.weight_decay)
-        buf = state["buf"]
-        buf.mul_(self.momentum).add_(d_p)
-        master.add_(buf, alpha=-lr)
-        if lowp_out is not None:
-            lowp_out.copy_(master)
-
-
 class SGDPlugin:
     @hookimpl
     def slidekit_optimizers(self):
-        yield OptimizerDescriptor(
-            name="momentum_sgd_test", factory=MomentumSGD, options={"momentum": "the momentum (0.9)"}
-        )
+        yield OptimizerDescriptor(name="momentum_sgd_test", factory=MomentumSGD)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_a_plugin_optimizer_matches_the_torch_optimizer_it_implements(family, tiny_model):
     cfg = TrainConfig(
         model=ModelConfig(source=str(tiny_model(family))),
-        optim=OptimConfig(name="momentum_sgd_test", lr=LR, weight_decay=WD),
+        optim=OptimConfig(name="momentum_sgd_test", lr=LR, weight_decay=WD, betas=(MOMENTUM, 0.999)),
         engine=EngineConfig(device="cpu", compute_dtype="float32"),
         steps=STEPS,
     )

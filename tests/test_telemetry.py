@@ -30,6 +30,7 @@ from slidekit.telemetry import (
     matmul_params,
     memory_metrics,
     model_flops,
+    step_tflops,
 )
 from slidekit.testing.models import tiny_config
 from slidekit.trace import TraceWriter
@@ -67,6 +68,14 @@ def test_model_flops_by_hand_a_tied_head_keeps_its_matmul():
     tokens, seq = 3 * 8, 8
     assert model_flops(spec, tokens, seq) == 6 * 100800 * 24 + 12 * 3 * (4 * 16) * 8 * 24 == 14957568
     assert "lookup, not a matmul" in FLOPS_FORMULA  # the formula the records and docs state
+
+
+def test_step_tflops_are_the_whole_runs_and_its_share_per_rank():
+    assert step_tflops(6e12, 2.0, ranks=4) == {"tflops": 3.0, "tflops_per_rank": 0.75}
+    assert step_tflops(6e12, 2.0) == {"tflops": 3.0, "tflops_per_rank": 3.0}
+    assert step_tflops(6e12, 0.0, ranks=2) == {"tflops": 0.0, "tflops_per_rank": 0.0}
+    with pytest.raises(ValueError, match="ranks must be 1 or more, got 0"):
+        step_tflops(1.0, 1.0, ranks=0)
 
 
 def test_host_rss_agrees_with_the_kernel():
@@ -256,6 +265,7 @@ def test_metrics_carry_flops_and_memory(tmp_path):
     for row in rows:
         flops = model_flops(spec, int(row["tokens"]), 32)
         assert row["tflops"] == pytest.approx(flops / row["seconds"] / 1e12, rel=1e-12)
+        assert row["tflops_per_rank"] == row["tflops"]  # one process: the run is its one rank
         assert 0.01 < row["host_rss_gib"] < 1024 and "gpu_mem_gib" not in row
         assert math.isfinite(row["t_fwd"]) and row["t_fwd"] > 0
 

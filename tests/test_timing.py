@@ -13,21 +13,19 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from planning_fixtures import cuda_machine, planner, tiny_spec
 
 from slidekit.cli import main
 from slidekit.config import DataConfig, EngineConfig, ModelConfig, OptimConfig, TrainConfig
 from slidekit.errors import ConfigError
 from slidekit.models.base import ArchSpec
-from slidekit.planning import GIB, TIE, Machine, Placement, Planner, Rates, UpdateRate, Workload, plan_run
+from slidekit.planning import GIB, TIE, Machine, Placement, Planner, Rates, UpdateRate, plan_run
 from slidekit.planning.profiles import PROFILES, profile, profile_for_device
 from slidekit.planning.rates import CLIP_PASS_BYTES, GRAD_PASS_BYTES
 from slidekit.planning.simulate import Piece, UnitCost, simulate
 from slidekit.planning.timing import predict_step, unit_costs
 from slidekit.planning.what_if import what_if_machine
 from slidekit.plugins import Plugins
-from slidekit.testing.models import tiny_config
-
-MEDIA = {"ram": "host", "posix": "disk", "gds": "disk", "gpu": "device"}
 
 #: Round figures, so that every expected second below is plain arithmetic.
 RATES = Rates(
@@ -45,35 +43,15 @@ RATES = Rates(
 )
 
 
-def _spec(family: str = "llama", **overrides: object) -> ArchSpec:
-    hf = tiny_config(family, **overrides)
-    return Plugins().adapter_for(hf.model_type).descriptor.factory(hf)
-
-
-def _planner(spec: ArchSpec, *, batch: int = 4, seq: int = 32, accum: int = 1, **kw: object) -> Planner:
-    args: dict[str, object] = {
-        "compute_itemsize": 2,
-        "state_bytes": lambda n: 8 * n,
-        "media": MEDIA,
-        "device_type": "cuda",
-        "optimizer": "adam",
-    }
-    args.update(kw)
-    return Planner(spec, Workload(batch_size=batch, seq_len=seq, grad_accum=accum), **args)  # type: ignore[arg-type]
+def _planner(spec: ArchSpec, **kw: object) -> Planner:
+    """``planner`` with the optimizer whose update rate ``RATES`` sets."""
+    return planner(spec, **{"optimizer": "adam", **kw})  # type: ignore[arg-type]
 
 
 def _machine(
     gpu: float = 80.0, ram: float = 64.0, disk: float | None = None, rates: Rates | None = RATES
 ) -> Machine:
-    return Machine(
-        device_type="cuda",
-        device_free=int(gpu * GIB),
-        device_total=int(gpu * GIB),
-        host_available=int(ram * GIB),
-        host_total=int(ram * GIB),
-        disk_free=None if disk is None else int(disk * GIB),
-        rates=rates,
-    )
+    return cuda_machine(gpu, ram, disk, rates)
 
 
 def _rates(**changes: object) -> Rates:
@@ -88,7 +66,7 @@ def test_all_resident_is_compute_only_and_matches_the_arithmetic(recompute, pass
     """Every unit resident: the step is the device's work, unit by unit, plus the per-step host time. A
     layer's forward and backward are 4 forwards when it recomputes, 3 when it keeps its activations
     ("auto" on 80 GB: every layer keeps)."""
-    spec = _spec("llama", num_hidden_layers=4)
+    spec = tiny_spec("llama", num_hidden_layers=4)
     p = _planner(spec, batch=2, seq=16, accum=3, recompute=recompute)
     layout = p.layout(Placement(gpu_resident="all"), _machine())
     assert [u.keeps for u in layout.units] == [False, *[recompute == "auto"] * 4, False]
@@ -108,7 +86,7 @@ def test_all_resident_is_compute_only_and_matches_the_arithmetic(recompute, pass
 
 
 def test_every_unit_on_the_host_is_bound_by_its_updates():
-    spec = _spec("llama", num_hidden_layers=6)
+    spec = tiny_spec("llama", num_hidden_layers=6)
     p = _planner(spec)
     slow = _rates(
         updates={"adam": UpdateRate(host_params_per_s=1e4, device_bytes_per_param=28.0, source="t")}
@@ -125,7 +103,7 @@ def test_every_unit_on_the_host_is_bound_by_its_updates():
 
 
 def test_state_on_disk_is_bound_by_streaming_it():
-    spec = _spec("llama", num_hidden_layers=6)
+    spec = tiny_spec("llama", num_hidden_layers=6)
     p = _planner(spec)
     place = Placement(gpu_resident="none", state_offload_tier="posix", state_offload_fraction=1.0)
     layout = p.layout(place, _machine(disk=10))
@@ -138,7 +116,7 @@ def test_state_on_disk_is_bound_by_streaming_it():
 
 
 def test_slow_uploads_bound_the_step_and_resident_units_take_them_away():
-    spec = _spec("llama", num_hidden_layers=6)
+    spec = tiny_spec("llama", num_hidden_layers=6)
     p = _planner(spec)
     slow = _rates(h2d_gbps=1e-3)
     none = predict_step(p.layout(Placement(gpu_resident="none"), _machine()), slow, p.work)
@@ -149,7 +127,7 @@ def test_slow_uploads_bound_the_step_and_resident_units_take_them_away():
 
 
 def test_clipping_adds_one_pass_over_each_gradient_and_defers_the_updates():
-    spec = _spec("llama", num_hidden_layers=4)
+    spec = tiny_spec("llama", num_hidden_layers=4)
     plain = _planner(spec)
     clipped = _planner(spec, keep_grads=True, clip=True)
     a = predict_step(plain.layout(Placement(gpu_resident="none"), _machine()), RATES, plain.work)
@@ -163,7 +141,7 @@ def test_clipping_adds_one_pass_over_each_gradient_and_defers_the_updates():
 
 
 def test_activations_on_a_tier_cross_the_bus_each_way():
-    spec = _spec("llama", num_hidden_layers=4)
+    spec = tiny_spec("llama", num_hidden_layers=4)
     p = _planner(spec, batch=8, seq=64, accum=2, recompute="all")
     layout = p.layout(Placement(gpu_resident="all", activation_tier="ram"), _machine())
     pred = predict_step(layout, RATES, p.work)
@@ -175,7 +153,7 @@ def test_activations_on_a_tier_cross_the_bus_each_way():
 
 def test_layers_that_keep_their_activations_send_none_to_the_tier():
     """Keeping layers save no boundary activation: only the recomputing ones' inputs cross the bus."""
-    spec = _spec("llama", num_hidden_layers=4)
+    spec = tiny_spec("llama", num_hidden_layers=4)
     every = _planner(spec, batch=8, seq=64, accum=2, recompute="all")
     auto = _planner(spec, batch=8, seq=64, accum=2)
     placement = Placement(gpu_resident="all", activation_tier="ram")
@@ -223,7 +201,7 @@ def test_the_replay_accounts_for_every_second(
 ):
     """Whatever the layout: the step is its compute plus what the compute waited for, lane by lane, and
     no serial lane works longer than a step (the replay is steady)."""
-    spec = _spec("qwen2" if tied else "llama", num_hidden_layers=layers)
+    spec = tiny_spec("qwen2" if tied else "llama", num_hidden_layers=layers)
     p = _planner(spec, accum=accum, window=window, grad_buffers=buffers, keep_grads=clip, clip=clip)
     place = Placement(
         gpu_resident=resident,
@@ -248,7 +226,7 @@ def test_simulate_refuses_too_few_steps():
 
 
 def test_unit_costs_price_each_piece_of_a_large_unit():
-    spec = _spec("llama", num_hidden_layers=2, vocab_size=4096)  # embedding and head larger than a layer
+    spec = tiny_spec("llama", num_hidden_layers=2, vocab_size=4096)  # embedding and head larger than a layer
     p = _planner(spec)
     layout = p.layout(Placement(gpu_resident="none"), _machine())
     costs = unit_costs(layout, RATES, p.work)
@@ -264,7 +242,7 @@ def test_unit_costs_price_each_piece_of_a_large_unit():
 
 
 def test_without_rates_the_fixed_order_decides():
-    spec = _spec("llama", num_hidden_layers=8, vocab_size=512)
+    spec = tiny_spec("llama", num_hidden_layers=8, vocab_size=512)
     p = _planner(spec)
     est = p.recommend(Placement(), _machine(rates=None))
     assert est is not None and est.placement.gpu_resident == "all"
@@ -280,7 +258,7 @@ def test_the_predicted_step_chooses_where_the_fixed_order_would_not():
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
     }
-    spec = _spec(
+    spec = tiny_spec(
         "llama", num_hidden_layers=8, vocab_size=32000, head_dim=128, max_position_embeddings=512, **big
     )
     p = _planner(spec, batch=64, seq=512)
@@ -312,7 +290,7 @@ def test_the_predicted_step_chooses_where_the_fixed_order_would_not():
 
 
 def test_ties_keep_the_fixed_order():
-    spec = _spec("llama", num_hidden_layers=4)
+    spec = tiny_spec("llama", num_hidden_layers=4)
     p = _planner(spec)
     est = p.recommend(Placement(gpu_resident="none"), _machine())
     assert est is not None and est.placement.gpu_resident == "all"  # "auto" holds them all too: a tie
@@ -321,7 +299,7 @@ def test_ties_keep_the_fixed_order():
 def test_the_split_puts_the_fewest_units_state_on_disk():
     """RAM short of all the state: the planner moves whole units' state to disk, the fewest that make RAM
     suffice (not the next quarter), which is also the fastest."""
-    spec = _spec("llama", num_hidden_layers=10)
+    spec = tiny_spec("llama", num_hidden_layers=10)
     p = _planner(spec, device_updates=False)  # nothing can be resident: RAM holds every master
     place = Placement(gpu_resident="none")
     full = p.estimate(place, _machine())

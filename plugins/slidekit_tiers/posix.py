@@ -33,9 +33,22 @@ copies host-to-device the same way (so kernels queued before the call that
 still use the destination finish first). Futures complete after the copies
 have synchronised.
 
-Options (``TierContext.options``): ``chunk_bytes`` (a multiple of 4096;
-default 16 MiB) and ``direct`` ("auto", True to require O_DIRECT, False for
-buffered I/O).
+Settings (``plugins.options.posix``, CLI ``--plugin-option posix.KEY=VALUE``;
+declared in the descriptor, so the core refuses any other key; docs/plugins.md):
+
+``direct``
+    "auto" (the default: O_DIRECT where the probe says the file system takes
+    it, buffered I/O otherwise), true (require O_DIRECT: refused, with the
+    probe's reason, where it cannot be had) or false (buffered I/O: the page
+    cache holds what was written, which costs host memory the run needs).
+``chunk_bytes``
+    the most bytes one ``pwrite``/``preadv`` moves, and each worker's bounce
+    buffer: a positive multiple of 4096 (default 16 MiB).
+``io_threads``
+    the workers moving chunks, 1 to 64 (default ``TierContext.io_threads``,
+    2): more keep more requests in flight, which a striped or many-queue NVMe
+    array needs to reach its bandwidth. Each holds one bounce buffer
+    (``io_threads`` x ``chunk_bytes`` of pinned host memory on a GPU machine).
 
 Test: ``pytest tests/plugins/test_posix_tier.py``; bandwidth:
 ``python benchmarks/tier_bandwidth.py --dir DIR``.
@@ -61,10 +74,16 @@ from slidekit.interfaces import Availability, TierContext, TierDescriptor
 from slidekit.tierkit import StreamCopier
 from slidekit_tiers._files import ALIGN, FileTier, Region, RegionFiles, round_up
 
-__all__ = ["PosixTier", "chunk_spans", "direct_io_support", "probe_direct_io"]
+__all__ = ["OPTIONS", "PosixTier", "chunk_spans", "direct_io_support", "probe_direct_io"]
 
 DEFAULT_CHUNK = 16 << 20
-_OPTIONS = ("chunk_bytes", "direct")
+MAX_THREADS = 64
+#: The settings the tier takes (``TierDescriptor.options``): name -> what it does and its default.
+OPTIONS = {
+    "direct": '"auto" (default): O_DIRECT where the file system takes it; true: require it; false: buffered',
+    "chunk_bytes": f"bytes per pwrite/preadv and per worker's bounce buffer, a multiple of {ALIGN} (16 MiB)",
+    "io_threads": f"I/O worker threads, 1 to {MAX_THREADS} (default 2): more requests in flight",
+}
 _probes: dict[str, tuple[bool, str]] = {}
 _probes_lock = threading.Lock()
 
@@ -153,17 +172,29 @@ def chunk_spans(offset: int, nbytes: int, align: int, chunk: int) -> list[tuple[
     return [(s, min(s + chunk, stop)) for s in range(start, stop, chunk)]
 
 
-def _parse_options(options: Mapping[str, Any]) -> tuple[int, bool | None]:
-    unknown = sorted(set(options) - set(_OPTIONS))
+def _bad(key: str, value: Any, want: str) -> ConfigError:
+    return ConfigError(
+        f"posix tier: plugins.options.posix.{key} must be {want}, got {value!r} "
+        f"(CLI: --plugin-option posix.{key}=VALUE; leave it out for the default)"
+    )
+
+
+def _parse_options(options: Mapping[str, Any], threads: int) -> tuple[int, bool | None, int]:
+    """(chunk_bytes, direct: None for "auto", io_threads) from the tier's settings; ``threads`` is the
+    default worker count (``TierContext.io_threads``)."""
+    unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
-        raise ConfigError(f"posix tier: unknown options {unknown}; valid: {', '.join(_OPTIONS)}")
+        raise ConfigError(f"posix tier: unknown options {unknown}; valid: {', '.join(sorted(OPTIONS))}")
     chunk = options.get("chunk_bytes", DEFAULT_CHUNK)
-    if not isinstance(chunk, int) or chunk <= 0 or chunk % ALIGN:
-        raise ConfigError(f"posix tier: chunk_bytes must be a positive multiple of {ALIGN}, got {chunk!r}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0 or chunk % ALIGN:
+        raise _bad("chunk_bytes", chunk, f"a positive multiple of {ALIGN}, such as {DEFAULT_CHUNK} (16 MiB)")
     direct = options.get("direct", "auto")
-    if direct not in ("auto", True, False):
-        raise ConfigError(f"posix tier: direct must be 'auto', True or False, got {direct!r}")
-    return chunk, None if direct == "auto" else bool(direct)
+    if direct != "auto" and not isinstance(direct, bool):
+        raise _bad("direct", direct, "'auto', true or false")
+    workers = options.get("io_threads", threads)
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_THREADS:
+        raise _bad("io_threads", workers, f"an integer from 1 to {MAX_THREADS}")
+    return chunk, None if direct == "auto" else direct, workers
 
 
 # --------------------------------------------------------------------------- the tier
@@ -175,7 +206,7 @@ class PosixTier(FileTier):
     name = "posix"
 
     def __init__(self, ctx: TierContext) -> None:
-        self.chunk, want_direct = _parse_options(ctx.options)
+        self.chunk, want_direct, threads = _parse_options(ctx.options, ctx.io_threads)
         files = RegionFiles(ctx.directory, tier="posix", close_file=os.close)
         try:
             self.direct, self.direct_reason = self._choose_direct(ctx.directory, want_direct)
@@ -186,17 +217,17 @@ class PosixTier(FileTier):
         self._host = HostBuffers(pin=torch.cuda.is_available())
         self._local = threading.local()  # per worker: its bounce buffer
         self._copier = StreamCopier()  # per worker: its CUDA side stream
-        self._start_files(files, ctx.io_threads, ctx.close_timeout_s)
+        self._start_files(files, threads, ctx.close_timeout_s)
 
     def _choose_direct(self, directory: str | None, want: bool | None) -> tuple[bool, str]:
         if want is False:
-            return False, "O_DIRECT switched off (options['direct'] is False)"
+            return False, "O_DIRECT switched off (plugins.options.posix.direct is false)"
         assert directory is not None  # RegionFiles checked it
         ok, why = direct_io_support(directory)
         if want and not ok:
             raise ConfigError(
-                f"posix tier: options['direct'] is True but {directory!r} cannot do O_DIRECT: {why}; "
-                "use direct='auto' to fall back to buffered I/O, or another directory"
+                f"posix tier: plugins.options.posix.direct is true but {directory!r} cannot do O_DIRECT: "
+                f"{why}; leave direct at 'auto' to fall back to buffered I/O, or use another directory"
             )
         return ok, why
 
@@ -286,4 +317,5 @@ def slidekit_storage_tiers() -> Iterator[TierDescriptor]:
         available=_available,
         priority=10,
         description="preallocated files in engine.offload_dir (O_DIRECT where possible)",
+        options=OPTIONS,
     )

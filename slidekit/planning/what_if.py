@@ -15,11 +15,9 @@ Test: ``pytest tests/test_timing.py -k what_if``.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slidekit.errors import ConfigError, DriverUnavailableError, ModelLoadError
-from slidekit.models.base import ArchSpec
+from slidekit.errors import ConfigError, DriverUnavailableError
 from slidekit.planning.machine import GIB, Machine
 from slidekit.planning.profiles import GpuProfile, profile
 
@@ -107,7 +105,7 @@ def what_if_setup(config: TrainConfig, plugins: Plugins) -> RunSetup:
     """``slidekit.resolve.resolve`` for a CUDA device, whether or not this machine has one."""
     import torch
 
-    from slidekit.resolve import RunSetup, compute_dtype
+    from slidekit.resolve import RunSetup, compute_dtype, resolve_spec
 
     ec = config.engine
     if ec.device not in ("auto", "cuda") and not ec.device.startswith("cuda:"):
@@ -116,7 +114,7 @@ def what_if_setup(config: TrainConfig, plugins: Plugins) -> RunSetup:
             "give --device cuda"
         )
     device = torch.device("cuda")
-    spec, hf_config, model_dir = _spec(config, plugins)
+    spec, hf_config, model_dir = resolve_spec(config, plugins)
     selections = {
         "kernels": _device_driver(plugins, "kernels", ec.kernels),
         "optimizer": plugins.select("optimizer", config.optim.name, FAMILY),
@@ -135,25 +133,6 @@ def what_if_setup(config: TrainConfig, plugins: Plugins) -> RunSetup:
         spec=spec,
         selections=selections,
     )
-
-
-def _spec(config: TrainConfig, plugins: Plugins) -> tuple[ArchSpec, Any, Path]:
-    """The model's ArchSpec, as ``slidekit.resolve.resolve`` reads it (the same errors)."""
-    from slidekit.models.loading import load_hf_config
-
-    hf_config, model_dir = load_hf_config(config.model.source, config.model.overrides)
-    adapter = plugins.adapter_for(hf_config.model_type)
-    try:
-        spec: ArchSpec = adapter.descriptor.factory(hf_config)
-    except ValueError as exc:
-        if config.model.overrides:
-            raise ConfigError(
-                f"model.overrides {dict(config.model.overrides)} make no usable model: {exc}"
-            ) from exc
-        raise ModelLoadError(
-            f"{model_dir}: the {hf_config.model_type} adapter refuses this model: {exc}"
-        ) from exc
-    return spec, hf_config, model_dir
 
 
 def _device_driver(plugins: Plugins, family: str, name: str) -> Selection:

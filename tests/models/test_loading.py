@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -167,3 +168,39 @@ def test_overrides_that_make_no_model_name_the_override(tiny_model, overrides, m
 
     with pytest.raises(ConfigError, match=match):
         _trainer(tiny_model("llama"), random_init=True, overrides=overrides)
+
+
+def test_planning_for_another_gpu_reads_the_model_as_a_run_does(tiny_model, tmp_path):
+    """``slidekit plan --gpu`` (``what_if_setup``) and a run (``resolve``) read the spec one way
+    (``resolve_spec``): the same spec, and the same error for a shape the adapter refuses."""
+    from slidekit import Plugins
+    from slidekit.errors import ConfigError
+    from slidekit.identity import architecture
+    from slidekit.planning.what_if import what_if_setup
+    from slidekit.resolve import resolve
+
+    model = tiny_model("llama")
+    config = TrainConfig(model=ModelConfig(source=str(model)), engine=EngineConfig(device="cpu"))
+    run = resolve(config, Plugins())
+    planned = what_if_setup(dataclasses.replace(config, engine=EngineConfig()), Plugins())
+    assert architecture(run.spec) == architecture(planned.spec) and run.model_dir == planned.model_dir
+    overridden = TrainConfig(model=ModelConfig(source=str(model), overrides={"num_key_value_heads": 3}))
+    refused = tmp_path / "refused"
+    refused.mkdir()
+    hf = json.loads((model / "config.json").read_text())
+    (refused / "config.json").write_text(json.dumps({**hf, "num_key_value_heads": 3}))
+    for config, error, match in (
+        (overridden, ConfigError, r"model\.overrides \{'num_key_value_heads': 3\} make no usable model: "),
+        (
+            TrainConfig(model=ModelConfig(source=str(refused))),
+            ModelLoadError,
+            "the llama adapter refuses this model: ",
+        ),
+    ):
+        messages = []
+        for read in (resolve, what_if_setup):  # a run on the CPU; a plan for a CUDA device
+            device = "cpu" if read is resolve else "auto"
+            with pytest.raises(error, match=match) as err:
+                read(dataclasses.replace(config, engine=EngineConfig(device=device)), Plugins())
+            messages.append(str(err.value))
+        assert messages[0] == messages[1]

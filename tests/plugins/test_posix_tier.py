@@ -115,7 +115,7 @@ def test_o_direct_is_required_only_when_asked(tmp_path, monkeypatch):
     _refuse_direct(monkeypatch)
     direct_io_support(str(tmp_path), fresh=True)
     with pytest.raises(
-        ConfigError, match=r"cannot do O_DIRECT: the file system refuses O_DIRECT.*direct='auto'"
+        ConfigError, match=r"cannot do O_DIRECT: the file system refuses O_DIRECT.*leave direct at 'auto'"
     ):
         _make(tmp_path, direct=True)
     assert os.listdir(tmp_path) == []  # the failed tier left nothing behind
@@ -356,12 +356,56 @@ def test_stats_report_disk_space_and_how_it_runs(tmp_path):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"chunk": 1}, r"unknown options \['chunk'\]; valid: chunk_bytes, direct"),
-        ({"chunk_bytes": 1000}, "chunk_bytes must be a positive multiple of 4096"),
+        ({"chunk": 1}, r"unknown options \['chunk'\]; valid: chunk_bytes, direct, io_threads"),
+        (
+            {"chunk_bytes": 1000},
+            r"plugins\.options\.posix\.chunk_bytes must be a positive multiple of 4096, ",
+        ),
         ({"chunk_bytes": 0}, "chunk_bytes must be a positive multiple of 4096"),
-        ({"direct": "yes"}, "direct must be 'auto', True or False"),
+        ({"chunk_bytes": True}, "chunk_bytes must be a positive multiple of 4096, .* got True"),
+        ({"direct": "yes"}, r"plugins\.options\.posix\.direct must be 'auto', true or false, got 'yes'"),
+        ({"direct": 1}, "direct must be 'auto', true or false, got 1"),
+        ({"io_threads": 0}, r"plugins\.options\.posix\.io_threads must be an integer from 1 to 64, got 0"),
+        ({"io_threads": 65}, "io_threads must be an integer from 1 to 64, got 65"),
+        ({"io_threads": 2.5}, "io_threads must be an integer from 1 to 64, got 2.5"),
+        ({"io_threads": True}, "io_threads must be an integer from 1 to 64, got True"),
     ],
 )
 def test_bad_options(tmp_path, options, message):
-    with pytest.raises(ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message) as err:
         _make(tmp_path, **options)
+    assert "CLI: --plugin-option posix." in str(err.value) or "unknown options" in str(err.value)
+
+
+def test_io_threads_sets_the_workers_and_the_default_is_the_contexts(tmp_path):
+    tier = _make(tmp_path, io_threads=5, chunk_bytes=8192)
+    try:
+        assert "5 I/O threads" in tier.stats().detail
+    finally:
+        tier.close()
+    check_round_trips(lambda: _make(tmp_path, io_threads=5, chunk_bytes=8192))  # 8 KiB chunks over 5 workers
+    ctx = TierContext(device=DEVICE, directory=str(tmp_path), io_threads=3)
+    tier = PosixTier(ctx)
+    try:
+        assert "3 I/O threads" in tier.stats().detail
+    finally:
+        tier.close()
+
+
+def test_its_settings_are_declared_so_a_run_takes_them(tmp_path):
+    """``plugins.options.posix`` (CLI ``--plugin-option posix.KEY=VALUE``) reaches the tier a run builds;
+    a key it does not declare is refused by the core, naming the ones it takes."""
+    from slidekit import EngineConfig, PluginConfig, TrainConfig, Trainer
+
+    plugins = Plugins()
+    assert sorted(plugins.get("tier", "posix").descriptor.options) == ["chunk_bytes", "direct", "io_threads"]
+    with pytest.raises(
+        ConfigError, match=r"has no setting 'threads'; it takes chunk_bytes \(.*direct .*io_threads"
+    ):
+        plugins.check_options({"posix": {"threads": 4}})
+    settings = {"direct": False, "chunk_bytes": 8192, "io_threads": 3}
+    engine = EngineConfig(device="cpu", state_tier="posix", offload_dir=str(tmp_path))
+    with Trainer(TrainConfig(engine=engine, plugins=PluginConfig(options={"posix": settings}))) as t:
+        tier = t._tier("posix")  # the run's one instance of the tier, as its engine was built with
+        assert isinstance(tier, PosixTier) and not tier.direct and tier.chunk == 8192
+        assert "3 I/O threads" in tier.stats().detail and "switched off" in tier.stats().detail

@@ -22,6 +22,11 @@ and ``slidekit bench`` runs it once per (recipe, repeat) with all its batch size
    goes on with the next batch (unless the script says its state cannot be reused, as
    DeepSpeed's does).
 
+A script says only what its system does differently: how to build the model and optimizer
+(``build_once`` times it; ``cuda_device`` refuses a device the system cannot use), and its step
+(``autocast_step`` for a torch-style optimizer, with the script's clipping; ``drop_gradients`` is
+such an optimizer's clean-up after an OOM). ``run_batches`` does the rest.
+
 Every line is one record with ``system``, ``status`` and ``batch``:
 
 - ``status: "ok"`` with the figures of ``slidekit.tools.bench.records.throughput`` (every timed
@@ -54,7 +59,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 
@@ -71,6 +76,7 @@ from slidekit.tools.presets import PRESETS, arch_spec, hf_config
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (inputs, labels) -> loss
 AfterOOM = Callable[[int], str | None]  # (the batch) cleans up after an OOM; a reason stops the rest
+T = TypeVar("T")
 
 # ---------------------------------------------------------------------------- options and records
 
@@ -151,6 +157,24 @@ def fits(system: str, args: argparse.Namespace) -> Iterator[None]:
         unavailable(system, "while building: " + oom_reason(exc, args, args.batch[0]), args.batch)
 
 
+def cuda_device(system: str, args: argparse.Namespace, needs: str) -> torch.device:
+    """``args.device``, which must be a CUDA device; any other ends the run with every batch
+    "unavailable" and the reason ``needs`` gives ("torchao's ... needs a CUDA device")."""
+    device = resolve_device(args.device)
+    if device.type != "cuda":
+        unavailable(system, f"{needs}; this run is on {device}", args.batch)
+    return device
+
+
+def build_once(system: str, args: argparse.Namespace, build: Callable[[], T]) -> tuple[T, float]:
+    """What ``build()`` returns (the model and its optimizer, once for every batch) and its seconds,
+    the ``setup_s`` every record shares; out of GPU memory while building ends the run ``fits`` says."""
+    with fits(system, args):
+        t0 = time.perf_counter()
+        built = build()
+        return built, round(time.perf_counter() - t0, 2)
+
+
 # ---------------------------------------------------------------------------- model, steps, batches
 
 
@@ -186,6 +210,38 @@ def clip(params: Iterable[torch.Tensor], max_norm: float | None) -> None:
     """Clip the global gradient norm of ``params`` to ``max_norm`` (nothing when None)."""
     if max_norm is not None:
         torch.nn.utils.clip_grad_norm_(list(params), max_norm)
+
+
+def fused_adamw(model: Any, lr: float) -> torch.optim.AdamW:
+    """The optimizer of the torch recipes: ``torch.optim.AdamW(fused=True)``, no weight decay."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True)
+
+
+def autocast_step(model: Any, opt: Any, device: torch.device, clip_grads: Callable[[], None]) -> Step:
+    """A step of a recipe with a torch-style optimizer ``opt``: forward under ``torch.autocast(bfloat16)``
+    on CUDA (FP32 on the CPU, as slidekit computes there), backward, ``clip_grads()``, ``opt.step()``,
+    and the gradients freed (``zero_grad``'s default, set_to_none)."""
+
+    def step(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = loss_of(model, inputs, labels)
+        loss.backward()
+        clip_grads()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return step
+
+
+def drop_gradients(opt: Any) -> AfterOOM:
+    """``after_oom`` of a torch-style optimizer: a backward cut short leaves some gradients behind, and
+    ``zero_grad`` drops them; the optimizer state is created whole or per parameter, so it stays usable."""
+
+    def after_oom(batch: int) -> None:
+        opt.zero_grad()
+
+    return after_oom
 
 
 def free_memory(device: torch.device) -> None:

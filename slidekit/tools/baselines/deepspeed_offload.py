@@ -55,17 +55,16 @@ import argparse
 import math
 import os
 import socket
-import time
 from typing import Any
 
 import torch
 
 from slidekit.tools.baselines.common import (
     build_model,
-    fits,
+    build_once,
+    cuda_device,
     loss_of,
     parser,
-    resolve_device,
     run_batches,
     unavailable,
 )
@@ -171,15 +170,8 @@ def main() -> None:
             f"deepspeed cannot be imported ({type(exc).__name__}: {exc}); pip install deepspeed",
             args.batch,
         )
-    device = resolve_device(args.device)
-    if device.type != "cuda":
-        unavailable(
-            system, f"DeepSpeed ZeRO-Offload needs a CUDA device (NCCL); this run is on {device}", args.batch
-        )
-    with fits(system, args):
-        t0 = time.perf_counter()
-        engine = build_engine(args, device, system)
-        setup_s = round(time.perf_counter() - t0, 2)
+    device = cuda_device(system, args, "DeepSpeed ZeRO-Offload needs a CUDA device (NCCL)")
+    engine, setup_s = build_once(system, args, lambda: build_engine(args, device, system))
 
     def set_batch(batch: int) -> None:
         if hasattr(engine, "set_train_micro_batch_size"):  # DeepSpeed's bookkeeping only (see above)

@@ -27,18 +27,19 @@ import argparse
 import importlib.metadata
 import importlib.util
 import sys
-import time
 from typing import Any
 
 import torch
 
 from slidekit.tools.baselines.common import (
+    autocast_step,
     build_model,
+    build_once,
     clip,
-    fits,
-    loss_of,
+    cuda_device,
+    drop_gradients,
+    fused_adamw,
     parser,
-    resolve_device,
     run_batches,
     unavailable,
 )
@@ -73,15 +74,10 @@ def main() -> None:
         unavailable(
             system, "liger-kernel not installed (pip install liger-kernel, or slidekit[bench])", args.batch
         )
-    device = resolve_device(args.device)
-    if device.type != "cuda":
-        unavailable(
-            system, f"Liger Kernel's Triton kernels need a CUDA device; this run is on {device}", args.batch
-        )
+    device = cuda_device(system, args, "Liger Kernel's Triton kernels need a CUDA device")
     from transformers.integrations.liger import apply_liger_kernel
 
-    with fits(system, args):
-        t0 = time.perf_counter()
+    def build() -> tuple[Any, torch.optim.AdamW]:
         model = build_model(
             args.model,
             args.seq,
@@ -91,28 +87,17 @@ def main() -> None:
             gradient_checkpointing=args.gradient_checkpointing,
         )
         apply_liger_kernel(model, None)  # what Trainer does for use_liger_kernel=True
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
-        setup_s = round(time.perf_counter() - t0, 2)
+        return model, fused_adamw(model, args.lr)
 
-    def step(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = loss_of(model, inputs, labels)
-        loss.backward()
-        clip(model.parameters(), args.clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    def after_oom(batch: int) -> None:
-        opt.zero_grad(set_to_none=True)  # a backward cut short leaves some gradients behind
-
+    (model, opt), setup_s = build_once(system, args, build)
+    step = autocast_step(model, opt, device, lambda: clip(model.parameters(), args.clip))
     run_batches(
         system,
         args,
         device,
         step,
         setup_s=setup_s,
-        after_oom=after_oom,
+        after_oom=drop_gradients(opt),
         optimizer="torch.optim.AdamW(fused=True), FP32 master"
         + (", gradient checkpointing" if args.gradient_checkpointing else ", no checkpointing"),
         liger=importlib.metadata.version("liger-kernel"),

@@ -20,15 +20,15 @@ stronger no-offload recipe, with Liger's kernels, is liger.py.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from slidekit.tools.baselines.common import (
+    autocast_step,
     build_model,
+    build_once,
     clip,
-    fits,
-    loss_of,
+    drop_gradients,
+    fused_adamw,
     parser,
     resolve_device,
     run_batches,
@@ -40,26 +40,17 @@ SYSTEM = "no_offload"
 def main() -> None:
     args = parser(__doc__).parse_args()
     device = resolve_device(args.device)
-    with fits(SYSTEM, args):
-        t0 = time.perf_counter()
+
+    def build() -> tuple[torch.nn.Module, torch.optim.AdamW]:
         model = build_model(args.model, args.seq, device, torch.float32, args.seed)
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, fused=True)
-        setup_s = round(time.perf_counter() - t0, 2)
+        return model, fused_adamw(model, args.lr)
 
-    def step(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = loss_of(model, inputs, labels)
-        loss.backward()
-        clip(model.parameters(), args.clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    def after_oom(batch: int) -> None:
-        opt.zero_grad(set_to_none=True)  # a backward cut short leaves some gradients behind
-
+    (model, opt), setup_s = build_once(SYSTEM, args, build)
+    step = autocast_step(model, opt, device, lambda: clip(model.parameters(), args.clip))
     optimizer = "torch.optim.AdamW(fused=True), FP32 master, gradient checkpointing"
-    run_batches(SYSTEM, args, device, step, setup_s=setup_s, after_oom=after_oom, optimizer=optimizer)
+    run_batches(
+        SYSTEM, args, device, step, setup_s=setup_s, after_oom=drop_gradients(opt), optimizer=optimizer
+    )
 
 
 if __name__ == "__main__":

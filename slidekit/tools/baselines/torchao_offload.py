@@ -25,18 +25,18 @@ copies are in flight, and one pass over the host gradients.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
 from slidekit.tools.baselines.common import (
+    autocast_step,
     build_model,
+    build_once,
     clip,
-    fits,
-    loss_of,
+    cuda_device,
+    drop_gradients,
     parser,
-    resolve_device,
     run_batches,
     unavailable,
 )
@@ -60,13 +60,9 @@ def main() -> None:
         from torchao.optim import CPUOffloadOptimizer
     except ImportError as exc:
         unavailable(SYSTEM, f"torchao is not installed ({exc}); pip install torchao", args.batch)
-    device = resolve_device(args.device)
-    if device.type != "cuda":
-        unavailable(
-            SYSTEM, f"torchao's CPUOffloadOptimizer needs a CUDA device; this run is on {device}", args.batch
-        )
-    with fits(SYSTEM, args):
-        t0 = time.perf_counter()
+    device = cuda_device(SYSTEM, args, "torchao's CPUOffloadOptimizer needs a CUDA device")
+
+    def build() -> tuple[torch.nn.Module, Any]:
         model = build_model(args.model, args.seq, device, torch.float32, args.seed)
         opt = CPUOffloadOptimizer(
             model.parameters(),
@@ -76,22 +72,13 @@ def main() -> None:
             lr=args.lr,
             weight_decay=0.0,
         )
-        setup_s = round(time.perf_counter() - t0, 2)
+        return model, opt
 
-    def step(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = loss_of(model, inputs, labels)
-        loss.backward()
-        clip_offloaded(opt, args.clip)
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    def after_oom(batch: int) -> None:
-        # Drop the device gradients a cut-short backward left. The host copies already queued need
-        # nothing: the next backward copies every gradient again and re-queues each parameter.
-        opt.zero_grad()
-
+    (model, opt), setup_s = build_once(SYSTEM, args, build)
+    step = autocast_step(model, opt, device, lambda: clip_offloaded(opt, args.clip))
+    # After an OOM, drop the device gradients a cut-short backward left. The host copies already queued
+    # need nothing: the next backward copies every gradient again and re-queues each parameter.
+    after_oom = drop_gradients(opt)
     optimizer = "torchao CPUOffloadOptimizer(torch.optim.AdamW, fused, offload_gradients), FP32 master"
     if args.clip is not None:
         optimizer += "; clip_grad_norm_ over the host gradients after their copies"
