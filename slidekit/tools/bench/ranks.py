@@ -5,7 +5,7 @@
 Under torchrun each rank trains its own per-GPU batch; the ranks agree before every step, so a step
 ends on every rank at about the same time, and the record's step is the slowest rank's
 (``slowest_steps``: per step, the largest of the ranks' whole-step seconds). What differs per rank
-goes into the record's ``ranks`` list (``rank_figures``, ``gather_ranks``): its setup, peak host
+goes into the record's ``per_rank`` list (``rank_figures``, ``gather_ranks``): its setup, peak host
 RSS, peak GPU memory, and per step (median over the timed steps) the seconds of the host update
 (the ``update`` lane), of the gradient reduction (``reduce``: ``t_reduce``), of the weight gather
 (``gather``: ``t_gather``) and of the gradient copy (``d2h``); the threads of its host update

@@ -16,7 +16,7 @@ join one ``DataParallel`` for the whole process (every batch's ``Trainer`` share
 per GPU, every rank is fed the same seeded stream and takes every N-th batch of it
 (``rank_batches``, from its own index: what a ``Trainer`` does with ``config.data``), a timed step is
 the slowest rank's, and rank 0 alone prints the record: ``world``, ``tokens_per_s`` (every rank's
-tokens), ``tokens_per_s_per_gpu`` and ``ranks``, each rank's figures (``ranks``). A batch that fails
+tokens), ``tokens_per_s_per_gpu`` and ``per_rank``, each rank's figures (``ranks``). A batch that fails
 on any rank leaves the groups in an unknown state: the later batches are reported, not run.
 
 ``slidekit bench`` starts this module once per (mode, GPUs, recipe, repeat); ``benchmarks/train_throughput.py``
@@ -126,7 +126,7 @@ def measure_slidekit(args: argparse.Namespace, parallel: DataParallel | None = N
         "peak_gpu_gib": peak_gpu_gib(device),
         "peak_host_rss_gib": peak_rss_gib(),
         "peak_rss_scope": scope,
-        "ranks": ranks,
+        "per_rank": ranks,
         "host_update_s": host_update_s(ranks),
         **lane_metrics(timings, own_seconds, spec.num_layers),
         "losses": [round(x, 4) for x in result.losses[timed]],
