@@ -142,7 +142,9 @@ def test_every_suite_s_core_runs_fit_one_device_call(name):
     core = [p for p in plan.runs if p.run.importance == 0.0]
     assert core and all(p.keep for p in core), format_plan(plan)
     assert plan.predicted_s <= CALL_BUDGET_S
-    assert {r.repeat for r in runs} == {1, 2} and {r.clip for r in runs} == {None, 1.0}
+    assert {r.repeat for r in runs} == {1, 2}
+    # The data-parallel suites (issue 19) measure scaling without clipping; the others both recipes.
+    assert {r.clip for r in runs} == ({None} if name.startswith("dp-") else {None, 1.0})
 
 
 def test_measured_records_replace_the_estimates():

@@ -15,6 +15,14 @@ memory falls under its floor it kills the group and the run's ``failure`` says
 watchdog)". The child is also made the kernel OOM killer's first choice
 (``oom_score_adj`` 1000), should memory go faster than the watchdog looks.
 
+A child's *tree* is its process group and every descendant, also one that
+started a session of its own: torchrun starts each rank with
+``start_new_session``, so a kill of the group alone would leave the ranks
+running, holding the GPUs and the output pipes. The kill, the watchdog's
+RSS and its verdict all take the tree (``process_tree``), found from /proc
+before anything is killed (a rank whose parent died is re-parented and
+could no longer be found).
+
 Test: ``pytest tests/test_bench.py`` (its child-process tests).
 """
 
@@ -33,7 +41,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ChildRun", "MemoryWatchdog", "group_rss_bytes", "last_error", "run_child", "stream_child"]
+__all__ = [
+    "ChildRun",
+    "MemoryWatchdog",
+    "group_rss_bytes",
+    "kill_tree",
+    "last_error",
+    "process_tree",
+    "run_child",
+    "stream_child",
+]
 
 _GIB = float(2**30)
 
@@ -86,27 +103,73 @@ def _status(pid: int) -> dict[str, int]:
     return proc_sizes(f"/proc/{pid}/status")
 
 
-def group_rss_bytes(pgid: int) -> tuple[int, int]:
-    """(resident bytes now, the largest VmHWM) summed / taken over every process of group ``pgid``.
-
-    The group is found in /proc (``stat``'s fifth field), so a compiler or worker the child started
-    counts too; (0, 0) where there is no /proc.
-    """
-    rss = hwm = 0
+def _processes() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, process group) of every process /proc shows (empty where there is no /proc)."""
+    out: dict[int, tuple[int, int]] = {}
     try:
         pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
     except OSError:
-        return 0, 0
+        return out
     for pid in pids:
         try:
             with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            out[pid] = (int(fields[1]), int(fields[2]))
+        except (OSError, IndexError, ValueError):
             continue  # gone meanwhile
-        if len(fields) > 2 and fields[2] == str(pgid):
-            status = _status(pid)
-            rss += status.get("VmRSS", 0)
-            hwm = max(hwm, status.get("VmHWM", 0))
+    return out
+
+
+def process_tree(root: int) -> list[int]:
+    """``root``'s process group and every descendant of any of them (new sessions included), from /proc.
+
+    torchrun's ranks run in sessions of their own, children of the agent: the group alone misses them.
+    """
+    table = _processes()
+    found = {pid for pid, (_, group) in table.items() if group == root or pid == root}
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in table.items():
+        children.setdefault(parent, []).append(pid)
+    todo = list(found)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return sorted(found)
+
+
+def kill_tree(root: int) -> None:
+    """SIGKILL ``root``'s tree (``process_tree``): its group, every descendant, and the groups that
+    descendants lead (a rank's own children). Found before the first kill, so re-parenting loses none."""
+    tree = process_tree(root)
+    groups = {root} | {pid for pid in tree if _leads_group(pid)}
+    for group in groups:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(group, signal.SIGKILL)
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _leads_group(pid: int) -> bool:
+    try:
+        return os.getpgid(pid) == pid
+    except OSError:
+        return False
+
+
+def group_rss_bytes(pgid: int) -> tuple[int, int]:
+    """(resident bytes now, the largest VmHWM) summed / taken over every process of ``pgid``'s tree.
+
+    The tree (``process_tree``) is the group and every descendant, so a compiler or worker the child
+    started counts too, and so do torchrun's ranks in sessions of their own; (0, 0) where there is no /proc.
+    """
+    rss = hwm = 0
+    for pid in process_tree(pgid):
+        status = _status(pid)
+        rss += status.get("VmRSS", 0)
+        hwm = max(hwm, status.get("VmHWM", 0))
     return rss, hwm
 
 
@@ -172,8 +235,7 @@ class MemoryWatchdog:
                 why = self.verdict(rss, watch.peak, self.available(rss))
                 if why is not None and proc.poll() is None:
                     watch.reason = why
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
+                    kill_tree(proc.pid)
                     return
                 watch.stopping.wait(self.poll_s)
 
@@ -266,8 +328,7 @@ def stream_child(
     if watch is not None:
         watch.stop()  # before a timeout's kill: a group killed for its time is not blamed on memory
     if killed:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         proc.wait()
     for pump in pumps:
         pump.join(timeout=10)

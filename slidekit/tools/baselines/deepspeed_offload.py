@@ -3,7 +3,11 @@
     python -m slidekit.tools.baselines.deepspeed_offload --model qwen2.5-3b --batch 8,16,32 --seq 1024
     python -m slidekit.tools.baselines.deepspeed_offload --model qwen2.5-3b --batch 8,32 --offload-ratio 0.5
 
-One process (RANK 0 of WORLD_SIZE 1, set here, on a free local port), BF16
+One process (RANK 0 of WORLD_SIZE 1, set here, on a free local port), or under
+``python -m torch.distributed.run --nproc-per-node N`` one rank of N (torchrun's RANK, LOCAL_RANK,
+WORLD_SIZE kept; each rank on ``cuda:LOCAL_RANK``, ``--batch`` rows per GPU, ZeRO-2 partitioning
+the optimizer state over the ranks; every rank trains the same seeded rows, which costs what
+different rows would; rank 0 alone prints, and its records count every rank's tokens), BF16
 weights and compute on the GPU, FP32 master partitions and AdamW moments in
 pinned host memory, updated by DeepSpeedCPUAdam (its C++ extension is built
 on first use with the system compiler and ninja, then cached under
@@ -55,6 +59,7 @@ import argparse
 import math
 import os
 import socket
+import sys
 from typing import Any
 
 import torch
@@ -105,7 +110,9 @@ def ds_config(batch: int, *, clip: float | None = None, offload_ratio: float | N
 
 
 def single_process_env() -> None:
-    """The environment torch.distributed reads for a world of one process."""
+    """The environment torch.distributed reads for a world of one process (under torchrun: its own)."""
+    if "WORLD_SIZE" in os.environ:
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -138,6 +145,17 @@ def build_engine(args: Any, device: torch.device, system: str) -> Any:
     return engine
 
 
+def join_torchrun() -> None:
+    """Under torchrun with WORLD_SIZE > 1: this rank on ``cuda:LOCAL_RANK`` ("cuda" then means it), and
+    standard output only on rank 0 (its records count every rank's tokens; lines of N ranks interleave)."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) <= 1:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    if int(os.environ.get("RANK", "0")) != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  # for the process's life
+
+
 def _ratio(text: str) -> float:
     try:
         value = float(text)
@@ -159,6 +177,7 @@ def main() -> None:
         help="ZeRO-3 partial offload: this share of the optimizer state on the CPU (system deepspeed_partial)",
     )
     args = p.parse_args()
+    join_torchrun()
     system = SYSTEM if args.offload_ratio is None else PARTIAL
     os.environ.setdefault("DS_ACCELERATOR", "cuda")  # the wheel was built where no GPU was
     os.environ.setdefault("DS_SKIP_CUDA_CHECK", "1")

@@ -16,6 +16,14 @@ its full offload; a model not measured scales the nearest measured one by parame
 an unmeasured batch is linear in the batch through the two nearest measured ones. ``--costs
 FILE.jsonl`` replaces the estimates with the records of an earlier suite (``costs_from_records``).
 
+A run on N GPUs (cost key ``KIND@N``) has never been measured: at the same per-GPU batch it is
+estimated as the same kind on one GPU, each step x ``RANK_STEP_FACTOR`` (the collectives and the
+ranks waiting for the slowest) and its setup + ``RANK_SETUP_S`` (the process groups), and its
+process start + ``TORCHRUN_S`` (the launcher and N interpreters). Where the one-GPU kind exhausted
+the 1-GPU machine's RAM (123 GiB), the 2-GPU machine (256 GB) may hold it: its steps then come from
+the nearest model where that kind ran, scaled by parameters; ``RANKED`` holds the cases judged
+otherwise, each with its arithmetic.
+
 Test: ``pytest tests/test_bench_plan.py``.
 """
 
@@ -33,7 +41,11 @@ __all__ = [
     "MEASURED",
     "OOM_BATCH_S",
     "PER_BATCH_S",
+    "RANKED",
+    "RANK_SETUP_S",
+    "RANK_STEP_FACTOR",
     "START_S",
+    "TORCHRUN_S",
     "Cost",
     "cost_of",
     "costs_from_records",
@@ -48,6 +60,10 @@ OOM_BATCH_S = 5.0  # a batch that runs out of GPU memory: the steps until it doe
 #: Step time with max_grad_norm over without (estimates): slidekit defers host updates to the next forward.
 CLIP_FACTOR = {"slidekit": 1.10, "slidekit:all": 1.02, "torchao": 1.15, "deepspeed": 1.05}
 CLIP_FACTOR |= {"deepspeed_partial": 1.05}
+#: A run on N GPUs against one (estimates, module docstring): its step, its setup, its process start.
+RANK_STEP_FACTOR = 1.1
+RANK_SETUP_S = 5.0
+TORCHRUN_S = 5.0
 #: What is built once per machine before the runs (``slidekit build``; DeepSpeed's cpu_adam extension).
 BUILD_S = {"slidekit": 35.0, "deepspeed": 70.0}
 
@@ -145,6 +161,15 @@ MEASURED: dict[tuple[str, str], Cost] = {
     ("qwen2.5-14b", "deepspeed"): Cost(host_oom_s=110.0, source="expected to exhaust host RAM"),
 }
 
+#: Runs on several GPUs judged apart from the rule (module docstring), each with its arithmetic.
+RANKED: dict[tuple[str, str], Cost] = {
+    # DeepSpeed's host buffers, ~23 B/param at 3B on one GPU (ZeRO-2 partitions the optimizer state, the
+    # other buffers are per rank): >= 23 x 14.8 B = 340 GB > the 2-GPU machine's 256 GB.
+    ("qwen2.5-14b", "deepspeed@2"): Cost(
+        host_oom_s=150.0, source="estimate: expected to exhaust host RAM (23 B/param x 14.8 B > 256 GB)"
+    ),
+}
+
 #: Parameters of the presets the table covers, billions (scaling a model the table lacks).
 _PARAMS_B = {"qwen2.5-1.5b": 1.54, "qwen2.5-3b": 3.09, "qwen2.5-7b": 7.62, "llama-3.1-8b": 8.03}
 _PARAMS_B |= {"qwen2.5-14b": 14.77, "mistral-small-24b": 23.57, "tiny": 0.0}
@@ -160,6 +185,8 @@ def cost_of(model: str, key: str, table: Mapping[tuple[str, str], Cost] | None =
     got = _lookup(model, key, table)
     if got is not None:
         return got
+    if "@" in key:
+        return _on_ranks(model, key, table)
     if key == "slidekit:auto":
         return cost_of(model, "slidekit:all", table).scaled(1.0, "auto as all-resident")
     if key.startswith("slidekit:") and key.count(":") == 1 and key not in ("slidekit:all", "slidekit:none"):
@@ -184,12 +211,34 @@ def cost_of(model: str, key: str, table: Mapping[tuple[str, str], Cost] | None =
     return Cost(setup_s=5.0, steps={1: 0.5}, source="no measurement: a guess")
 
 
+def _on_ranks(model: str, key: str, table: Mapping[tuple[str, str], Cost]) -> Cost:
+    """The estimate of a run on N GPUs (module docstring)."""
+    if (model, key) in RANKED:
+        return RANKED[(model, key)]
+    one, ranks = key.rsplit("@", 1)
+    base = cost_of(model, one, table)
+    if base.host_oom_s is not None:  # on the 1-GPU machine; the 2-GPU machine has twice its RAM
+        ran = [m for (m, k), c in table.items() if k == one and c.steps and _PARAMS_B.get(m, 0) > 0]
+        if ran and _PARAMS_B.get(model, 0) > 0:
+            near = min(ran, key=lambda m: abs(_PARAMS_B[m] - _PARAMS_B[model]))
+            base = table[(near, one)].scaled(
+                _PARAMS_B[model] / _PARAMS_B[near], f"estimate: {near} x params, host RAM of 256 GB"
+            )
+    return Cost(
+        setup_s=base.setup_s + RANK_SETUP_S,
+        steps={b: s * RANK_STEP_FACTOR for b, s in base.steps.items()},
+        source=f"estimate: {ranks} GPUs as one x {RANK_STEP_FACTOR:g} per step ({base.source})",
+        oom=base.oom,
+        host_oom_s=base.host_oom_s,
+    )
+
+
 def predict(
     run: RunSpec, model: str, *, steps: int, warmup: int, table: Mapping[tuple[str, str], Cost] | None = None
 ) -> float:
     """Predicted wall seconds of ``run`` on ``model`` (the module docstring's sum)."""
     cost = cost_of(model, run.cost_key, table)
-    start = START_S.get(run.system, 13.0)
+    start = START_S.get(run.system, 13.0) + (TORCHRUN_S if run.ranks > 1 else 0.0)
     if cost.host_oom_s is not None:
         return start + cost.host_oom_s
     clip = 1.0

@@ -6,7 +6,8 @@ so every row of a suite is computed the same way:
 - ``synthetic_tokens``: the rows every system trains on (seeded, uniform random).
 - ``throughput``: from the whole-step times of N consecutive timed steps (start of step i to start of
   step i+1, the last ending with every update applied and the device idle): the period is their sum,
-  tokens/s = N x batch x seq / period, model TFLOPS = N x ``model_flops`` / period. The record keeps
+  tokens/s = N x world x batch x seq / period (``batch`` per GPU, every rank's tokens), model TFLOPS
+  = N x world x ``model_flops`` / period. The record keeps
   every step's seconds to the microsecond and its figures are computed from those rounded values, so
   ``throughput`` of a record's own ``step_seconds`` gives its figures back exactly.
 - ``lane_metrics``: slidekit's per-lane times, eta and the GPU busy fractions.
@@ -110,30 +111,49 @@ def run_header(system: str, args: argparse.Namespace, device: torch.device) -> d
     }
 
 
-def throughput(spec: ArchSpec, batch: int, seq: int, step_seconds: Sequence[float]) -> dict[str, Any]:
+def throughput(
+    spec: ArchSpec, batch: int, seq: int, step_seconds: Sequence[float], *, world: int | None = None
+) -> dict[str, Any]:
     """The figures of N consecutive timed steps of ``batch`` rows of ``seq`` tokens, from their whole-step times.
 
     ``period_s`` is the sum of the steps (start of the first to the end of the last), ``tokens_per_s``
-    = N x batch x seq / period and ``model_tflops`` = N x model FLOPs / period; ``mean_step_s`` = period
-    / N, ``median_step_s`` is for spotting an odd step. Every figure is computed from the seconds as
-    recorded (to the microsecond), so a record's own ``step_seconds`` give its figures back exactly.
+    = N x world x batch x seq / period and ``model_tflops`` = N x world x model FLOPs / period (every
+    rank's rows: ``batch`` is per GPU), ``tokens_per_s_per_gpu`` = tokens_per_s / world; ``mean_step_s``
+    = period / N, ``median_step_s`` is for spotting an odd step. Every figure is computed from the
+    seconds as recorded (to the microsecond), so a record's own ``step_seconds`` give its figures back
+    exactly. ``world``: the ranks that each trained ``batch`` rows a step (default: the size of
+    torch.distributed's default group where one is initialised, else 1).
     """
     from slidekit.telemetry import model_flops
 
     if not step_seconds:
         raise ValueError("throughput needs at least one timed step")
+    if world is None:
+        world = _default_world()
+    if world < 1:
+        raise ValueError(f"throughput needs world >= 1 (the ranks of the run), got {world}")
     seconds = [round(s, 6) for s in step_seconds]
     period = sum(seconds)
     steps = len(seconds)
+    tokens_per_s = round(steps * world * batch * seq / period, 1)
     return {
         "params": spec.num_params,
+        "world": world,
         "step_seconds": seconds,
         "period_s": round(period, 6),
         "mean_step_s": round(period / steps, 4),
         "median_step_s": round(median(seconds), 4),
-        "tokens_per_s": round(steps * batch * seq / period, 1),
-        "model_tflops": float(f"{steps * model_flops(spec, batch * seq, seq) / period / 1e12:.4g}"),
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_per_gpu": round(tokens_per_s / world, 1),
+        "model_tflops": float(f"{steps * world * model_flops(spec, batch * seq, seq) / period / 1e12:.4g}"),
     }
+
+
+def _default_world() -> int:
+    """The ranks of torch.distributed's default group (a baseline under torchrun), or 1."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def lane_metrics(
@@ -165,7 +185,9 @@ def versions() -> dict[str, str | None]:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             out[name] = None
-    if out.get("torch") is not None:  # the build, not the wheel's name: "2.11.0+cu130" where pip says "2.11.0"
+    if (
+        out.get("torch") is not None
+    ):  # the build, not the wheel's name: "2.11.0+cu130" where pip says "2.11.0"
         import torch
 
         out["torch"] = torch.__version__

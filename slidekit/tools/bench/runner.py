@@ -17,7 +17,15 @@
 3. The runs left out (by the plan and not taken up when ahead) get a row per batch: "not run: time
    budget (predicted S s; ...)".
 
-Every row carries the run's identity (suite, label, recipe, repeat, cost key, prediction), the
+A run on N GPUs (``RunSpec.ranks``) is ``python -m torch.distributed.run --standalone
+--nproc-per-node N`` around the same module or script (``torchrun_command``): its ranks run in
+sessions of their own, and the deadline and the memory watchdog take the whole tree
+(``children.kill_tree``). Every child of a suite with such a run, builds and one-GPU runs included,
+gets ``MULTICAST_OFF`` in its environment (NVLink multicast off: NCCL's NVLS, torch's symmetric
+memory, NVSHMEM); a run on N GPUs also gets ``OMP_NUM_THREADS`` = the CPUs / N (torchrun would set
+1, leaving each rank's host update one thread) unless the bench's own environment sets it.
+
+Every row carries the run's identity (suite, label, recipe, repeat, GPUs, cost key, prediction), the
 commit, the date and the package versions; the suite's first JSONL line (``"record": "suite"``)
 has the plan, the builds and the machine-independent settings. Test: ``pytest tests/test_bench.py``.
 """
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import threading
@@ -36,11 +45,19 @@ from pathlib import Path
 from typing import Any
 
 from slidekit.tools.bench.costs import BUILD_S
-from slidekit.tools.bench.suites import BASELINE_PACKAGE, RunSpec, Suite
+from slidekit.tools.bench.suites import BASELINE_PACKAGE, RunSpec, Suite, expand
 from slidekit.tools.bench.timeplan import Plan, Planned, builds_for, format_plan
 from slidekit.tools.children import ChildRun, MemoryWatchdog, last_error, stream_child
 
-__all__ = ["BUILD_COMMANDS", "Recorder", "run_suite"]
+__all__ = ["BUILD_COMMANDS", "MULTICAST_OFF", "Recorder", "child_env", "run_suite", "torchrun_command"]
+
+#: NVLink multicast off, in every process of a suite with a run on several GPUs (the 2-GPU machine's
+#: advice, docs/benchmarking.md): NCCL's NVLS algorithms, torch's symmetric memory, NVSHMEM's NVLS.
+MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 _MIN_RUN_S = 15.0  # too little to build a model and time a step
 
@@ -93,8 +110,40 @@ def _progress_line(row: dict[str, Any]) -> str:
     return f"{what}: {row['tokens_per_s']:,.0f} tokens/s, {row['model_tflops']:.1f} TFLOPS ({row.get('wall_s')} s)"
 
 
+def torchrun_command(ranks: int, target: list[str]) -> list[str]:
+    """``target`` (``["-m", module, ...]`` or ``[script, ...]``) on ``ranks`` processes of this host."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+    return [*launcher, *target]
+
+
+def child_env(suite: Suite, run: RunSpec | None, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The variables a child of ``suite`` gets beside the bench's own (``run`` None: a build); see the
+    module docstring."""
+    env: dict[str, str] = {}
+    if any(r.ranks > 1 for r in expand(suite)):
+        env |= MULTICAST_OFF
+    if run is not None and run.ranks > 1 and "OMP_NUM_THREADS" not in environ:
+        env["OMP_NUM_THREADS"] = str(max(1, _cpus() // run.ranks))
+    return env
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _command(args: argparse.Namespace, run: RunSpec, suite: Suite) -> list[str] | str:
     """The child's command line, or why there is none (a replacement script missing)."""
+    target = _target(args, run, suite)
+    if isinstance(target, str) or run.ranks == 1:
+        return target if isinstance(target, str) else [sys.executable, *target]
+    return torchrun_command(run.ranks, target)
+
+
+def _target(args: argparse.Namespace, run: RunSpec, suite: Suite) -> list[str] | str:
+    """What the interpreter runs (``-m module`` or a script) and its options, or why there is none."""
     common = ["--model", suite.model, "--batch", ",".join(map(str, run.batches)), "--seq", str(suite.seq)]
     common += ["--steps", str(suite.steps), "--warmup", str(suite.warmup), "--seed", str(args.seed)]
     common += ["--device", args.device]
@@ -108,14 +157,14 @@ def _command(args: argparse.Namespace, run: RunSpec, suite: Suite) -> list[str] 
             ["--offload-dir", args.offload_dir] if args.offload_dir else []
         )
         if directory is not None and (directory / "slidekit.py").is_file():
-            return [sys.executable, str(directory / "slidekit.py"), *flags]
-        return [sys.executable, "-m", "slidekit.tools.bench", *flags]
+            return [str(directory / "slidekit.py"), *flags]
+        return ["-m", "slidekit.tools.bench", *flags]
     if directory is None:
-        return [sys.executable, "-m", f"{BASELINE_PACKAGE}.{run.script.removesuffix('.py')}", *flags]
+        return ["-m", f"{BASELINE_PACKAGE}.{run.script.removesuffix('.py')}", *flags]
     path = directory / run.script
     if not path.is_file():
         return f"script {path} not found (pass --baselines-dir with it, or leave --baselines-dir out)"
-    return [sys.executable, str(path), *flags]
+    return [str(path), *flags]
 
 
 def _log_path(logs: Path | None, name: str) -> Path | None:
@@ -126,13 +175,15 @@ def run_builds(
     names: Sequence[str],
     logs: Path | None,
     commands: Mapping[str, tuple[list[str], dict[str, str]]] = BUILD_COMMANDS,
+    extra_env: Mapping[str, str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Run the builds ``names`` (of ``commands``) side by side, each for at most ``_BUILD_SLACK`` x its
-    prediction; per build: ok, seconds, and why not."""
+    prediction, with ``extra_env`` beside each build's own variables; per build: ok, seconds, and why not."""
     out: dict[str, dict[str, Any]] = {}
 
     def one(name: str) -> None:
-        cmd, env = commands[name]
+        cmd, own = commands[name]
+        env = {**(extra_env or {}), **own}
         limit = _BUILD_SLACK * BUILD_S.get(name, 60.0)
         run = stream_child(cmd, timeout=limit, log=_log_path(logs, f"build_{name}"), env=env)
         out[name] = {"ok": run.failure is None, "wall_s": run.wall_s, "failure": run.failure}
@@ -167,7 +218,7 @@ def run_suite(
     logs = Path(args.logs) if args.logs else None
     print(format_plan(plan), file=sys.stderr, flush=True)
     if plan.builds:
-        recorder.header["builds"] = run_builds(plan.builds, logs)
+        recorder.header["builds"] = run_builds(plan.builds, logs, extra_env=child_env(suite, None))
         recorder.rewrite()
 
     def left() -> float:
@@ -180,6 +231,7 @@ def run_suite(
         base |= {"system": run.system, "label": run.label, "kind": run.kind, "cost_key": run.cost_key}
         base |= {"max_grad_norm": run.clip, "repeat": run.repeat, "run_name": run.name}
         base |= {"predicted_s": planned.predicted_s, "resident": run.resident}
+        base |= {"ranks": run.ranks, "family": run.family or run.label}
         ahead = not planned.keep and _taken_up(planned, plan, left() - kept_after[i])
         if not (planned.keep or ahead) or planned.predicted_s > left() or left() < _MIN_RUN_S:
             why = f"not run: time budget (predicted {planned.predicted_s:.0f} s; "
@@ -201,7 +253,10 @@ def run_suite(
             continue
         if ahead:
             base["taken_up"] = "the plan left it out; the suite was ahead of its plan"
-        _one_run(run, cmd, limit, base, recorder, logs, watchdog)
+        env = child_env(suite, run)
+        if env:
+            base["env"] = env
+        _one_run(run, cmd, limit, base, recorder, logs, watchdog, env)
     recorder.rewrite()
     return recorder.rows
 
@@ -221,8 +276,9 @@ def _one_run(
     recorder: Recorder,
     logs: Path | None,
     watchdog: MemoryWatchdog | None,
+    env: dict[str, str] | None = None,
 ) -> None:
-    """One process over all of ``run``'s batches: a row per batch as its line arrives, then a row for every
+    """One process (``run.ranks`` under torchrun) over all of ``run``'s batches: a row per batch as its line arrives, then a row for every
     batch it printed nothing for, saying why."""
     done: dict[int, dict[str, Any]] = {}
     general: list[dict[str, Any]] = []  # records naming no batch speak for every batch
@@ -241,7 +297,7 @@ def _one_run(
             recorder.add(done[batch])
 
     result: ChildRun = stream_child(
-        cmd, timeout=limit, log=_log_path(logs, run.name), on_record=on_record, watchdog=watchdog
+        cmd, timeout=limit, log=_log_path(logs, run.name), on_record=on_record, watchdog=watchdog, env=env
     )
     for r in done.values():
         r["process_wall_s"] = result.wall_s

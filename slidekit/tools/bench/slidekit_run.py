@@ -11,8 +11,16 @@ start to start, the last ending once every update is applied and the device is i
 line is printed at once (a run killed later keeps it). A batch that does not fit (the planner refuses
 it, or the GPU runs out of memory) prints its reason and the next batch still runs.
 
-``slidekit bench`` starts this module once per (mode, recipe, repeat); ``benchmarks/train_throughput.py``
-wraps it. Test: ``pytest tests/test_bench.py``.
+Under ``python -m torch.distributed.run --nproc-per-node N`` it is one data-parallel run: the ranks
+join one ``DataParallel`` for the whole process (every batch's ``Trainer`` shares it), ``--batch`` is
+per GPU, every rank is fed the same seeded stream and takes every N-th batch of it
+(``rank_batches``, from its own index: what a ``Trainer`` does with ``config.data``), a timed step is
+the slowest rank's, and rank 0 alone prints the record: ``world``, ``tokens_per_s`` (every rank's
+tokens), ``tokens_per_s_per_gpu`` and ``per_rank``, each rank's figures (``ranks``). A batch that fails
+on any rank leaves the groups in an unknown state: the later batches are reported, not run.
+
+``slidekit bench`` starts this module once per (mode, GPUs, recipe, repeat); ``benchmarks/train_throughput.py``
+wraps it. Test: ``pytest tests/test_bench.py tests/test_bench_dp.py``.
 """
 
 from __future__ import annotations
@@ -25,8 +33,9 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from slidekit.tools.bench.ranks import gather_ranks, host_update_s, rank_figures, slowest_steps
 from slidekit.tools.bench.records import (
     does_not_fit,
     lane_metrics,
@@ -37,6 +46,9 @@ from slidekit.tools.bench.records import (
     throughput,
 )
 from slidekit.tools.presets import PRESETS, arch_spec, write_config
+
+if TYPE_CHECKING:
+    from slidekit.distributed import DataParallel
 
 __all__ = ["engine_arguments", "main", "measure_slidekit", "slidekit_parser"]
 
@@ -64,33 +76,39 @@ def _config(args: argparse.Namespace, model_dir: str) -> Any:
     )
 
 
-def measure_slidekit(args: argparse.Namespace) -> dict[str, Any]:
+def measure_slidekit(args: argparse.Namespace, parallel: DataParallel | None = None) -> dict[str, Any]:
     """Train ``args.warmup`` + ``args.steps`` steps of preset ``args.model`` at batch ``args.batch`` (one
-    int) in one ``fit``; the record of the timed steps."""
+    int, per GPU) in one ``fit``; the record of the timed steps (every rank's, with ``parallel``)."""
     import torch
 
     from slidekit import Batch, Trainer
+    from slidekit.distributed.launch import rank_batches
     from slidekit.telemetry import reset_peak_rss
 
     scope = "batch" if reset_peak_rss() else "process"
     with tempfile.TemporaryDirectory() as tmp:
         write_config(args.model, Path(tmp), args.seq)
         t0 = time.perf_counter()
-        trainer = Trainer(_config(args, tmp))
+        trainer = Trainer(_config(args, tmp), parallel=parallel)
         setup_s = time.perf_counter() - t0
         spec, device = trainer.spec, trainer.device
         resident = f"{len(trainer.engine.window.resident)}/{len(spec.units)}"
         kept = sum(trainer.engine.keeps)  # layers keeping their activations (engine.recompute "auto")
-        data = (Batch(x, y) for x, y in synthetic_tokens(spec.vocab_size, args.batch, args.seq, args.seed))
+        stream = (Batch(x, y) for x, y in synthetic_tokens(spec.vocab_size, args.batch, args.seq, args.seed))
+        data = rank_batches(stream, parallel)  # fit takes the batches it is given: rank r's share
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         with trainer:
             result = trainer.fit(data, steps=args.warmup + args.steps)
             kernels, optimizer = trainer.selections["kernels"].name, trainer.selections["optimizer"].name
     timed = slice(args.warmup, None)
-    step_seconds, timings = result.step_seconds[timed], result.timings[timed]
-    if len(step_seconds) != args.steps:
+    own_seconds, timings = result.step_seconds[timed], result.timings[timed]
+    if len(own_seconds) != args.steps:
         raise RuntimeError(f"fit ran {len(result.step_seconds)} steps of {args.warmup + args.steps}")
+    mine = rank_figures(setup_s=setup_s, timings=timings, step_seconds=own_seconds, device=device)
+    ranks = gather_ranks(parallel, mine)
+    step_seconds = slowest_steps(parallel, own_seconds)  # the ranks wait for each other every step
+    world = 1 if parallel is None else parallel.world
     return {
         **run_header("slidekit", args, device),
         "resident": args.resident,
@@ -105,12 +123,15 @@ def measure_slidekit(args: argparse.Namespace) -> dict[str, Any]:
         "window": args.window,
         "kernels": kernels,
         "optimizer": optimizer,
-        "setup_s": round(setup_s, 2),
-        **throughput(spec, args.batch, args.seq, step_seconds),
+        "setup_s": max(float(r["setup_s"] or 0.0) for r in ranks),
+        **throughput(spec, args.batch, args.seq, step_seconds, world=world),
+        "backend": None if parallel is None else parallel.backend,
         "peak_gpu_gib": peak_gpu_gib(device),
         "peak_host_rss_gib": peak_rss_gib(),
         "peak_rss_scope": scope,
-        **lane_metrics(timings, step_seconds, spec.num_layers),
+        "per_rank": ranks,
+        "host_update_s": host_update_s(ranks),
+        **lane_metrics(timings, own_seconds, spec.num_layers),
         "losses": [round(x, 4) for x in result.losses[timed]],
         "grad_norms": [round(x, 4) for x in result.grad_norms[timed]] if result.grad_norms else None,
     }
@@ -120,27 +141,40 @@ def _unavailable(args: argparse.Namespace, reason: str) -> dict[str, Any]:
     return {"system": "slidekit", "status": "unavailable", "batch": args.batch, "reason": reason}
 
 
-def _measure_or_why(args: argparse.Namespace) -> dict[str, Any]:
-    """``measure_slidekit``, or the record of why this batch cannot run (the next batch still runs)."""
+def _measure_or_why(args: argparse.Namespace, parallel: DataParallel | None = None) -> dict[str, Any]:
+    """``measure_slidekit``, or the record of why this batch cannot run (the next batch still runs in
+    one process; with ``parallel`` the caller stops)."""
     import torch
 
     from slidekit.errors import SlidekitError
 
     try:
-        record = measure_slidekit(args)
+        record = measure_slidekit(args, parallel)
     except torch.OutOfMemoryError as exc:
         spec = arch_spec(args.model, args.seq)
         record = _unavailable(
             args, does_not_fit(str(exc), batch=args.batch, seq=args.seq, vocab=spec.vocab_size)
         )
+        _tell_peers(parallel, exc)
     except SlidekitError as exc:  # the planner refusing a layout, a driver missing: its own message
         record = _unavailable(args, f"{type(exc).__name__}: {exc}")
+        _tell_peers(parallel, exc)
+    except BaseException as exc:
+        _tell_peers(parallel, exc)
+        raise
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     if record["status"] == "ok" and not all(math.isfinite(x) for x in record["losses"]):
         record = {**record, "status": "failed", "reason": f"non-finite loss: {record['losses']}"}
     return record
+
+
+def _tell_peers(parallel: DataParallel | None, exc: BaseException) -> None:
+    """Report this rank's failure to the others (once; ``Trainer`` reports its own), so no rank waits in a
+    gathering collective for one that left."""
+    if parallel is not None:
+        parallel.report(exc)
 
 
 def slidekit_parser() -> argparse.ArgumentParser:
@@ -178,20 +212,46 @@ def engine_arguments(p: argparse.ArgumentParser, *, resident_help: str) -> None:
     p.add_argument("--offload-dir", default=None, help="directory for file-backed tiers")
 
 
+def _join(args: argparse.Namespace) -> tuple[argparse.Namespace, DataParallel | None]:
+    """Under torchrun with WORLD_SIZE > 1: ``args`` with this rank's device, and the run's groups (one
+    ``DataParallel`` for every batch of the process); else ``(args, None)``."""
+    from slidekit import EngineConfig, TrainConfig
+    from slidekit.distributed.launch import launch
+
+    config, parallel = launch(TrainConfig(engine=EngineConfig(device=args.device)))
+    if parallel is None:
+        return args, None
+    return argparse.Namespace(**{**vars(args), "device": config.engine.device}), parallel
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Every ``--batch`` in order: print its JSON line at once (and append it to --out)."""
+    """Every ``--batch`` in order: print its JSON line at once (and append it to --out); under torchrun,
+    rank 0 alone prints (module docstring)."""
     args = slidekit_parser().parse_args(argv)
     try:
         batches = [int(b) for b in args.batch.split(",") if b.strip()]
     except ValueError:
         raise SystemExit(f"--batch {args.batch!r}: give batch sizes as integers, e.g. 8,32") from None
+    args, parallel = _join(args)
     ok = False
-    for batch in batches:
-        record = _measure_or_why(argparse.Namespace(**{**vars(args), "batch": batch}))
-        ok |= record["status"] == "ok"
-        line = json.dumps(record)
-        print(line, flush=True)
-        if args.out:
-            with args.out.open("a") as f:
-                f.write(line + "\n")
+    stopped: str | None = None
+    try:
+        for batch in batches:
+            if stopped is not None:
+                record = _unavailable(argparse.Namespace(batch=batch), stopped)
+            else:
+                record = _measure_or_why(argparse.Namespace(**{**vars(args), "batch": batch}), parallel)
+                if parallel is not None and record["status"] != "ok":
+                    stopped = f"not run: batch {batch} failed on the ranks, whose groups cannot go on ({record['reason']})"
+            ok |= record["status"] == "ok"
+            if parallel is not None and parallel.rank != 0:
+                continue  # rank 0's record has every rank's figures; lines of several processes interleave
+            line = json.dumps(record)
+            print(line, flush=True)
+            if args.out:
+                with args.out.open("a") as f:
+                    f.write(line + "\n")
+    finally:
+        if parallel is not None:
+            parallel.close()
     return 0 if ok else 1

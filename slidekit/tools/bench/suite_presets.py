@@ -89,6 +89,31 @@ _HOST = (
     "machine's RAM at 7B: they are tried, and host RAM exhausted is their measured result"
 )
 
+
+def _dp(model: str, batch: int, *, offload_importance: float, alt_importance: float, note: str) -> Suite:
+    """slidekit data-parallel on 2 GPUs against slidekit on 1 GPU (issue 19), the same per-GPU batch:
+    the planner's choice and forced full offload, each on 1 and on 2 GPUs, and DeepSpeed ZeRO-2 Offload on
+    the same 2 GPUs; no clipping (its cost is the main suites'), one batch (forced offload builds ~1 min)."""
+    modes = [Mode(resident=r, ranks=n, importance=0.0) for r in ("auto",) for n in (1, 2)]
+    modes += [Mode(resident="none", ranks=n, importance=offload_importance) for n in (1, 2)]
+    return Suite(
+        name=f"dp-{model}",
+        model=model,
+        batches=(batch,),
+        modes=tuple(modes),
+        alternatives=(Alt(name="deepspeed", ranks=2, importance=alt_importance),),
+        clips=(None,),
+        steps=6,
+        warmup=1,
+        note=note,
+    )
+
+
+_DP_NOTE = (
+    "the 2-GPU machine (nvidia-h200-x2: 256 GB of RAM, 32 CPUs shared by the ranks); --batch is per GPU; "
+    "each rank's host update gets OMP_NUM_THREADS = CPUs / ranks; NVLink multicast off in every process"
+)
+
 #: The suites of issue 15: per model size one of slidekit against the no-offload recipes, and one against
 #: the alternatives that offload, each sized for one device call (docs/benchmarking.md says how). What the
 #: time budget leaves out is in the suite's table as "not run: time budget".
@@ -128,6 +153,29 @@ SUITES: dict[str, Suite] = {
         "efficiency; every state on the host uses adamw_8bit (layer_adam's would need ~182 GiB of RAM)",
     ),
 }
+
+
+# Data parallelism on the 2-GPU machine (issue 19), each one device call; per-GPU batches from
+# `slidekit plan --preset MODEL --gpu h200 --nproc-per-node 2 --batch-size 8 --gpu-resident none|auto`:
+# 7B forced offload needs 46 GiB of host RAM per rank (92 GiB of the 256), the planner keeps all 30 units
+# resident (72 GiB of GPU per rank, compute-bound); 14B forced offload 86 GiB per rank (172 GiB; one
+# GPU: 169 GiB), the planner 45 of 50 units resident per rank on 2 GPUs (27 of 50 on one).
+SUITES["dp-qwen2.5-7b"] = _dp(
+    "qwen2.5-7b",
+    8,
+    offload_importance=0.0,
+    alt_importance=0.0,
+    note=_DP_NOTE,
+)
+# 14B does not fit one call whole (forced offload builds ~2 min a run): the planner's choice first, then
+# forced offload on 1 and 2 GPUs; DeepSpeed (expected to exhaust the 256 GB: >= 23 B/param x 14.8 B) last.
+SUITES["dp-qwen2.5-14b"] = _dp(
+    "qwen2.5-14b",
+    8,
+    offload_importance=0.5,
+    alt_importance=1.0,
+    note=_DP_NOTE + "; DeepSpeed is last: expected to exhaust host RAM (>= 23 B/param x 14.8 B = 340 GB)",
+)
 
 
 def suite(name: str) -> Suite:

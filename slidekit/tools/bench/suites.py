@@ -24,6 +24,11 @@ drops the same kinds first:
 A suite entry may set its own importance (``Mode.importance``, ``Alt.importance``) where the model
 makes a kind more or less telling (14B: only the planner's choice and all-state-on-host fit).
 
+*Ranks*: a mode or an alternative with ``ranks`` N > 1 runs data-parallel on N GPUs of the machine
+(``python -m torch.distributed.run --standalone --nproc-per-node N``, ``--batch`` per GPU); its label
+says "N GPUs", its cost key ends in ``@N``, and its rows carry ``ranks`` N and ``family``, the label
+of the same mode on one GPU, which the table's scaling efficiency compares it with.
+
 Test: ``pytest tests/test_bench_plan.py``.
 """
 
@@ -43,6 +48,8 @@ __all__ = [
     "adhoc_suite",
     "expand",
     "importance",
+    "on_gpus",
+    "ranked",
     "with_overrides",
 ]
 
@@ -59,6 +66,7 @@ class Baseline:
     script: str  # a module of slidekit.tools.baselines (or a file of that name in --baselines-dir)
     flags: tuple[str, ...] = ()
     offload: bool = False  # keeps part of the training state on the host (else: everything on the GPU)
+    ranks: bool = False  # runs data-parallel under torchrun (``Alt.ranks`` > 1)
 
 
 #: ``--baselines`` name -> what runs. "none" is plain Hugging Face (no offload, gradient checkpointing).
@@ -72,7 +80,11 @@ BASELINES: dict[str, Baseline] = {
         system="torchao", label="torchao CPUOffloadOptimizer", script="torchao_offload.py", offload=True
     ),
     "deepspeed": Baseline(
-        system="deepspeed", label="DeepSpeed ZeRO-2 Offload", script="deepspeed_offload.py", offload=True
+        system="deepspeed",
+        label="DeepSpeed ZeRO-2 Offload",
+        script="deepspeed_offload.py",
+        offload=True,
+        ranks=True,
     ),
     "deepspeed_partial": Baseline(
         system="deepspeed_partial",
@@ -112,6 +124,10 @@ class Mode:
     batches: tuple[int, ...] | None = None  # default: the suite's
     importance: float | None = None  # default: the rule (module docstring)
     clips: tuple[float | None, ...] | None = None  # default: the suite's
+    ranks: int = 1  # data-parallel ranks, one GPU each (torchrun --nproc-per-node); --batch is per GPU
+
+    def __post_init__(self) -> None:
+        _check_ranks(self.ranks, f"Mode(resident={self.resident!r})")
 
     @property
     def kind(self) -> str:
@@ -122,12 +138,35 @@ class Mode:
         extra = [] if self.optimizer == "layer_adam" else [self.optimizer]
         if self.state_offload:
             extra.append(f"{self.state_offload[1]:g} of state on {self.state_offload[0]}")
-        return f"slidekit (resident {', '.join([self.resident, *extra])})"
+        return on_gpus(f"slidekit (resident {', '.join([self.resident, *extra])})", self.ranks)
+
+    @property
+    def family(self) -> str:
+        """The label of this mode on one GPU (the reference of its scaling efficiency)."""
+        return replace(self, ranks=1).label
 
     @property
     def cost_key(self) -> str:
-        return f"slidekit:{self.kind if self.kind != 'partial' else self.resident}" + (
+        key = f"slidekit:{self.kind if self.kind != 'partial' else self.resident}" + (
             f":{self.optimizer}" if self.optimizer != "layer_adam" else ""
+        )
+        return ranked(key, self.ranks)
+
+
+def on_gpus(label: str, ranks: int) -> str:
+    """``label`` of a run on ``ranks`` GPUs (unchanged for one)."""
+    return label if ranks == 1 else f"{label} on {ranks} GPUs"
+
+
+def ranked(key: str, ranks: int) -> str:
+    """The cost key of kind ``key`` on ``ranks`` GPUs: ``key@N`` (``key`` itself for one)."""
+    return key if ranks == 1 else f"{key}@{ranks}"
+
+
+def _check_ranks(ranks: int, what: str) -> None:
+    if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+        raise ConfigError(
+            f"{what}: ranks={ranks!r} must be a whole number of GPUs >= 1 (torchrun --nproc-per-node)"
         )
 
 
@@ -139,10 +178,18 @@ class Alt:
     batches: tuple[int, ...] | None = None
     importance: float | None = None
     clips: tuple[float | None, ...] | None = None
+    ranks: int = 1  # data-parallel ranks, one GPU each (deepspeed only: it reads torchrun's RANK, WORLD_SIZE)
 
     def __post_init__(self) -> None:
         if self.name not in BASELINES:
             raise ConfigError(f"unknown baseline {self.name!r}; choose from: {', '.join(BASELINES)}")
+        _check_ranks(self.ranks, f"Alt(name={self.name!r})")
+        if self.ranks > 1 and not BASELINES[self.name].ranks:
+            able = [n for n, b in BASELINES.items() if b.ranks]
+            raise ConfigError(
+                f"Alt(name={self.name!r}, ranks={self.ranks}): {self.name} runs in one process only; "
+                f"on several GPUs choose from: {', '.join(able)}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -190,6 +237,8 @@ class RunSpec:
     repeat: int
     importance: float
     resident: str | None = None  # slidekit's mode
+    ranks: int = 1  # processes under torchrun, one GPU each (1: a plain process)
+    family: str = ""  # the label of the same run on one GPU (default: ``label``)
 
     @property
     def name(self) -> str:
@@ -233,6 +282,8 @@ def expand(suite: Suite) -> list[RunSpec]:
                     repeat=repeat,
                     importance=rank,
                     resident=mode.resident,
+                    ranks=mode.ranks,
+                    family=mode.family,
                 )
                 runs.append((rank, len(runs), spec))
         for alt in suite.alternatives:
@@ -249,15 +300,17 @@ def expand(suite: Suite) -> list[RunSpec]:
                     rank = alt.importance + (rank - importance(base.system, None, 1))
                 spec = RunSpec(
                     system=base.system,
-                    label=label,
+                    label=on_gpus(label, alt.ranks),
                     kind=base.system,
-                    cost_key=base.system,
+                    cost_key=ranked(base.system, alt.ranks),
                     script=base.script,
                     flags=flags,
                     batches=_batches(suite, alt.batches, clip),
                     clip=clip,
                     repeat=repeat,
                     importance=rank,
+                    ranks=alt.ranks,
+                    family=label,
                 )
                 runs.append((rank, len(runs), spec))
     return [spec for _, _, spec in sorted(runs, key=lambda r: (r[0], r[1]))]

@@ -9,6 +9,13 @@ A cell's figure is the median over its repeats (separate processes) of tokens/s,
   and plain HF (GC) that ran at the same batch and recipe, which one named;
 - vs torchao / DeepSpeed / DeepSpeed partial (slidekit rows): tokens/s / theirs.
 
+Every ratio compares cells on the same number of GPUs. A suite with runs on several GPUs gets the
+data-parallel table too (``dp_table``): per cell its GPUs, tokens/s of every GPU and per GPU, the
+scaling efficiency (tokens/s per GPU on N / the same mode's tokens/s on one GPU, at the same
+per-GPU batch and recipe: 1.0 is perfect scaling), slidekit on N GPUs against DeepSpeed on the same
+N, each rank's peak host RSS and host update seconds per step (with the host's total), and each
+rank's gradient-reduction and weight-gather seconds per step.
+
 A cell with no run that measured gives its reason: a measured cause ("does not fit in GPU memory:
 tried to allocate ..."; "host RAM exhausted: ..."), a failure, or "not run: time budget".
 ``suite_markdown`` is the whole page: the header (commit, date, device, versions, the FLOP formula,
@@ -26,7 +33,7 @@ from typing import Any
 from slidekit.tools.bench.records import FLOPS_FORMULA
 from slidekit.tools.bench.suites import NO_OFFLOAD
 
-__all__ = ["Cell", "add_ratios", "cells", "markdown_table", "suite_markdown"]
+__all__ = ["Cell", "add_ratios", "cells", "dp_table", "markdown_table", "scaling", "suite_markdown"]
 
 ALL_RESIDENT = "slidekit (resident all)"
 _OFFLOAD_ALTS = (
@@ -44,6 +51,8 @@ class Cell:
     system: str
     clip: float | None
     batch: int
+    ranks: int = 1  # GPUs of the run (data-parallel ranks)
+    family: str = ""  # the label of the same run on one GPU
     ok: list[dict[str, Any]] = field(default_factory=list)
     other: list[dict[str, Any]] = field(default_factory=list)
     efficiency: float | None = None
@@ -89,14 +98,25 @@ def cells(rows: Sequence[dict[str, Any]]) -> list[Cell]:
         if r.get("record", "run") != "run":
             continue
         key = (r["label"], r.get("max_grad_norm"), r["batch"])
-        cell = out.setdefault(key, Cell(label=r["label"], system=r["system"], clip=key[1], batch=key[2]))
+        cell = out.setdefault(
+            key,
+            Cell(
+                label=r["label"],
+                system=r["system"],
+                clip=key[1],
+                batch=key[2],
+                ranks=int(r.get("ranks") or r.get("world") or 1),
+                family=str(r.get("family") or r["label"]),
+            ),
+        )
         (cell.ok if r.get("status") == "ok" else cell.other).append(r)
     found = list(out.values())
     for cell in found:
         if cell.system != "slidekit" or cell.median_tokens is None:
             continue
-        peers = [c for c in found if (c.clip, c.batch) == (cell.clip, cell.batch) and c.median_tokens]
-        ref = next((c for c in peers if c.label == ALL_RESIDENT), None)
+        same = (cell.clip, cell.batch, cell.ranks)
+        peers = [c for c in found if (c.clip, c.batch, c.ranks) == same and c.median_tokens]
+        ref = next((c for c in peers if c.family == ALL_RESIDENT), None)
         cell.efficiency = (
             round(cell.median_tokens / ref.median_tokens, 3) if ref and ref.median_tokens else None
         )
@@ -237,6 +257,80 @@ def plan_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def scaling(cell: Cell, found: Sequence[Cell]) -> float | None:
+    """tokens/s per GPU of ``cell`` (on N GPUs) / tokens/s of the same run on one GPU at the same per-GPU
+    batch and recipe (medians over the repeats); None where either did not measure or N is 1."""
+    one = next(
+        (
+            c
+            for c in found
+            if c.ranks == 1 and c.family == cell.family and (c.clip, c.batch) == (cell.clip, cell.batch)
+        ),
+        None,
+    )
+    per_gpu = cell.med("tokens_per_s_per_gpu")
+    if cell.ranks == 1 or one is None or one.median_tokens is None or per_gpu is None:
+        return None
+    return round(per_gpu / one.median_tokens, 3)
+
+
+def _vs_alternative(cell: Cell, found: Sequence[Cell], system: str) -> float | None:
+    alt = next(
+        (
+            c
+            for c in found
+            if c.system == system and (c.clip, c.batch, c.ranks) == (cell.clip, cell.batch, cell.ranks)
+        ),
+        None,
+    )
+    if cell.system != "slidekit" or alt is None or not alt.median_tokens or cell.median_tokens is None:
+        return None
+    return round(cell.median_tokens / alt.median_tokens, 3)
+
+
+def _per_rank(cell: Cell, key: str, how: str = "max") -> list[float | None]:
+    """Each rank's ``key`` of the record's ``per_rank`` list, over the repeats (their max or median)."""
+    values: dict[int, list[float]] = {}
+    for r in cell.ok:
+        for rank in r.get("per_rank") or ():
+            if rank.get(key) is not None:
+                values.setdefault(int(rank["rank"]), []).append(float(rank[key]))
+    pick = max if how == "max" else median
+    return [pick(values[r]) if r in values else None for r in range(max(values, default=-1) + 1)]
+
+
+def _ranks_text(values: Sequence[float | None], fmt: str, *, total: bool = False) -> str:
+    if not values:
+        return "-"
+    text = ", ".join(_f(v, fmt) for v in values)
+    if total and len(values) > 1 and all(v is not None for v in values):
+        text += f" (host {fmt.format(sum(v for v in values if v is not None))})"
+    return text
+
+
+def dp_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The data-parallel figures per cell (module docstring); rank lists in rank order."""
+    found = [c for c in cells(rows) if c.ok]
+    head = ["run", "recipe", "batch per GPU", "GPUs", "tokens/s", "tokens/s per GPU", "scaling efficiency"]
+    head += ["vs DeepSpeed (same GPUs)", "peak host RSS GiB per rank", "host update s/step per rank"]
+    head += ["t_reduce s/step per rank", "t_gather s/step per rank"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    order = _order(found)
+    for c in sorted(found, key=lambda c: (c.clip is not None, c.clip or 0.0, c.batch, order[c.label])):
+        rss = _per_rank(c, "peak_host_rss_gib")
+        rss_text = _ranks_text(rss, "{:.1f}", total=True)
+        if not rss:  # an alternative: its process tree's peak, every rank together (the memory watchdog's)
+            rss_text = f"{_f(c.peak('process_peak_rss_gib'), '{:.1f}')} (all ranks)"
+        spread = f"{c.median_tokens:,.0f} [{min(c.tokens):,.0f}-{max(c.tokens):,.0f}] ({len(c.ok)})"
+        out = [c.label, _recipe(c.clip), str(c.batch), str(c.ranks), spread]
+        out += [_f(c.med("tokens_per_s_per_gpu") or c.median_tokens, "{:,.0f}")]
+        out += [_f(scaling(c, found), "{:.2f}"), _f(_vs_alternative(c, found, "deepspeed"), "{:.2f}x")]
+        out += [rss_text, _ranks_text(_per_rank(c, "update_s", "median"), "{:.3f}", total=True)]
+        out += [_ranks_text(_per_rank(c, f"{lane}_s", "median"), "{:.3f}") for lane in ("reduce", "gather")]
+        lines.append("| " + " | ".join(out) + " |")
+    return "\n".join(lines)
+
+
 def suite_markdown(header: dict[str, Any], rows: Sequence[dict[str, Any]], *, records_name: str) -> str:
     """The suite's page (module docstring). ``header``: the suite's first JSONL record."""
     runs = [r for r in rows if r.get("record", "run") == "run"]
@@ -265,7 +359,14 @@ def suite_markdown(header: dict[str, Any], rows: Sequence[dict[str, Any]], *, re
     ]
     if s.get("note"):
         lines += ["", f"Note: {s['note']}."]
-    lines += ["", markdown_table(runs), "", "### slidekit's pipeline (medians over the repeats)", ""]
+    lines += ["", markdown_table(runs), ""]
+    if any(int(r.get("ranks") or r.get("world") or 1) > 1 for r in runs):
+        lines += [
+            "### Data parallelism (per-GPU batch; scaling efficiency against the same run on one GPU)",
+            "",
+        ]
+        lines += [dp_table(runs), ""]
+    lines += ["### slidekit's pipeline (medians over the repeats)", ""]
     lines += [pipeline_table(runs), "", "### The time plan against what each run took", ""]
     budget = f"{header['budget_s']:.0f} s" if header.get("budget_s") else "none"
     builds = ", ".join(
