@@ -11,6 +11,13 @@ run's process groups (``DataParallel.from_env``). The groups' backend is
 NCCL on CUDA, gloo on the CPU and wherever ranks share a GPU (NCCL refuses
 two ranks on one device); ``SLIDEKIT_DP_BACKEND=gloo|nccl`` overrides it.
 
+CPU threads (``host_threads``): torchrun sets ``OMP_NUM_THREADS=1`` for every
+rank unless told otherwise, which would leave each rank's host update (the
+optimizer's threads are torch's) on one core. A rank of a run with several
+ranks per host therefore takes its share of the host's CPUs, ``CPUs // local
+ranks``, when it finds that default; ``SLIDEKIT_CPU_THREADS=N`` sets the
+count outright. The run's note says how many each rank uses.
+
 Data: rank ``r`` of ``N`` takes batches ``r, r + N, r + 2N, ...`` of the
 one shuffled stream a single process would read (``rank_batches``), so a
 step of ``grad_accum`` micro-batches per rank trains on ``N x grad_accum``
@@ -44,7 +51,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENV_BACKEND",
+    "ENV_THREADS",
     "describe",
+    "host_threads",
     "launch",
     "on_rank_zero",
     "quiet_unless_rank_zero",
@@ -55,7 +64,33 @@ __all__ = [
 #: Overrides the backend of the gradient and weight collectives: "gloo" or "nccl".
 ENV_BACKEND = "SLIDEKIT_DP_BACKEND"
 
+#: Sets the CPU threads of each rank (its host update's), over torchrun's OMP_NUM_THREADS=1 default.
+ENV_THREADS = "SLIDEKIT_CPU_THREADS"
+
 T = TypeVar("T")
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
+def host_threads(local_world: int) -> int:
+    """Set this rank's CPU threads (see the module doc) and return how many it uses."""
+    own = os.environ.get(ENV_THREADS, "").strip()
+    if own:
+        try:
+            threads = int(own)
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            raise ConfigError(f"{ENV_THREADS}={own!r} must be a positive integer (CPU threads per rank)")
+        torch.set_num_threads(threads)
+    elif os.environ.get("OMP_NUM_THREADS", "").strip() == "1" and local_world > 1:
+        torch.set_num_threads(max(1, _usable_cpus() // local_world))
+    return torch.get_num_threads()
 
 
 def _device(config: TrainConfig, local: int) -> tuple[TrainConfig, torch.device, int]:
@@ -92,6 +127,7 @@ def launch(config: TrainConfig) -> tuple[TrainConfig, DataParallel | None]:
             "world=..., device=...)) with the store your group was made from"
         )
     rank, size, local = world
+    host_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     config, device, sharing = _device(config, local)
     backend = os.environ.get(ENV_BACKEND, "auto").strip().lower() or "auto"
     if backend not in ("auto", "gloo", "nccl"):
@@ -118,7 +154,8 @@ def describe(parallel: DataParallel, batch_size: int, grad_accum: int) -> str:
     return (
         f"data-parallel: rank {parallel.rank} of {n} ({parallel.backend}); each step trains on {n} ranks x "
         f"{grad_accum} micro-batches x {batch_size} rows = {n * grad_accum * batch_size} rows (the batch of one "
-        f"process with grad_accum {n * grad_accum}); rank r reads batches r, r + {n}, ... of the data"
+        f"process with grad_accum {n * grad_accum}); rank r reads batches r, r + {n}, ... of the data; "
+        f"{torch.get_num_threads()} CPU threads per rank ({ENV_THREADS} sets them)"
     )
 
 

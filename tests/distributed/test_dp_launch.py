@@ -137,3 +137,31 @@ def test_ranks_other_than_zero_call_no_lifecycle_hook():
     quiet.slidekit_step_end(step=1, metrics={})
     quiet.slidekit_optimizers()
     assert calls == ["slidekit_optimizers"]
+
+
+@pytest.fixture
+def threads():
+    """Restores torch's CPU thread count after a test sets it."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_rank_takes_its_share_of_the_cpus_over_torchruns_default(monkeypatch, threads):
+    from slidekit.distributed import launch as launching
+
+    monkeypatch.delenv(launching.ENV_THREADS, raising=False)
+    monkeypatch.setattr(launching, "_usable_cpus", lambda: 16)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what torchrun sets unless told otherwise
+    assert launching.host_threads(2) == 8
+    assert launching.host_threads(32) == 1
+    torch.set_num_threads(3)
+    assert launching.host_threads(1) == 3  # one rank per host: torchrun's default stands
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # the user's choice stands
+    assert launching.host_threads(2) == 3
+    monkeypatch.setenv(launching.ENV_THREADS, "5")
+    assert launching.host_threads(2) == 5
+    for bad in ("0", "many"):
+        monkeypatch.setenv(launching.ENV_THREADS, bad)
+        with pytest.raises(ConfigError, match="SLIDEKIT_CPU_THREADS=.* must be a positive integer"):
+            launching.host_threads(2)
