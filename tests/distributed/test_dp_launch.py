@@ -163,5 +163,5 @@ def test_a_rank_takes_its_share_of_the_cpus_over_torchruns_default(monkeypatch, 
     assert launching.host_threads(2) == 5
     for bad in ("0", "many"):
         monkeypatch.setenv(launching.ENV_THREADS, bad)
-        with pytest.raises(ConfigError, match="SLIDEKIT_CPU_THREADS=.* must be a positive integer"):
+        with pytest.raises(ConfigError, match=r"SLIDEKIT_CPU_THREADS=.* must be a positive integer"):
             launching.host_threads(2)
