@@ -5,6 +5,10 @@ selects every driver (explicit names must work; "auto" says what it chose),
 loads the model's config and weights into FP32 masters on the host, and
 builds the engine. ``fit`` runs the steps and returns the losses.
 
+Two parts live in modules of their own, as mixins of ``Trainer``: building
+the engine (``slidekit.building``: tiers, the layout planned on this machine,
+the refusal of what does not fit) and the export (``slidekit.exporting``).
+
     from slidekit import Trainer, TrainConfig
     with Trainer(TrainConfig(steps=50)) as trainer:
         result = trainer.fit()
@@ -13,7 +17,6 @@ builds the engine. ``fit`` runs the steps and returns the losses.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import time
@@ -25,38 +28,35 @@ from typing import Any
 
 import torch
 
-from slidekit import leftovers, owned
+from slidekit import leftovers
+from slidekit.building import EngineBuilding
 from slidekit.config import TrainConfig
 from slidekit.data import Batch, PackedDataset, StepCount
-from slidekit.data.configured import configured_datasets, configured_summary, model_tokenizer, run_step_count
+from slidekit.data.configured import configured_datasets, configured_summary, run_step_count
 from slidekit.data.epochs import needs_rows
-from slidekit.devices import device_family
 from slidekit.distributed import DataParallel
 from slidekit.distributed.checkpoints import resume_run, run_directory
 from slidekit.distributed.launch import describe, launch, on_rank_zero, rank_batches
-from slidekit.distributed.planning import check_same_decisions, rank_machine
 from slidekit.distributed.weights import fill_shards
-from slidekit.engine import Engine, speculation
-from slidekit.engine.build import EngineParts, build_engine
+from slidekit.engine import Engine
 from slidekit.errors import ConfigError, ModelLoadError
-from slidekit.export import ExportError, check_dtype, check_target, export_guards, export_model
+from slidekit.export import check_target
+from slidekit.exporting import Exporting
 from slidekit.graceful import GracefulStop
 from slidekit.identity import changed_settings, effective_lr, run_identity
 from slidekit.inputs import seq_len_refusal
-from slidekit.interfaces import StorageTier, TierContext
+from slidekit.interfaces import StorageTier
 from slidekit.lr_schedule import lr_factor
-from slidekit.modelcard import last_logged, model_card
 from slidekit.models.loading import (
     DEMO_MODEL,
     weight_files,
 )
 from slidekit.owned import Leftover
 from slidekit.param_groups import param_groups
-from slidekit.planning import Estimate, Layout, Machine, Placement, Planner
-from slidekit.planning.fit import check_fit
-from slidekit.plugins import Plugins, Selection, build_kernel_set, driver_options
+from slidekit.planning import Estimate, Machine, Planner
+from slidekit.plugins import Plugins, Selection
 from slidekit.reporting import check_loggers
-from slidekit.resolve import build_optimizer, resolve
+from slidekit.resolve import resolve
 from slidekit.run import RunDirectory
 from slidekit.telemetry import Progress, hiding_factor, memory_metrics, model_flops, step_tflops
 from slidekit.trace import TraceWriter
@@ -92,7 +92,7 @@ def _hiding_factor(timings: dict[str, float]) -> dict[str, float]:
     return {} if eta is None else {"hiding_factor": eta}
 
 
-class Trainer:
+class Trainer(EngineBuilding, Exporting):
     """Fine-tunes every parameter of a model with the sliding engine."""
 
     def __init__(
@@ -204,94 +204,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ building
 
-    def _tier(self, name: str) -> StorageTier:
-        """The run's one instance of the storage tier ``name`` (built on first use)."""
-        if name not in self._tiers:
-            sel = self.plugins.select("tier", name, device_family(self.device))
-            ec = self.config.engine
-            ctx = TierContext(
-                device=self.device,
-                directory=ec.offload_dir,
-                close_timeout_s=ec.timeout_s,
-                options=driver_options(sel, self.config.plugins.options),
-            )
-            self._tiers[name] = sel.descriptor.factory(ctx)
-        return self._tiers[name]
-
-    def _build_engine(self) -> Engine:
-        """Plan the run's layout once (``slidekit.planning``), refuse it if it does not fit, build it."""
-        ec, oc = self.config.engine, self.config.optim
-        optimizer = build_optimizer(self.config, self.setup)
-        dp = self.parallel
-        self.planner = planner = Planner.for_run(
-            self.config, self.setup, optimizer=optimizer, plugins=self.plugins,
-            world=dp.world if dp else 1, rank=dp.rank if dp else 0,
-        )  # fmt: skip
-        layout = self._plan(planner, optimizer)
-        if dp is not None:  # every rank must have decided alike before anything is allocated
-            check_same_decisions(layout, dp)
-        parts = EngineParts(
-            spec=self.spec,
-            kernels=build_kernel_set(self.selections["kernels"], self.config.plugins.options),
-            optimizer=optimizer,
-            tier=self._tier,
-            device=self.device,
-            compute_dtype=self.compute_dtype,
-            groups=[param_groups(u, oc.weight_decay, oc.no_decay) for u in self.spec.units],
-            loss_chunk=ec.loss_chunk,
-            timeout_s=ec.timeout_s,
-            task_hook=self._fault_hook,
-            offload_dir=ec.offload_dir,
-            parallel=self.parallel,
-        )
-        return build_engine(layout, parts)
-
-    def machine(self) -> Machine:
-        """What this machine has for the run (measured once, unless given to the constructor); a
-        data-parallel rank's share of it, agreed with the other ranks (``slidekit.distributed.planning``)."""
-        if self._machine is None or (self.parallel is not None and not self._machine_shared):
-            here = self._machine or Machine.probe(self.device, self.config.engine.offload_dir, self.config.run.dir)
-            if self.parallel is not None:
-                here = rank_machine(here, self.parallel)
-                self._machine_shared = True
-            self._machine = here
-        return self._machine
-
-    def _plan(self, planner: Planner, optimizer: Any) -> Layout:
-        """The layout of the configured placement on this machine (with a note on what stays resident)."""
-        ec = self.config.engine
-        if self.device.type == "cuda" and ec.resident_fraction() and not planner.device_updates:
-            raise ConfigError(
-                f"optimizer {optimizer.name!r} updates on the CPU only, so no unit can be resident on the "
-                "GPU; set engine.gpu_resident='none' or use layer_adam"
-            )
-        layout = planner.layout(Placement.of(ec), self.machine())
-        layout, note = speculation.room(planner, layout, self.machine(), self.config.optim.clip_overlap)
-        if note:
-            self.notes.append(note)
-        self._check_fit(planner, layout)
-        kept = [u for u in layout.units if u.resident]
-        if kept:
-            gib = sum(planner.resident_cost(u.index) for u in kept) / 2**30
-            self.notes.append(
-                f"{len(kept)} of {len(layout.units)} units resident on {self.device} ({gib:.1f} GiB: master, "
-                "optimizer state, weights, gradients; updated there)"
-            )
-        return layout
-
-    def _check_fit(self, planner: Planner, layout: Layout) -> None:
-        """Refuse, before anything is allocated, a configuration this machine cannot hold, with the numbers
-        and the fastest placement that would fit (``slidekit.planning.fit``)."""
-        extra = []
-        if self._kept_leftovers:
-            extra.append(
-                "the offload directory also holds other slidekit processes' files, left alone (their "
-                f"owners live, or cannot be told): {owned.describe(self._kept_leftovers)}"
-            )
-        self.estimate = check_fit(
-            planner, layout, self.machine(), seq_len_refusal=self._check_seq_len, disk_notes=extra
-        )
-
     def _weight_files(self) -> dict[str, Path]:
         """The model's safetensors files by tensor name, looked up once ({} for random or demo weights)."""
         if self._files is None:
@@ -299,11 +211,6 @@ class Trainer:
             fresh = mc.random_init or mc.source == DEMO_MODEL
             self._files = {} if fresh else weight_files(self.model_dir)
         return self._files
-
-    def _export_guards(self) -> list[Any]:
-        if self._guards is None:
-            self._guards = export_guards(self.config, self.model_dir)
-        return self._guards
 
     def _load_weights(self) -> None:
         mc = self.config.model
@@ -559,95 +466,6 @@ class Trainer:
         if not labelled:
             raise ValueError("the evaluation batches hold no labelled token")
         return total / labelled
-
-    def tokenizer(self) -> Any:
-        """The run's tokenizer: ``model.tokenizer``, else the model directory's (the demo's for the demo
-        model), loaded once. A directory without one is a ConfigError naming it and the fix (``--tokenizer``):
-        training on ``config.data`` and exporting need it; ``fit()`` on batches of token ids does not."""
-        if self._tokenizer is None:
-            self._tokenizer = model_tokenizer(self.config, self.model_dir)
-        return self._tokenizer
-
-    def export(self, out: str, *, dtype: str = "bfloat16", overwrite: bool = False) -> Path:
-        """Write the current weights as a Hugging Face model directory (see ``slidekit.export``).
-
-        ``out`` must be new, empty, or a previous slidekit export, which is replaced only with
-        ``overwrite`` and then only the files its manifest lists; it may not be or contain the current
-        directory, the run directory, the source model or the data (ConfigError, before anything is
-        written there). With a run directory the current state is in a checkpoint before the export
-        starts, so an export that is refused or fails (ExportError) loses nothing: the error names the
-        checkpoint to resume from.
-        """
-        engine = self.engine
-        check_dtype(dtype)
-        self.notes += leftovers.reclaim_export(out)
-        saved: Path | None = None
-        if self.run is not None:
-            if self.run.last_saved != engine.steps_done:
-                self.checkpoint()
-            self.run.wait()
-            self._report_saved(None)
-            saved = self.run.last_path
-        if saved is not None and self.run is not None:
-            where = (
-                f"the trained weights are safe in the checkpoint {saved} (step {engine.steps_done}): fix the "
-                f"problem, then resume the run directory {self.run.path} to export them (CLI: --run-dir "
-                f"{self.run.path} --resume --export {out}; no step is trained again)"
-            )
-        else:
-            where = "the trained weights are still in this Trainer: fix the problem and call export() again"
-        state = None
-        if self.parallel is not None:  # every rank lends its shards (a collective); rank 0 writes the export
-            state = engine.master_state()
-            if self.parallel.rank != 0:
-                return Path(out)
-        hook = self._fault_hook
-        on_stage = (lambda stage, _detail: hook(f"export:{stage}")) if hook else None
-        try:
-            tokenizer = self.tokenizer()  # an export is a whole model directory: no tokenizer, no export
-            target = check_target(out, overwrite=overwrite, guards=self._export_guards(), dtype=dtype)
-        except ConfigError as exc:
-            raise ConfigError(f"{exc}; {where}" if saved is not None else str(exc)) from None
-        try:
-            return export_model(
-                target,
-                hf_config=copy.deepcopy(self.hf_config),
-                state=engine.master_state() if state is None else state,
-                tokenizer=tokenizer,
-                info={
-                    "step": engine.steps_done,
-                    "steps": self.step_count.total,
-                    "model": self.config.model.source,
-                },
-                source_dir=self.model_dir,
-                model_card=self._model_card(target.path, dtype),
-                progress=on_stage,
-            )
-        except Exception as exc:
-            raise ExportError(f"the export to {out} failed: {exc}; {where}") from exc
-
-    def _model_card(self, out: Path, dtype: str) -> str:
-        """The export's README.md (``slidekit.modelcard``) with the losses logged last: in this process or,
-        before a resume, in the run directory's metrics.jsonl."""
-        from slidekit import __version__
-
-        steps = self.engine.steps_done
-        logged = dict(self._logged)
-        if self.run is not None:
-            logged = {**last_logged(self.run.path / "metrics.jsonl", upto=steps), **logged}
-        return model_card(
-            self.config,
-            title=out.name,
-            family=self.spec.family,
-            source_dir=self.model_dir,
-            step=steps,
-            lr=self.lr,
-            drivers={k: s.name for k, s in self.selections.items()},
-            dtype=dtype,
-            compute_dtype=str(self.compute_dtype).removeprefix("torch."),
-            logged=logged,
-            version=__version__,
-        )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Hugging Face name -> FP32 parameter (a copy), once every update has been applied."""

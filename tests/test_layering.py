@@ -54,8 +54,8 @@ def test_the_library_never_imports_the_tools():
 @pytest.mark.parametrize(
     ("package", "forbidden"),
     [
-        ("planning", ("slidekit.engine", "slidekit.trainer", "slidekit.tools")),
-        ("engine", ("slidekit.trainer", "slidekit.tools")),
+        ("planning", ("slidekit.engine", "slidekit.trainer", "slidekit.building", "slidekit.exporting", "slidekit.tools")),
+        ("engine", ("slidekit.trainer", "slidekit.building", "slidekit.exporting", "slidekit.tools")),
     ],
 )
 def test_packages_keep_to_their_layer(package, forbidden):
