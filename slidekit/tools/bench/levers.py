@@ -23,7 +23,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from slidekit.tools.bench.summary import Cell, cells
+from slidekit.tools.bench.summary import Cell, _recipe, cells
 
 __all__ = ["clip_rows", "kept_rows", "levers_markdown"]
 
@@ -152,7 +152,3 @@ def levers_markdown(rows: Sequence[dict[str, Any]]) -> str:
             lines.append("| " + " | ".join(out) + " |")
         lines.append("")
     return "\n".join(lines)
-
-
-def _recipe(clip: float | None) -> str:
-    return "no clipping" if clip is None else f"max_grad_norm {clip:g}"
