@@ -560,6 +560,8 @@ def test_bench_options_are_pinned():
         "--state-offload-tier",
         "--state-offload-fraction",
         "--offload-dir",
+        "--recompute",
+        "--clip-overlap",
         "--timeout",
         "--time-budget",
         "--costs",

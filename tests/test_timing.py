@@ -23,7 +23,7 @@ from slidekit.planning import GIB, TIE, Machine, Placement, Planner, Rates, Upda
 from slidekit.planning.profiles import PROFILES, profile, profile_for_device
 from slidekit.planning.rates import CLIP_PASS_BYTES, GRAD_PASS_BYTES
 from slidekit.planning.simulate import Piece, UnitCost, simulate
-from slidekit.planning.timing import predict_step, unit_costs
+from slidekit.planning.timing import backup_costs, predict_step, unit_costs
 from slidekit.planning.what_if import what_if_machine
 from slidekit.plugins import Plugins
 
@@ -140,6 +140,103 @@ def test_clipping_adds_one_pass_over_each_gradient_and_defers_the_updates():
     assert b.drain_s >= b.work["host update"] * (1 - 1e-9) > a.drain_s
 
 
+def _backed_up(layout):
+    """``layout`` with speculative clipping's backups (``Workload.clip_backup``, as the planner builds it)."""
+    return dataclasses.replace(layout, clip_backup=True)
+
+
+def test_a_backup_costs_its_master_and_state_read_and_written_at_host_bandwidth():
+    spec = tiny_spec("llama", num_hidden_layers=4)
+    p = _planner(spec, keep_grads=True, clip=True)
+    place = Placement(gpu_resident="0.5", state_offload_tier="posix", state_offload_fraction=0.5)
+    layout = _backed_up(p.layout(place, _machine(disk=10)))
+    costs = unit_costs(layout, RATES, p.work)
+    backed = {u.index for u in layout.backed_up()}
+    assert backed and any(u.streamed for u in layout.units if u.slides)  # some on disk: not backed up
+    for u, c in zip(layout.units, backup_costs(costs, layout, RATES), strict=True):
+        want = u.numel * 2 * (4 + 8) / 20e9 if u.index in backed else 0.0  # 8 B/param of state (fixture)
+        assert sum(x.backup_s for x in c.pieces) == pytest.approx(want, rel=1e-12)
+    plain = p.layout(place, _machine(disk=10))
+    assert backup_costs(costs, plain, RATES) == costs  # no backups: the costs as they are
+
+
+def test_a_layout_without_backups_is_priced_exactly_as_before():
+    """What ``predict_step`` did before speculative clipping was priced: one replay of ``unit_costs``."""
+    spec = tiny_spec("llama", num_hidden_layers=4)
+    for clip in (False, True):
+        p = _planner(spec, keep_grads=clip, clip=clip)
+        for resident in ("none", "0.5"):
+            layout = p.layout(Placement(gpu_resident=resident), _machine())
+            assert not layout.clip_backup
+            old = simulate(
+                unit_costs(layout, RATES, p.work),
+                window=layout.window.window,
+                prefetch=layout.prefetch,
+                ring=layout.ring_buffers,
+                tied=p.work.tied,
+                defer=layout.unit_grads,
+                micro=p.work.micro,
+                step_overhead_s=RATES.step_overhead_s,
+            )
+            pred = predict_step(layout, RATES, p.work)
+            assert (pred.seconds, pred.drain_s, pred.work, pred.exposed) == (
+                old.seconds,
+                old.drain_s,
+                old.busy,
+                old.exposed,
+            )
+            assert pred.clipped_s is None and "on a step that clips" not in pred.describe()
+
+
+def test_speculative_clipping_arithmetic_when_the_host_updates_bound_the_step():
+    """Every unit on the host, updates far slower than the rest: the step is the optimizer lane's work.
+    A step that does not clip: each unit's update (with its clipping pass) and its backup; a step that
+    clips: that, then the restore (the backup's bytes again) and the deferred update at its end."""
+    spec = tiny_spec("llama", num_hidden_layers=4)
+    slow = _rates(
+        host_gbps=2.4e-4,  # 24 B/param of backup (12 read, 12 written) take 1e-4 s/param, as the update
+        updates={"adam": UpdateRate(host_params_per_s=1e4, device_bytes_per_param=28.0, source="t")},
+    )
+    p = _planner(spec, keep_grads=True, clip=True)
+    deferred = p.layout(Placement(gpu_resident="none"), _machine())
+    n = sum(u.numel for u in spec.units)
+    update, clip, backup = n / 1e4, n * CLIP_PASS_BYTES / 2.4e5, n * 24 / 2.4e5
+    before = predict_step(deferred, slow, p.work)
+    assert before.work["host update"] == pytest.approx(update + clip, rel=1e-9)
+    pred = predict_step(_backed_up(deferred), slow, p.work)
+    assert pred.work["host update"] == pytest.approx(update + clip + backup, rel=1e-9)
+    assert pred.seconds == pytest.approx(update + clip + backup, rel=2e-3)
+    assert pred.clipped_s == pytest.approx(2 * (update + clip) + 2 * backup, rel=2e-3)
+    assert pred.seconds < pred.clipped_s
+    text = pred.describe()
+    assert f"; {pred.clipped_s:.1f} s on a step that clips), bound by host updates" in text
+
+
+def test_speculative_clipping_hides_the_updates_under_the_backward_where_a_deferred_step_cannot():
+    """Slow compute, the host updates ~0.4 of it: longer than a forward pass (which is all a deferred
+    update can hide under), shorter than the backward. A step that does not clip costs about what an
+    unclipped one does, less than the deferred step; a step that clips costs at least the deferred one."""
+    spec = tiny_spec("llama", num_hidden_layers=6)
+    rates = _rates(
+        layer_tflops=1e-4,
+        head_tflops=1e-4,
+        updates={"adam": UpdateRate(host_params_per_s=2.5e5, device_bytes_per_param=28.0, source="t")},
+    )
+    unclipped = _planner(spec)
+    plain = predict_step(unclipped.layout(Placement(gpu_resident="none"), _machine()), rates, unclipped.work)
+    p = _planner(spec, keep_grads=True, clip=True)
+    deferred = p.layout(Placement(gpu_resident="none"), _machine())
+    before = predict_step(deferred, rates, p.work)
+    pred = predict_step(_backed_up(deferred), rates, p.work)
+    assert pred.clipped_s is not None
+    assert plain.seconds <= pred.seconds < before.seconds <= pred.clipped_s
+    # What the speculative step adds to the unclipped one: at most the embedding's own update and backup
+    # (the last backward, nothing after it to hide under) and its clipping pass.
+    embed = spec.units[0].numel
+    assert pred.seconds - plain.seconds <= embed * (1 / 2.5e5 + (CLIP_PASS_BYTES + 24) / 20e9) * (1 + 1e-6)
+    assert before.seconds - pred.seconds > 0.1 * plain.work["host update"]  # the deferred path's exposure
+
+
 def test_activations_on_a_tier_cross_the_bus_each_way():
     spec = tiny_spec("llama", num_hidden_layers=4)
     p = _planner(spec, batch=8, seq=64, accum=2, recompute="all")
@@ -195,12 +292,14 @@ def test_rates_refuse_figures_that_are_not_positive():
     acts=st.sampled_from(["device", "ram", "posix"]),
     fraction=st.sampled_from([0.0, 0.5, 1.0]),
     scale=st.floats(1e-3, 1e3),
+    backup=st.booleans(),
 )
 def test_the_replay_accounts_for_every_second(
-    layers, tied, window, buffers, accum, resident, clip, acts, fraction, scale
+    layers, tied, window, buffers, accum, resident, clip, acts, fraction, scale, backup
 ):
     """Whatever the layout: the step is its compute plus what the compute waited for, lane by lane, and
-    no serial lane works longer than a step (the replay is steady)."""
+    no serial lane works longer than a step (the replay is steady); with backups (speculative clipping)
+    a step that clips costs at least the one that does not."""
     spec = tiny_spec("qwen2" if tied else "llama", num_hidden_layers=layers)
     p = _planner(spec, accum=accum, window=window, grad_buffers=buffers, keep_grads=clip, clip=clip)
     place = Placement(
@@ -210,8 +309,12 @@ def test_the_replay_accounts_for_every_second(
         state_offload_fraction=fraction,
     )
     layout = p.layout(place, _machine(disk=10))
+    if clip and backup:
+        layout = _backed_up(layout)
     rates = _rates(h2d_gbps=10.0 * scale, disk_read_gbps=scale, disk_write_gbps=scale / 2)
     pred = predict_step(layout, rates, p.work)
+    assert (pred.clipped_s is not None) == bool(layout.backed_up())
+    assert pred.clipped_s is None or pred.clipped_s >= pred.seconds * (1 - 1e-9)
     assert pred.seconds > 0 and pred.drain_s >= 0 and min(pred.exposed.values(), default=0) >= 0
     assert pred.compute_s + sum(pred.exposed.values()) == pytest.approx(pred.seconds, rel=1e-9)
     for lane in ("compute", "upload", "grad copy", "host update", "disk"):

@@ -17,6 +17,12 @@ engine has work:
   order and releases the buffers; the cache unit is free again when the last piece is down;
 * clipping or skipping (``defer``): the gradients come down whole into the unit's own buffer, and
   every update is queued at the end of the step in forward order, under the next forward pass;
+* speculative clipping (a deferring step, a unit whose pieces back up: ``Piece.backup_s``): the
+  unit's gradients come down piece by piece into its own buffer and each piece is backed up and
+  updated at once, as an unclipped step would (no ring buffer to wait for); a step that clips
+  (``rollback``) then restores and updates every such unit again at the step's end, in forward order,
+  as the deferred updates are (``slidekit.engine.speculation``: the pessimistic case, every unit
+  speculated before the norm was known);
 * resident units never move: the device updates them at the end of the step, after the backward;
 * the step ends when the device is done; the next starts ``step_overhead_s`` later.
 
@@ -49,6 +55,7 @@ class Piece:
     down_s: float  # its copy to the host
     update_s: float  # the optimizer's time on it (CPU)
     disk_s: float = 0.0  # its optimizer state read and written back (streamed state)
+    backup_s: float = 0.0  # its master and state copied to the backup (speculative clipping), or back
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,6 +132,7 @@ class _Sim:
     defer: bool
     micro: int
     step_overhead_s: float
+    rollback: bool = False  # every step clips: speculated units are restored and updated at the end
     visits: tuple[Visit, ...] = ()
     slots: list[_Slot] = field(default_factory=list)
     own: dict[int, _Slot] = field(default_factory=dict)  # resident units' own buffers
@@ -270,7 +278,9 @@ class _Sim:
             c.resident_due.append(u)
             return
         self.version[u] += 1
-        if self.defer:  # whole into its own buffer; updated at the end of the step
+        if self.defer and any(p.backup_s for p in cost.pieces):
+            down = self._speculate(u, cost, computed, c)
+        elif self.defer:  # whole into its own buffer; updated at the end of the step
             down = self._run("d2h", sum(p.down_s for p in cost.pieces), "grad copy", self.main, computed)
             c.deferred[u] = down
         else:
@@ -282,6 +292,18 @@ class _Sim:
                 self.updated[u] = update
                 self.ring_free.append(update)  # its ring buffer is free again once it is applied
         self._release(slot, down, down)
+
+    def _speculate(self, u: int, cost: UnitCost, computed: Ev, c: _Step) -> Ev:
+        """Speculative clipping (module docstring): each piece down into the unit's own buffer, then backed
+        up and updated; with ``rollback`` the unit is restored and updated again at the step's end."""
+        down = computed
+        for piece in cost.pieces:
+            down = self._run("d2h", piece.down_s, "grad copy", self.main, computed)
+            backed = Piece(0.0, piece.update_s + piece.backup_s, piece.disk_s)
+            self.updated[u] = self._update(backed, down, self.main)
+        if self.rollback:
+            c.deferred[u] = down
+        return down
 
     # ---------------------------------------------------------------- one step
 
@@ -309,7 +331,8 @@ class _Sim:
             self._compute(sum(self.units[u].device_update_s for u in c.resident_due))
         for u in sorted(c.deferred):  # in the order the next forward pass needs them
             pieces = self.units[u].pieces
-            whole = Piece(0.0, sum(p.update_s for p in pieces), sum(p.disk_s for p in pieces))
+            restore = sum(p.backup_s for p in pieces) if self.rollback else 0.0  # a speculated unit's
+            whole = Piece(0.0, sum(p.update_s for p in pieces) + restore, sum(p.disk_s for p in pieces))
             self.updated[u] = self._update(whole, c.deferred[u], self.main)
         self._wait(self.lanes["gpu"])  # Timeline.finish: the step's device work, resident updates too
         return start, self.main
@@ -387,12 +410,14 @@ def simulate(
     micro: int,
     step_overhead_s: float,
     max_steps: int = MAX_STEPS,
+    rollback: bool = False,
 ) -> SimResult:
     """Replay steps until two in a row take the same time (at most ``max_steps``) and report the last:
-    its period, the drain after it, and its parts."""
+    its period, the drain after it, and its parts. ``rollback``: every step clips, so the units that
+    speculate (pieces with ``backup_s``) are restored and updated again at its end (module docstring)."""
     if max_steps < 3:
         raise ValueError(f"the steady step needs at least 3 simulated steps, got {max_steps}")
-    sim = _Sim(units, window, prefetch, max(ring, 1), tied, defer, micro, step_overhead_s)
+    sim = _Sim(units, window, prefetch, max(ring, 1), tied, defer, micro, step_overhead_s, rollback)
     periods: list[float] = []
     busy: dict[str, float] = {}
     while True:

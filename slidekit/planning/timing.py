@@ -8,7 +8,12 @@ into free cache units, a unit's gradients down and its host update under
 the backward of the units after it (two ring buffers between them), the
 next forward's uploads waiting for each unit's update, deferred updates
 (clipping, skipping) under the next forward, resident units updated on the
-device after the backward. The result, a ``StepPrediction``, is the steady
+device after the backward. A layout with speculative clipping's backups
+(``Layout.clip_backup``) is priced twice (``backup_costs``): a step that does
+not clip updates its host units under the backward as an unclipped step does,
+each paying its backup too; a step that clips also pays the rollback, each
+backed-up unit restored and updated at the step's end as deferred steps are
+(``StepPrediction.clipped_s``). The result, a ``StepPrediction``, is the steady
 step (start to start), the drain a run's last step adds, the work of each
 lane and how much of each the compute stream waited for (``exposed``; the
 rest is hidden under compute).
@@ -24,6 +29,9 @@ Costs per unit and step (``StepWork``: the model's shape and the run's tokens):
     down        the gradients, compute dtype, at d2h_gbps, one ring piece at a time
     update      host: parameters / the optimizer's params/s; device (resident units): its bytes per
                 parameter at device_gbps; clipping adds a 4 B/param pass (host_gbps / device_gbps)
+    backup      speculative clipping, per backed-up unit: its master (4 B/param) and state bytes read
+                and written at host_gbps, with each update; the same again to restore a step that clips
+                (NOTES.md 15 takes +12 to +24 B/param for layer_adam; this is the +24 end)
     streamed    state on a disk tier: read and written back at disk_read/write_gbps, the update
                 taking the longer of that and its CPU time
     activations on a tier: each recomputing layer's input written in the forward, read in the backward,
@@ -44,14 +52,15 @@ against the measured steps. Test: ``pytest tests/test_timing.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from slidekit.models.base import ArchSpec
 from slidekit.planning.layout import Layout, Workload
 from slidekit.planning.rates import CLIP_PASS_BYTES, GRAD_PASS_BYTES, Rates
-from slidekit.planning.simulate import Piece, UnitCost, simulate
+from slidekit.planning.simulate import Piece, SimResult, UnitCost, simulate
 
-__all__ = ["LABELS", "StepPrediction", "StepWork", "predict_step", "unit_costs"]
+__all__ = ["LABELS", "StepPrediction", "StepWork", "backup_costs", "predict_step", "unit_costs"]
 
 #: What each lane's work is called in a prediction's parts.
 LABELS = {
@@ -112,6 +121,9 @@ class StepPrediction:
     work: dict[str, float]  # seconds of work per lane in one step (keys: ``LABELS``)
     exposed: dict[str, float]  # seconds of the step the compute stream waited for each lane
     rates: str  # the name of the rates it was priced with
+    #: A step that clips, where the layout backs up for speculative clipping (it rolls back: restore and
+    #: deferred update at its end); None where every step is priced alike (``seconds``).
+    clipped_s: float | None = None
 
     @property
     def compute_s(self) -> float:
@@ -139,8 +151,9 @@ class StepPrediction:
     def describe(self) -> str:
         """Two lines: the step, its tokens/s and what bounds it; each lane's work and how much of it the
         compute stream waited for."""
+        clips = "" if self.clipped_s is None else f"; {_sec(self.clipped_s)} on a step that clips"
         head = (
-            f"predicted step {_sec(self.seconds)} ({self.tokens_per_s:,.0f} tokens/s), bound by "
+            f"predicted step {_sec(self.seconds)} ({self.tokens_per_s:,.0f} tokens/s{clips}), bound by "
             f"{LABELS[self.bound]} (rates: {self.rates})"
         )
         parts = []
@@ -218,18 +231,47 @@ def unit_costs(layout: Layout, rates: Rates, work: StepWork) -> list[UnitCost]:
     return out
 
 
+def backup_costs(costs: Sequence[UnitCost], layout: Layout, rates: Rates) -> list[UnitCost]:
+    """``costs`` (``unit_costs``) with each backed-up unit's pieces (``Layout.backed_up``) paying their
+    backup: master (4 B/param) and state bytes, read and written, at ``host_gbps``. Unchanged without
+    backups."""
+    backed = {u.index for u in layout.backed_up()}
+    if not backed:
+        return list(costs)
+    host_bw = rates.host_gbps * 1e9
+    out = []
+    for u, cost in zip(layout.units, costs, strict=True):
+        if u.index not in backed:
+            out.append(cost)
+            continue
+        per_param = 2 * (4 + (u.state_bytes / u.own if u.own else 0.0)) / host_bw
+        pieces = tuple(
+            replace(p, backup_s=(b - a) * per_param) for p, (a, b) in zip(cost.pieces, u.pieces, strict=True)
+        )
+        out.append(replace(cost, pieces=pieces))
+    return out
+
+
 def predict_step(layout: Layout, rates: Rates, work: StepWork) -> StepPrediction:
-    """The steady step of ``layout`` on ``rates`` for ``work`` (see the module doc)."""
-    result = simulate(
-        unit_costs(layout, rates, work),
-        window=layout.window.window,
-        prefetch=layout.prefetch,
-        ring=layout.ring_buffers,
-        tied=work.tied,
-        defer=layout.unit_grads,
-        micro=work.micro,
-        step_overhead_s=rates.step_overhead_s,
-    )
+    """The steady step of ``layout`` on ``rates`` for ``work`` (see the module doc); with backups, also
+    the steady step of a run whose every step clips (``clipped_s``)."""
+    costs = backup_costs(unit_costs(layout, rates, work), layout, rates)
+
+    def replay(rollback: bool) -> SimResult:
+        return simulate(
+            costs,
+            window=layout.window.window,
+            prefetch=layout.prefetch,
+            ring=layout.ring_buffers,
+            tied=work.tied,
+            defer=layout.unit_grads,
+            micro=work.micro,
+            step_overhead_s=rates.step_overhead_s,
+            rollback=rollback,
+        )
+
+    result = replay(False)
+    clipped = replay(True) if layout.unit_grads and layout.backed_up() else None
     return StepPrediction(
         seconds=result.seconds,
         drain_s=result.drain_s,
@@ -237,4 +279,5 @@ def predict_step(layout: Layout, rates: Rates, work: StepWork) -> StepPrediction
         work=dict(result.busy),
         exposed=dict(result.exposed),
         rates=rates.name,
+        clipped_s=None if clipped is None else clipped.seconds,
     )

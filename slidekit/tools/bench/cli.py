@@ -4,6 +4,8 @@
     slidekit bench --suite qwen2.5-7b --plan-only                 # the time plan, nothing run
     slidekit bench --model tiny --device cpu --batch 2 --seq 64 --steps 2 --baselines none --out /tmp/b
     slidekit bench --table results/suite-qwen2.5-3b.jsonl         # the markdown again, from the records
+    slidekit bench --model qwen2.5-3b --batch 32 --resident none --baselines '' --clip none,1.0 \
+        --clip-overlap defer,speculate                             # the levers, crossed like --resident
 
 ``--out DIR`` writes ``suite-<name>.jsonl`` (the raw records: the suite's header line, then one line
 per run and batch) and ``suite-<name>.md`` (the tables), and keeps each child's output under
@@ -37,7 +39,8 @@ from slidekit.tools.presets import PRESETS, preset
 __all__ = ["add_arguments", "bench", "build_suite", "run_command"]
 
 _GIB = 2**30
-_SUITE_FIXES = ("model", "batch", "resident", "baselines")  # what a --suite preset decides
+#: What a --suite preset decides.
+_SUITE_FIXES = ("model", "batch", "resident", "baselines", "recompute", "clip_overlap")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,9 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=None, help="repeats of every run, each its own process (default 2)"
     )
     engine_arguments(
-        p, resident_help="slidekit residency modes, comma-separated: one run each (default auto)"
+        p,
+        resident_help="slidekit residency modes, comma-separated: one run each (default auto)",
+        crossed=True,
     )
-    p.set_defaults(resident=None)
+    p.set_defaults(resident=None, recompute=None, clip_overlap=None)
     p.add_argument(
         "--timeout", type=float, default=600.0, help="seconds per batch a run may take without a budget"
     )
@@ -142,7 +147,7 @@ def build_suite(args: argparse.Namespace) -> Suite:
     """The suite ``args`` asks for: a preset (``--suite``) or the ad-hoc flags crossed."""
     clips = _clips(args.clip) if args.clip is not None else None
     if args.suite:
-        given = [f"--{k}" for k in _SUITE_FIXES if getattr(args, k) is not None]
+        given = [f"--{k.replace('_', '-')}" for k in _SUITE_FIXES if getattr(args, k) is not None]
         if given:
             raise ConfigError(
                 f"--suite {args.suite} fixes {', '.join(given)}; leave them out or leave --suite out"
@@ -177,7 +182,21 @@ def build_suite(args: argparse.Namespace) -> Suite:
         warmup=args.warmup if args.warmup is not None else 2,
         optimizer=args.optimizer,
         state_offload=_state_offload(args),
+        recomputes=_levers(args.recompute, "--recompute"),
+        clip_overlaps=_levers(args.clip_overlap, "--clip-overlap"),
     )
+
+
+def _levers(value: str | None, flag: str) -> tuple[str, ...]:
+    """The distinct values of a lever flag (``--recompute``, ``--clip-overlap``); () when not given."""
+    if value is None:
+        return ()
+    values = tuple(_split(value))
+    if not values or len(set(values)) != len(values):
+        raise ConfigError(
+            f"{flag} {value!r}: give one or more distinct values, comma-separated, e.g. all,auto"
+        )
+    return values
 
 
 def _state_offload(args: argparse.Namespace) -> tuple[str, float] | None:

@@ -16,6 +16,11 @@ its full offload; a model not measured scales the nearest measured one by parame
 an unmeasured batch is linear in the batch through the two nearest measured ones. ``--costs
 FILE.jsonl`` replaces the estimates with the records of an earlier suite (``costs_from_records``).
 
+A mode's levers (cost key ``KIND+recompute=V``, ``KIND+clip_overlap=V``, ``suites.Mode.levers``) scale
+the kind's step (``LEVER_FACTOR``; the measured steps of ``MEASURED`` recomputed every layer and
+deferred every clipped update) and set the clipping factor (``OVERLAP_CLIP_FACTOR``), each with its
+arithmetic; what ``--costs`` measured under the exact key comes first.
+
 A run on N GPUs (cost key ``KIND@N``) has never been measured: at the same per-GPU batch it is
 estimated as the same kind on one GPU, each step x ``RANK_STEP_FACTOR`` (the collectives and the
 ranks waiting for the slowest) and its setup + ``RANK_SETUP_S`` (the process groups), and its
@@ -38,8 +43,10 @@ from slidekit.tools.bench.suites import RunSpec
 __all__ = [
     "BUILD_S",
     "CLIP_FACTOR",
+    "LEVER_FACTOR",
     "MEASURED",
     "OOM_BATCH_S",
+    "OVERLAP_CLIP_FACTOR",
     "PER_BATCH_S",
     "RANKED",
     "RANK_SETUP_S",
@@ -47,8 +54,10 @@ __all__ = [
     "START_S",
     "TORCHRUN_S",
     "Cost",
+    "clip_factor",
     "cost_of",
     "costs_from_records",
+    "levers_of",
     "predict",
 ]
 
@@ -60,6 +69,16 @@ OOM_BATCH_S = 5.0  # a batch that runs out of GPU memory: the steps until it doe
 #: Step time with max_grad_norm over without (estimates): slidekit defers host updates to the next forward.
 CLIP_FACTOR = {"slidekit": 1.10, "slidekit:all": 1.02, "torchao": 1.15, "deepspeed": 1.05}
 CLIP_FACTOR |= {"deepspeed_partial": 1.05}
+#: A lever's step factor (estimates, NOTES.md 16), applied to the kind without it. recompute "all" is
+#: how every measured step ran; "auto" keeps the activations of the resident layers that fit: NOTES 16
+#: predicts 1.27x at 3B batch 8 and 1.19x at batch 32, and a plan counts on the smaller gain (1 / 1.19).
+#: "none" keeps every layer (as "auto" where all fit). A mode with nothing resident keeps nothing.
+LEVER_FACTOR = {("recompute", "all"): 1.0, ("recompute", "auto"): 0.84, ("recompute", "none"): 0.84}
+#: Step time with max_grad_norm over without, per ``clip_overlap`` (estimates, NOTES.md 15; default:
+#: ``CLIP_FACTOR``). "defer": the deferred path measured -32% at 3B batch 32 on the H200 (1 / 0.68).
+#: "speculate" priced as if every step rolled back (a plan cannot know whether its clip fires): the
+#: deferred step plus the restore of 24 B/param at ~95 GB/s, 0.78 s on 3B's 2.7 s deferred step.
+OVERLAP_CLIP_FACTOR = {"defer": 1.47, "speculate": 1.9, "auto": 1.47}
 #: A run on N GPUs against one (estimates, module docstring): its step, its setup, its process start.
 RANK_STEP_FACTOR = 1.1
 RANK_SETUP_S = 5.0
@@ -187,6 +206,8 @@ def cost_of(model: str, key: str, table: Mapping[tuple[str, str], Cost] | None =
         return got
     if "@" in key:
         return _on_ranks(model, key, table)
+    if "+" in key:
+        return _with_levers(model, key, table)
     if key == "slidekit:auto":
         return cost_of(model, "slidekit:all", table).scaled(1.0, "auto as all-resident")
     if key.startswith("slidekit:") and key.count(":") == 1 and key not in ("slidekit:all", "slidekit:none"):
@@ -209,6 +230,40 @@ def cost_of(model: str, key: str, table: Mapping[tuple[str, str], Cost] | None =
     if key in derived:
         return cost_of(model, derived[key][0], table).scaled(derived[key][1], f"estimate: {derived[key][0]}")
     return Cost(setup_s=5.0, steps={1: 0.5}, source="no measurement: a guess")
+
+
+def levers_of(key: str) -> tuple[str, dict[str, str]]:
+    """A cost key's kind and its levers: ``slidekit:all+recompute=auto`` -> ``slidekit:all``, {recompute: auto}."""
+    kind, *rest = key.split("+")
+    return kind, dict(part.split("=", 1) for part in rest)
+
+
+def _with_levers(model: str, key: str, table: Mapping[tuple[str, str], Cost]) -> Cost:
+    """The kind's Cost with its levers' step factors (module docstring)."""
+    kind, levers = levers_of(key)
+    base = cost_of(model, kind, table)
+    factor, why = 1.0, []
+    for name, value in levers.items():
+        f = LEVER_FACTOR.get((name, value), 1.0)
+        if name == "recompute" and kind.startswith("slidekit:none"):
+            f = 1.0  # nothing resident: no layer keeps its activations
+        if f != 1.0:
+            factor *= f
+            why.append(f"{name} {value} x {f:g}")
+    if not why:  # clip_overlap: its clipping factor (``clip_factor``), not the step's
+        return replace(base, source=f"{base.source}; {', '.join(f'{k} {v}' for k, v in levers.items())}")
+    steps = {b: s * factor for b, s in base.steps.items()}  # the setup is the kind's
+    return replace(base, steps=steps, source=f"estimate: {'; '.join(why)} ({base.source})")
+
+
+def clip_factor(run: RunSpec) -> float:
+    """Step time of ``run``'s clipped recipe over its unclipped one (1.0 without clipping)."""
+    if run.clip is None:
+        return 1.0
+    overlap = dict(run.levers).get("clip_overlap")
+    if overlap is not None and run.system == "slidekit":
+        return OVERLAP_CLIP_FACTOR[overlap]
+    return CLIP_FACTOR.get(run.cost_key, CLIP_FACTOR.get(run.system, 1.02))
 
 
 def _on_ranks(model: str, key: str, table: Mapping[tuple[str, str], Cost]) -> Cost:
@@ -241,9 +296,7 @@ def predict(
     start = START_S.get(run.system, 13.0) + (TORCHRUN_S if run.ranks > 1 else 0.0)
     if cost.host_oom_s is not None:
         return start + cost.host_oom_s
-    clip = 1.0
-    if run.clip is not None:
-        clip = CLIP_FACTOR.get(run.cost_key, CLIP_FACTOR.get(run.system, 1.02))
+    clip = clip_factor(run)
     per_batch_setup = run.system == "slidekit"
     total = start + (0.0 if per_batch_setup else cost.setup_s)
     for batch in run.batches:

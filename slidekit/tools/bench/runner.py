@@ -25,9 +25,9 @@ gets ``MULTICAST_OFF`` in its environment (NVLink multicast off: NCCL's NVLS, to
 memory, NVSHMEM); a run on N GPUs also gets ``OMP_NUM_THREADS`` = the CPUs / N (torchrun would set
 1, leaving each rank's host update one thread) unless the bench's own environment sets it.
 
-Every row carries the run's identity (suite, label, recipe, repeat, GPUs, cost key, prediction), the
-commit, the date and the package versions; the suite's first JSONL line (``"record": "suite"``)
-has the plan, the builds and the machine-independent settings. Test: ``pytest tests/test_bench.py``.
+Every row carries the run's identity (suite, label, recipe, repeat, GPUs, cost key, prediction, the
+levers its mode sets), the commit, the date and the package versions; the suite's first JSONL line
+(``"record": "suite"``) has the plan, the builds and the machine-independent settings. Test: ``pytest tests/test_bench.py``.
 """
 
 from __future__ import annotations
@@ -232,6 +232,8 @@ def run_suite(
         base |= {"max_grad_norm": run.clip, "repeat": run.repeat, "run_name": run.name}
         base |= {"predicted_s": planned.predicted_s, "resident": run.resident}
         base |= {"ranks": run.ranks, "family": run.family or run.label}
+        if run.levers:  # only where the mode sets them: other suites' rows stay as they were
+            base["levers"] = dict(run.levers)
         ahead = not planned.keep and _taken_up(planned, plan, left() - kept_after[i])
         if not (planned.keep or ahead) or planned.predicted_s > left() or left() < _MIN_RUN_S:
             why = f"not run: time budget (predicted {planned.predicted_s:.0f} s; "

@@ -2,6 +2,7 @@
 
     python -m slidekit.tools.bench --model qwen2.5-3b --batch 8,32 --resident none --clip 1.0
     python -m slidekit.tools.bench --model tiny --device cpu --batch 2 --seq 64 --steps 2   # anywhere
+    python -m slidekit.tools.bench --model qwen2.5-3b --batch 32 --resident none --clip 1.0 --clip-overlap defer
 
 For each ``--batch`` in order: a fresh ``Trainer`` (its build is the record's ``setup_s``; the peak
 RSS starts over before it, the peak GPU memory after it), then ``--warmup`` + ``--steps`` steps in
@@ -9,7 +10,11 @@ ONE ``fit`` call, so the first timed step starts with the warm-up's update backl
 a long run does. The timed steps are the last ``--steps`` of ``FitResult.step_seconds``: whole steps,
 start to start, the last ending once every update is applied and the device is idle. The batch's JSON
 line is printed at once (a run killed later keeps it). A batch that does not fit (the planner refuses
-it, or the GPU runs out of memory) prints its reason and the next batch still runs.
+it, or the GPU runs out of memory) prints its reason and the next batch still runs. ``--recompute``
+(``engine.recompute``) and ``--clip-overlap`` (``optim.clip_overlap``) are the levers; the record says
+both, how many layers kept their activations (``kept_layers``) and, per timed step, whether it
+speculated and rolled back (``clip_speculated``, ``clip_rollback``: the Trainer's step metrics, taken
+from its ``slidekit_step_end`` hook).
 
 Under ``python -m torch.distributed.run --nproc-per-node N`` it is one data-parallel run: the ranks
 join one ``DataParallel`` for the whole process (every batch's ``Trainer`` shares it), ``--batch`` is
@@ -35,6 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from slidekit.hookspecs import hookimpl
 from slidekit.tools.bench.ranks import gather_ranks, host_update_s, rank_figures, slowest_steps
 from slidekit.tools.bench.records import (
     does_not_fit,
@@ -59,7 +65,9 @@ def _config(args: argparse.Namespace, model_dir: str) -> Any:
     return TrainConfig(
         model=ModelConfig(source=model_dir, random_init=True),
         data=DataConfig(seq_len=args.seq, batch_size=args.batch),
-        optim=OptimConfig(lr=1e-5, name=args.optimizer, max_grad_norm=args.clip),
+        optim=OptimConfig(
+            lr=1e-5, name=args.optimizer, max_grad_norm=args.clip, clip_overlap=args.clip_overlap
+        ),
         engine=EngineConfig(
             device=args.device,
             kernels=args.kernels,
@@ -70,10 +78,26 @@ def _config(args: argparse.Namespace, model_dir: str) -> Any:
             state_offload_tier=args.state_offload_tier,
             state_offload_fraction=args.state_offload_fraction,
             offload_dir=args.offload_dir,
+            recompute=args.recompute,
         ),
         run=RunConfig(trace=getattr(args, "trace", None)),
         steps=args.warmup + args.steps,
     )
+
+
+class StepMetrics:
+    """A lifecycle plugin: every step's metrics as the Trainer reports them (``slidekit_step_end``)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+
+    @hookimpl
+    def slidekit_step_end(self, step: int, metrics: dict[str, float]) -> None:
+        self.steps.append(dict(metrics))
+
+    def per_step(self, key: str, last: int) -> list[int]:
+        """``key`` of the last ``last`` steps, as whole numbers (0 where a step did not report it)."""
+        return [int(m.get(key, 0.0)) for m in self.steps[-last:]] if last else []
 
 
 def measure_slidekit(args: argparse.Namespace, parallel: DataParallel | None = None) -> dict[str, Any]:
@@ -83,13 +107,21 @@ def measure_slidekit(args: argparse.Namespace, parallel: DataParallel | None = N
 
     from slidekit import Batch, Trainer
     from slidekit.distributed.launch import rank_batches
+    from slidekit.plugins import Plugins
     from slidekit.telemetry import reset_peak_rss
 
     scope = "batch" if reset_peak_rss() else "process"
     with tempfile.TemporaryDirectory() as tmp:
         write_config(args.model, Path(tmp), args.seq)
+        config = _config(args, tmp)
+        metrics = StepMetrics()  # rank 0's steps (lifecycle hooks run there): the rank that prints
+        plugins = Plugins(
+            entry_points=config.plugins.entry_points,
+            block=config.plugins.block,
+            extra=[("slidekit-bench-steps", metrics)],
+        )
         t0 = time.perf_counter()
-        trainer = Trainer(_config(args, tmp), parallel=parallel)
+        trainer = Trainer(config, plugins=plugins, parallel=parallel)
         setup_s = time.perf_counter() - t0
         spec, device = trainer.spec, trainer.device
         resident = f"{len(trainer.engine.window.resident)}/{len(spec.units)}"
@@ -115,6 +147,9 @@ def measure_slidekit(args: argparse.Namespace, parallel: DataParallel | None = N
         "resident_units": resident,
         "recompute": trainer.config.engine.recompute,
         "kept_layers": kept,
+        "clip_overlap": trainer.config.optim.clip_overlap,
+        "clip_speculated": metrics.per_step("clip_speculated", args.steps),
+        "clip_rollback": metrics.per_step("clip_rollback", args.steps),
         "activations": args.activations,
         "state_tier": args.state_tier,
         "state_offload": [args.state_offload_tier, args.state_offload_fraction]
@@ -193,8 +228,9 @@ def slidekit_parser() -> argparse.ArgumentParser:
     return p
 
 
-def engine_arguments(p: argparse.ArgumentParser, *, resident_help: str) -> None:
-    """The engine options a slidekit run takes (``slidekit bench`` passes them through)."""
+def engine_arguments(p: argparse.ArgumentParser, *, resident_help: str, crossed: bool = False) -> None:
+    """The engine options a slidekit run takes (``slidekit bench`` passes them through; ``crossed``: its
+    --recompute and --clip-overlap are comma-separated lists, crossed with the residency modes)."""
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--kernels", default="auto", help="kernel-set driver, or auto")
     p.add_argument("--optimizer", default="layer_adam", help="slidekit optimizer driver")
@@ -210,6 +246,18 @@ def engine_arguments(p: argparse.ArgumentParser, *, resident_help: str) -> None:
         help="fraction of host units whose state goes there",
     )
     p.add_argument("--offload-dir", default=None, help="directory for file-backed tiers")
+    listed = "comma-separated, crossed with --resident (default: the engine's, auto): " if crossed else ""
+    p.add_argument(
+        "--recompute",
+        default="auto",
+        help=f"engine.recompute, {listed}auto (resident layers keep their activations where memory allows), "
+        "all or none",
+    )
+    p.add_argument(
+        "--clip-overlap",
+        default="auto",
+        help=f"optim.clip_overlap of clipped steps, {listed}auto, speculate or defer",
+    )
 
 
 def _join(args: argparse.Namespace) -> tuple[argparse.Namespace, DataParallel | None]:

@@ -178,6 +178,39 @@ SUITES["dp-qwen2.5-14b"] = _dp(
 )
 
 
+def _levers(model: str, *, never: float = 1e6) -> Suite:
+    """This session's levers side by side in one call (NOTES.md 15, 16): (a) every unit resident at batch 8
+    and 32, every layer recomputing against kept activations (``recompute`` "all" / "auto"), against HF +
+    Liger with and without checkpointing; (b) forced offload at batch 32 unclipped, clipped at 1.0 with
+    ``clip_overlap`` "defer" and "speculate", and clipped at ``never`` (a norm the synthetic recipe never
+    reaches) speculating: the backups' cost alone. Every first repeat ranks 0 (the clipped ones 1, by the
+    rule); second repeats follow, the kept/recomputed pair first."""
+    modes = (
+        Mode(resident="all", recompute="all", clips=(None,)),
+        Mode(resident="all", recompute="auto", clips=(None,)),
+        Mode(resident="none", batches=(32,), clips=(None,)),
+        Mode(resident="none", batches=(32,), clips=(1.0,), clip_overlap="defer"),
+        Mode(resident="none", batches=(32,), clips=(1.0, never), clip_overlap="speculate"),
+    )
+    alts = (Alt(name="liger_gc", clips=(None,)), Alt(name="liger", clips=(None,), importance=0.0))
+    return Suite(
+        name=f"levers-{model}",
+        model=model,
+        batches=(8, 32),
+        modes=modes,
+        alternatives=alts,
+        clips=(None, 1.0, never),
+        steps=6,
+        warmup=2,
+        note="the levers of issue 16 (NOTES.md 15, 16): kept activations against recomputing every layer and "
+        "HF + Liger; clipped forced offload deferred, speculated, and speculated with a clip that never "
+        f"fires ({never:g}); per run its rollbacks (the Levers table)",
+    )
+
+
+SUITES["levers-qwen2.5-3b"] = _levers("qwen2.5-3b")
+
+
 def suite(name: str) -> Suite:
     """The preset ``name``, or a clear error listing them."""
     if name not in SUITES:

@@ -29,18 +29,28 @@ makes a kind more or less telling (14B: only the planner's choice and all-state-
 says "N GPUs", its cost key ends in ``@N``, and its rows carry ``ranks`` N and ``family``, the label
 of the same mode on one GPU, which the table's scaling efficiency compares it with.
 
+*Levers*: a mode may set ``recompute`` (``engine.recompute``: "auto", "all", "none") and
+``clip_overlap`` (``optim.clip_overlap``: "auto", "speculate", "defer"); each one set is passed to the
+child (``--recompute``, ``--clip-overlap``), said in the label ("slidekit (resident all, recompute
+all)") and the cost key (``slidekit:all+recompute=all``), and carried by the rows (``levers``). Left
+unset (None) the child runs the engine's default and label, key and rows are those of before. A mode
+that sets ``clip_overlap`` runs clipped recipes only (the overlap changes nothing else).
+
 Test: ``pytest tests/test_bench_plan.py``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import product
 
+from slidekit.config import CLIP_OVERLAP
 from slidekit.errors import ConfigError
 
 __all__ = [
     "BASELINES",
     "BASELINE_PACKAGE",
+    "RECOMPUTE",
     "Alt",
     "Mode",
     "RunSpec",
@@ -103,6 +113,8 @@ _CLIP = {"liger_gc": 1.5, "liger": 2.5, "no_offload": 2.0, "torchao": 3.0, "deep
 _CLIP |= {"none": 1.0, "partial": 1.0, "auto": 1.0}
 _CLIP |= {"deepspeed_partial": 3.0}
 _REPEAT = 1.2
+#: ``engine.recompute``'s choices (``EngineConfig``), a mode's ``recompute``.
+RECOMPUTE = ("auto", "all", "none")
 
 
 def importance(kind: str, clip: float | None, repeat: int) -> float:
@@ -125,19 +137,38 @@ class Mode:
     importance: float | None = None  # default: the rule (module docstring)
     clips: tuple[float | None, ...] | None = None  # default: the suite's
     ranks: int = 1  # data-parallel ranks, one GPU each (torchrun --nproc-per-node); --batch is per GPU
+    recompute: str | None = None  # engine.recompute (--recompute); None: the engine's default, not passed
+    clip_overlap: str | None = None  # optim.clip_overlap (--clip-overlap); None: the default, not passed
 
     def __post_init__(self) -> None:
-        _check_ranks(self.ranks, f"Mode(resident={self.resident!r})")
+        what = f"Mode(resident={self.resident!r})"
+        _check_ranks(self.ranks, what)
+        if self.recompute is not None and self.recompute not in RECOMPUTE:
+            raise ConfigError(
+                f"{what}: recompute={self.recompute!r} is not engine.recompute's; choose from: {', '.join(RECOMPUTE)}"
+            )
+        if self.clip_overlap is not None and self.clip_overlap not in CLIP_OVERLAP:
+            raise ConfigError(
+                f"{what}: clip_overlap={self.clip_overlap!r} is not optim.clip_overlap's; choose from: "
+                f"{', '.join(CLIP_OVERLAP)}"
+            )
 
     @property
     def kind(self) -> str:
         return self.resident if self.resident in ("all", "none", "auto") else "partial"
 
     @property
+    def levers(self) -> tuple[tuple[str, str], ...]:
+        """The levers this mode sets, (name, value) in a fixed order (module docstring)."""
+        pairs = (("recompute", self.recompute), ("clip_overlap", self.clip_overlap))
+        return tuple((name, value) for name, value in pairs if value is not None)
+
+    @property
     def label(self) -> str:
         extra = [] if self.optimizer == "layer_adam" else [self.optimizer]
         if self.state_offload:
             extra.append(f"{self.state_offload[1]:g} of state on {self.state_offload[0]}")
+        extra += [f"{name} {value}" for name, value in self.levers]
         return on_gpus(f"slidekit (resident {', '.join([self.resident, *extra])})", self.ranks)
 
     @property
@@ -146,10 +177,22 @@ class Mode:
         return replace(self, ranks=1).label
 
     @property
+    def flags(self) -> tuple[str, ...]:
+        """The child's options for this mode (beyond the common ones)."""
+        flags: tuple[str, ...] = ("--resident", self.resident, "--optimizer", self.optimizer)
+        if self.state_offload:
+            flags += ("--state-offload-tier", self.state_offload[0])
+            flags += ("--state-offload-fraction", str(self.state_offload[1]))
+        for name, value in self.levers:
+            flags += (f"--{name.replace('_', '-')}", value)
+        return flags
+
+    @property
     def cost_key(self) -> str:
         key = f"slidekit:{self.kind if self.kind != 'partial' else self.resident}" + (
             f":{self.optimizer}" if self.optimizer != "layer_adam" else ""
         )
+        key += "".join(f"+{name}={value}" for name, value in self.levers)
         return ranked(key, self.ranks)
 
 
@@ -220,6 +263,14 @@ class Suite:
             )
         if not 0.0 < self.partial < 1.0:
             raise ConfigError(f"suite {self.name}: partial {self.partial} must lie strictly between 0 and 1")
+        for mode in self.modes:
+            recipes = mode.clips if mode.clips is not None else self.clips
+            if mode.clip_overlap is not None and None in recipes:
+                raise ConfigError(
+                    f"suite {self.name}: {mode.label} sets clip_overlap, which changes only clipped steps, but "
+                    "runs an unclipped recipe too; give it clipped recipes only, e.g. clips=(1.0,), and "
+                    "measure the unclipped recipe with a mode that leaves clip_overlap unset"
+                )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -239,6 +290,7 @@ class RunSpec:
     resident: str | None = None  # slidekit's mode
     ranks: int = 1  # processes under torchrun, one GPU each (1: a plain process)
     family: str = ""  # the label of the same run on one GPU (default: ``label``)
+    levers: tuple[tuple[str, str], ...] = ()  # slidekit's recompute / clip_overlap where the mode sets them
 
     @property
     def name(self) -> str:
@@ -261,10 +313,6 @@ def expand(suite: Suite) -> list[RunSpec]:
     for repeat in range(1, suite.repeats + 1):
         for mode in suite.modes:
             for clip in mode.clips if mode.clips is not None else suite.clips:
-                flags: tuple[str, ...] = ("--resident", mode.resident, "--optimizer", mode.optimizer)
-                if mode.state_offload:
-                    flags += ("--state-offload-tier", mode.state_offload[0])
-                    flags += ("--state-offload-fraction", str(mode.state_offload[1]))
                 rank = importance(mode.kind, clip, repeat)
                 if mode.importance is not None:
                     rank = mode.importance + (
@@ -276,7 +324,7 @@ def expand(suite: Suite) -> list[RunSpec]:
                     kind=mode.kind,
                     cost_key=mode.cost_key,
                     script="slidekit",
-                    flags=flags,
+                    flags=mode.flags,
                     batches=_batches(suite, mode.batches, clip),
                     clip=clip,
                     repeat=repeat,
@@ -284,12 +332,13 @@ def expand(suite: Suite) -> list[RunSpec]:
                     resident=mode.resident,
                     ranks=mode.ranks,
                     family=mode.family,
+                    levers=mode.levers,
                 )
                 runs.append((rank, len(runs), spec))
         for alt in suite.alternatives:
             base = BASELINES[alt.name]
             for clip in alt.clips if alt.clips is not None else suite.clips:
-                flags = tuple(base.flags)
+                flags: tuple[str, ...] = tuple(base.flags)
                 label = base.label
                 if alt.name == "deepspeed_partial":
                     ratio = round(1.0 - suite.partial, 4)
@@ -329,17 +378,36 @@ def adhoc_suite(
     warmup: int,
     optimizer: str = "layer_adam",
     state_offload: tuple[str, float] | None = None,
+    recomputes: tuple[str, ...] = (),
+    clip_overlaps: tuple[str, ...] = (),
 ) -> Suite:
-    """The suite of a ``slidekit bench`` without ``--suite``: its flags, crossed."""
+    """The suite of a ``slidekit bench`` without ``--suite``: its flags, crossed. ``recomputes`` and
+    ``clip_overlaps`` (empty: not given) cross the residency modes as ``--resident`` does; the clipped
+    recipes run once per overlap, the unclipped one once (a mode without ``clip_overlap``)."""
     unknown = [b for b in baselines if b not in BASELINES]
     if unknown:
         raise ConfigError(f"unknown baseline(s) {unknown}; choose from: {', '.join(BASELINES)}")
+    clipped = tuple(c for c in clips if c is not None)
+    if clip_overlaps and not clipped:
+        raise ConfigError(
+            f"--clip-overlap {','.join(clip_overlaps)} changes only clipped steps; give a clipped recipe "
+            "too, e.g. --clip none,1.0"
+        )
     fractions = [float(r) for r in residents if r not in ("all", "none", "auto")]
+    modes: list[Mode] = []
+    for resident, recompute in product(residents, recomputes or (None,)):
+        base = Mode(resident=resident, optimizer=optimizer, state_offload=state_offload, recompute=recompute)
+        if not clip_overlaps:
+            modes.append(base)
+            continue
+        if None in clips:
+            modes.append(replace(base, clips=(None,)))
+        modes += [replace(base, clips=clipped, clip_overlap=overlap) for overlap in clip_overlaps]
     return Suite(
         name=model,
         model=model,
         batches=batches,
-        modes=tuple(Mode(resident=r, optimizer=optimizer, state_offload=state_offload) for r in residents),
+        modes=tuple(modes),
         alternatives=tuple(Alt(name=b) for b in baselines),
         seq=seq,
         steps=steps,

@@ -19,8 +19,8 @@ rank's gradient-reduction and weight-gather seconds per step.
 A cell with no run that measured gives its reason: a measured cause ("does not fit in GPU memory:
 tried to allocate ..."; "host RAM exhausted: ..."), a failure, or "not run: time budget".
 ``suite_markdown`` is the whole page: the header (commit, date, device, versions, the FLOP formula,
-the method), a table per recipe, slidekit's pipeline figures, and the time plan against what each
-run took. Test: ``pytest tests/test_bench.py``.
+the method), a table per recipe, the levers' ratios where a mode sets one (``levers``), slidekit's
+pipeline figures, and the time plan against what each run took. Test: ``pytest tests/test_bench.py``.
 """
 
 from __future__ import annotations
@@ -360,6 +360,10 @@ def suite_markdown(header: dict[str, Any], rows: Sequence[dict[str, Any]], *, re
     if s.get("note"):
         lines += ["", f"Note: {s['note']}."]
     lines += ["", markdown_table(runs), ""]
+    from slidekit.tools.bench.levers import levers_markdown  # it builds on this module's cells
+
+    if levers := levers_markdown(runs):
+        lines += [levers]
     if any(int(r.get("ranks") or r.get("world") or 1) > 1 for r in runs):
         lines += [
             "### Data parallelism (per-GPU batch; scaling efficiency against the same run on one GPU)",
