@@ -557,3 +557,28 @@ def test_the_cpu_gets_no_prediction():
     report = plan_run(TrainConfig(engine=EngineConfig(device="cpu")))
     assert report.requested_step is None and "not predicted on the CPU" in report.render()
     assert torch.device("cpu").type == report.machine.device_type
+
+
+def test_auto_clip_overlap_speculates_only_where_the_model_predicts_it_faster():
+    """``speculation.room``: with rates, "auto" keeps the backups where a speculating step is predicted
+    faster than a deferring one, and drops them (saying so) where the backups' copies cost more."""
+    from slidekit.engine.speculation import room
+
+    spec = tiny_spec("llama", num_hidden_layers=6)
+    p = _planner(spec, keep_grads=True, clip=True)
+    layout = _backed_up(p.layout(Placement(gpu_resident="none"), _machine()))
+    hides = _rates(  # slow compute: the updates hide under the backward only when they speculate
+        layer_tflops=1e-4,
+        head_tflops=1e-4,
+        updates={"adam": UpdateRate(host_params_per_s=2.5e5, device_bytes_per_param=28.0, source="t")},
+    )
+    kept, note = room(p, layout, _machine(rates=hides), "auto")
+    assert kept.clip_backup and note is None
+    copies = _rates(  # the host's memory so slow that the backups' copies outweigh the overlap
+        host_gbps=1e-3,
+        updates={"adam": UpdateRate(host_params_per_s=1e4, device_bytes_per_param=28.0, source="t")},
+    )
+    dropped, note = room(p, layout, _machine(rates=copies), "auto")
+    assert not dropped.clip_backup and note is not None and "predicts" in note and "defer" in note
+    assert room(p, layout, _machine(rates=copies), "speculate")[0].clip_backup  # asked for: kept
+    assert room(p, layout, _machine(rates=None), "auto")[0].clip_backup  # no rates: nothing to predict with

@@ -41,7 +41,9 @@ adamw_8bit) for every backed-up unit, in host RAM, and costs a copy of those
 bytes per update (``benchmarks/clip_backup.py`` measures it); a step that
 clips pays a restore and the whole deferred update at its end, more than the
 deferred path. "defer" is the deferred path. "auto" speculates where the
-planner found host RAM for the backups (``room``), and not on the step right
+planner found host RAM for the backups and, on a GPU with known rates, where
+the step-time model predicts a speculating step faster than a deferring one
+(``room``), and not on the step right
 after a step that clipped or was not finite: clipping tends to persist, and
 deferring then costs no rollback.
 
@@ -87,19 +89,28 @@ CERTAIN = 1e-4
 
 def room(planner: Planner, layout: Layout, machine: Machine, policy: str) -> tuple[Layout, str | None]:
     """``layout`` for ``policy`` (``optim.clip_overlap``): "auto" drops the backups when host RAM cannot
-    hold them (with a note saying so); "speculate" keeps them (the fit check refuses what does not fit);
-    "defer" has none."""
+    hold them, or when the step-time model (``Planner.predict``, where the machine has rates) predicts
+    a step that speculates no faster than one that defers, with a note saying which; "speculate" keeps
+    them (the fit check refuses what does not fit); "defer" has none."""
     import dataclasses
 
     if policy != "auto" or not layout.clip_backup:
         return layout, None
-    if planner.estimate_layout(layout, machine).host_fits(machine):
-        return layout, None
-    backup = layout.allocations()["host"]["clip backup"]
-    return dataclasses.replace(layout, clip_backup=False), (
-        f"optim.clip_overlap='auto': host RAM lacks the {backup / 2**30:.1f} GiB the speculative-clipping "
-        "backups need, so clipped steps defer their updates to the step's end (slower; free host RAM or "
-        "set optim.clip_overlap='defer' to silence this)"
+    deferred = dataclasses.replace(layout, clip_backup=False)
+    if not planner.estimate_layout(layout, machine).host_fits(machine):
+        backup = layout.allocations()["host"]["clip backup"]
+        return deferred, (
+            f"optim.clip_overlap='auto': host RAM lacks the {backup / 2**30:.1f} GiB the speculative-clipping "
+            "backups need, so clipped steps defer their updates to the step's end (slower; free host RAM or "
+            "set optim.clip_overlap='defer' to silence this)"
+        )
+    ahead, behind = planner.predict(layout, machine), planner.predict(deferred, machine)
+    if ahead is None or behind is None or ahead.seconds < behind.seconds:
+        return layout, None  # no prediction (the CPU, a GPU without rates), or speculating is faster
+    return deferred, (
+        f"optim.clip_overlap='auto': the step-time model predicts {behind.seconds:.3f} s a step deferring the "
+        f"host updates and {ahead.seconds:.3f} s speculating (the backups' copies cost more than the overlap "
+        "gains here), so clipped steps defer (optim.clip_overlap='speculate' speculates anyway)"
     )
 
 
