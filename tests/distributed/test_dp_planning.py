@@ -12,6 +12,7 @@ import types
 import pytest
 from dp_plan_jobs import GIB, Build, agreed_machine, footprint_against_layout
 from dp_ranks import run_ranks
+from planning_fixtures import cuda_machine, planner, tiny_spec
 
 from slidekit.cli import main
 from slidekit.engine.build import build_engine
@@ -23,42 +24,21 @@ from slidekit.planning import (
     Machine,
     Placement,
     Planner,
-    Workload,
     unit_shards,
 )
-from slidekit.plugins import Plugins
-from slidekit.testing.models import tiny_config
-
-MEDIA = {"ram": "host", "posix": "disk", "gpu": "device"}
 
 
 def _spec(family: str = "llama", **overrides: object):
-    hf = tiny_config(family, **overrides)
-    return Plugins().adapter_for(hf.model_type).descriptor.factory(hf)
+    return tiny_spec(family, **overrides)
 
 
 def _planner(spec, world: int = 1, rank: int = 0, **kw: object) -> Planner:
-    return Planner(
-        spec,
-        Workload(batch_size=2, seq_len=16),
-        compute_itemsize=2,
-        state_bytes=lambda n: 8 * n,
-        media=MEDIA,
-        device_type="cuda",
-        world=world,
-        rank=rank,
-        **kw,  # type: ignore[arg-type]
-    )
+    """The shared planner (BF16, 8 B/param of state, CUDA), micro-batches of 2 x 16, as rank ``rank``."""
+    return planner(spec, batch=2, seq=16, world=world, rank=rank, **kw)
 
 
 def _gpu(gib: float, ram: float = 64.0) -> Machine:
-    return Machine(
-        device_type="cuda",
-        device_free=int(gib * GIB),
-        device_total=int(gib * GIB),
-        host_available=int(ram * GIB),
-        host_total=int(ram * GIB),
-    )
+    return cuda_machine(gib, ram)
 
 
 # ---------------------------------------------------------------------- the layout of a rank
