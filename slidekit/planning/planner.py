@@ -281,7 +281,7 @@ class Planner:
             return [False] * units  # an optimizer that updates on the CPU only: nothing can stay on the GPU
         if fraction is not None:  # as configured (on the CPU "resident" units are updated in place in RAM)
             return plan_residency(self.numels, bytes_per_param=0, budget=0, fraction=fraction)
-        budget = self._device_budget(placement, machine)
+        budget = self.device_budget(placement, machine)
         if budget is None:
             return [False] * units  # "auto" on the CPU: nothing to gain
         # Whole weights and gradients, the shard's master and state (a data-parallel rank keeps 1/world); with
@@ -291,7 +291,7 @@ class Planner:
             per_param = 4 + self.state_per_param + (self.itemsize if self.workload.keep_grads else 0)
         return plan_residency(self.numels, bytes_per_param=per_param, budget=max(budget, 0))
 
-    def _device_budget(self, placement: Placement, machine: Machine) -> int | None:
+    def device_budget(self, placement: Placement, machine: Machine) -> int | None:
         """Device bytes left for resident units beyond the window, the staging, a step's work and the
         reserve (None on the CPU's own planning)."""
         if machine.device_free is None:
@@ -311,7 +311,7 @@ class Planner:
             resident,
             keep_cost=[self.resident_cost(u) for u in units],
             slide_cost=[self.resident_cost(u, slide=True) for u in units],
-            budget=self._device_budget(placement, machine) if mode == "auto" else None,
+            budget=self.device_budget(placement, machine) if mode == "auto" else None,
         )
 
     def keeps(
