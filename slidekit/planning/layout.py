@@ -322,10 +322,10 @@ class Layout:
         lines.append("  " + "; ".join(extra))
         lean = [u for u in self.units if u.weights_slide]
         if lean:
-            kept = sum(u.resident for u in self.units) - len(lean)
+            whole = sum(u.resident for u in self.units) - len(lean)
             lines.append(
                 f"  {len(lean)} units on the GPU with sliding weights (master and state there, weights cast into "
-                f"the window for each visit), {kept} keep their weights there"
+                f"the window for each visit), {whole} keep their weights there"
                 + ("; their gradients wait in a device buffer until the step ends" if self.device_grads else "")
             )
         return "\n".join(lines)

@@ -418,7 +418,7 @@ class Planner:
         """Placements from the fastest to the slowest, keeping ``base``'s tier choices where they work.
 
         More units resident first (where the optimizer can update on the
-        device); then activations on the device before a host tier; then state
+        device; with ``base``'s ``resident_weights``); then activations on the device before a host tier; then state
         in RAM before a growing share (1/4, 1/2, 3/4, all) on ``disk_tier``;
         activations on disk last.
         """
@@ -442,6 +442,7 @@ class Planner:
                             state_offload_fraction=fraction,
                             activation_tier=acts,
                             gpu_resident=res,
+                            resident_weights=base.resident_weights,
                         )
                     )
         if disk_tier:
