@@ -287,7 +287,8 @@ class Layout:
                 f"state of its 1/{self.world} shard of every unit ({sum(u.own for u in self.units):,} of "
                 f"{sum(u.numel for u in self.units):,} parameters); the window holds whole units"
             )
-        lines.append("  units     kind   parameters each  where          optimizer state")
+        wide = 14 if any(u.weights_slide for u in self.units) else 9  # room for "weights slide"
+        lines.append("  units     kind   parameters each  " + "where".ljust(wide) + " optimizer state")
         groups: list[tuple[int, int, tuple[object, ...]]] = []  # consecutive units placed alike
         for u in self.units:
             key = (u.kind, u.numel, u.resident, u.state_tier, u.state_medium, len(u.pieces), u.keeps, u.weights_slide)
@@ -301,7 +302,7 @@ class Layout:
             streamed = ", streamed" if medium == "disk" and not resident else ""
             cut = f", {pieces} gradient pieces" if isinstance(pieces, int) and pieces > 1 else ""
             kept = "; keeps its activations" if keeps else ""
-            lines.append(f"  {span:<9} {kind:<6} {numel:>15,}  {where:<14} {tier} ({medium}{streamed}){cut}{kept}")
+            lines.append(f"  {span:<9} {kind:<6} {numel:>15,}  {where:<{wide}} {tier} ({medium}{streamed}){cut}{kept}")
         w = self.window
         lines.append(
             f"  window: {w.window} cache units of {w.slot_numel:,} parameters (+ gradients), {self.prefetch} "

@@ -116,6 +116,25 @@ def test_the_sliding_path_really_runs(tiny_model):
     assert lanes.get("h2d", 0.0) == 0.0 and lanes.get("d2h", 0.0) == 0.0 and lanes.get("update", 0.0) == 0.0
 
 
+def test_forward_only_passes_between_steps_match_kept_weights(tiny_model):
+    """Logits and the fused loss of forward-only passes (they cast too), and the steps after them."""
+    model_dir = tiny_model("qwen2")
+    batches = random_batches(128, steps=8, seed=4)
+
+    def run(weights: str):
+        with Trainer(_config(model_dir, weights, steps=4)) as t:
+            first = t.fit(batches[:4])
+            logits = t.engine.forward(batches[0].input_ids)
+            loss = t.engine.forward(batches[1].input_ids, batches[1].labels)
+            second = t.fit(batches[4:])
+            return first.losses + second.losses, logits, loss, _state(t)
+
+    keep, slide = run("keep"), run("slide")
+    assert slide[0] == keep[0]
+    assert slide[1].equal(keep[1]) and slide[2].equal(keep[2])
+    assert_states_equal(slide[3], keep[3])
+
+
 # ---------------------------------------------------------------------------- "auto" on a hand-built Machine
 
 
