@@ -128,6 +128,7 @@ class Engine(Uploads, Speculation):
         self.weights_slide = frozenset(u.index for u in layout.units if u.weights_slide)
         self.device_grads = dict(device_grads or {})
         self._cast_after: dict[int, Any] = {}  # unit -> event after its latest device update (CUDA)
+        self._reduced: dict[int, Any] = {}  # data-parallel: unit -> event after its reduced shard's copy
         self.clip_overlap = "auto"
         self._clipped_last = False  # the last step clipped or was not finite ("auto" then defers the next)
         check_keeps(layout.units)  # only resident layers: a sliding one's cache unit is reused before its backward

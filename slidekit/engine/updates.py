@@ -61,6 +61,7 @@ class Updates:
     weights_slide: frozenset[int]  # resident units whose weights slide through the window
     device_grads: dict[int, torch.Tensor]  # their gradients, kept on the device until the step's end
     _cast_after: dict[int, Any]  # unit -> event after its latest device update (the next cast waits for it)
+    _reduced: dict[int, Any]  # data-parallel: unit -> event after its reduced shard reached its device buffer
 
     def _finish_unit(self, unit: int, slot: Slot, c: StepState) -> None:
         """After a unit's backward: add its gradient norm, copy the gradients down, update it.
@@ -112,12 +113,21 @@ class Updates:
         the resident units' fused update (and its arithmetic). Then the cache unit is let go.
 
         Not deferring, the unit's gradient norm is read first (a device sync, once per such unit): a unit
-        whose gradients are not finite is never applied, as on the host path (``_update``)."""
-        assert unit_sq is not None, "a data-parallel run keeps its units' weights (slidekit.planning.weights)"
-        n = self.host.masters[unit].numel()
+        whose gradients are not finite is never applied, as on the host path (``_update``).
+
+        Data-parallel: the d2h lane reduces the gradient over the ranks and copies this rank's shard into
+        the unit's device buffer (``_reduce_lean``); the unit is updated at the step's end, as resident
+        units are, and its next cast gathers every rank's shard."""
         # Its weights in any cache unit are stale once the update is queued: the next visit casts afresh.
         self.version[unit] += 1
         compute = self.streams.compute
+        if self.collectives is not None:
+            done = self.streams.record(compute)
+            c.resident_due.append(unit)
+            c.shard_sq[unit] = self.pipeline.submit("d2h", self._reduce_lean, unit, slot, done, unit=unit)
+            return
+        assert unit_sq is not None
+        n = self.host.masters[unit].numel()
         try:
             if c.defer:
                 self.device_grads[unit].copy_(slot.grads[:n])  # on the compute stream, after the backward
@@ -221,6 +231,21 @@ class Updates:
             own = slot.grads[shard.start : shard.stop]
             return torch.linalg.vector_norm(own, dtype=torch.float32).square()
 
+    def _reduce_lean(self, unit: int, slot: Slot, computed: Any) -> float:
+        """d2h lane, data-parallel: reduce the gradient of a unit whose weights slide, copy this rank's shard
+        of it into the unit's device buffer and let the cache unit go; returns the shard's squared norm.
+        The update at the step's end (compute stream) waits for the copy (``_reduced``)."""
+        sq = self._reduce(unit, slot, computed)
+        shard = self._shard_start(unit), self._shard_start(unit) + self.host.masters[unit].numel()
+        s = self.streams
+        with s.use(s.d2h):
+            self.device_grads[unit].copy_(slot.grads[shard[0] : shard[1]])
+            copied = s.record(s.d2h)
+        self._reduced[unit] = copied
+        self.window.release(slot, copied)
+        s.synchronize(copied)
+        return float(sq)
+
     def _reduce_resident(self, unit: int, slot: Slot, computed: Any) -> float:
         """d2h lane, data-parallel: reduce a resident unit's gradient (updated on the device at the end of
         the step); returns the squared norm of this rank's shard, once the reduction is complete."""
@@ -300,6 +325,7 @@ class Updates:
         # Streaming uses staging buffers that belong to the optimizer thread: resident state must map.
         assert not self.host.state.streamed(unit), f"resident unit {unit} has streamed state"
         if unit in self.weights_slide:  # its gradients wait in its device buffer; no weights of its own
+            self.streams.wait(self.streams.compute, self._reduced.pop(unit, None))  # data-parallel: the copy
             self._apply(unit, self.device_grads[unit], lr=lr, count=count, scale=scale, lowp_out=None)
             self._cast_after[unit] = self.streams.record(self.streams.compute)
             return

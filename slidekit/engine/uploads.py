@@ -135,18 +135,23 @@ class Uploads:
         On CUDA the cast is queued on the upload stream behind two events: the slot's previous contents
         are no longer read (``free_event``), and the unit's latest update on the compute stream has
         written the master (``_cast_after``, recorded by the main thread before it asked for this visit).
-        On the CPU the main thread applied that update before it asked: the order is the program's."""
+        On the CPU the main thread applied that update before it asked: the order is the program's.
+        Data-parallel: the rank casts its shard, then gathers the others' (``_gather``)."""
         master = self.host.masters[unit]
         n = master.numel()
+        at = 0 if self.collectives is None else self.collectives.shards[unit].start  # a rank's shard
         s = self.streams
         if not s.cuda:
             with self.timeline.host("cast", unit):
-                slot.params[:n].copy_(master)
+                slot.params[at : at + n].copy_(master)
+            self._gather(unit, slot)
             return None
-        with s.use(s.h2d), self.timeline.device("cast", unit, s.h2d):
-            s.wait(s.h2d, free_event)
-            s.wait(s.h2d, self._cast_after.get(unit))
-            slot.params[:n].copy_(master)  # FP32 to the compute dtype, on the device
+        with s.use(s.h2d):
+            with self.timeline.device("cast", unit, s.h2d):
+                s.wait(s.h2d, free_event)
+                s.wait(s.h2d, self._cast_after.get(unit))
+                slot.params[at : at + n].copy_(master)  # FP32 to the compute dtype, on the device
+            self._gather(unit, slot)  # data-parallel: every rank's shard, behind the cast on the h2d stream
         return s.record(s.h2d)
 
     def _gather(self, unit: int, slot: Slot) -> None:

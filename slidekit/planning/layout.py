@@ -39,7 +39,7 @@ import torch
 from slidekit.errors import ConfigError
 from slidekit.planning.placement import GRANULE, MemoryPlan, ring_numel, unit_pieces
 from slidekit.planning.shards import Shard, unit_shards
-from slidekit.planning.weights import check_world, device_unit_bytes
+from slidekit.planning.weights import device_unit_bytes
 
 __all__ = [
     "UPLOAD_CHUNK",
@@ -208,7 +208,8 @@ class Layout:
     unit_grads: bool  # every sliding unit has a host gradient buffer of its own (``Workload.keep_grads``)
     clip_backup: bool = False  # sliding units with state in host RAM keep a backup (``Workload.clip_backup``)
     upload_staging: int  # FP32 elements on the device uploads are cast through (0: none needed)
-    device_grads: bool = False  # units whose weights slide keep a device gradient buffer (``Workload.keep_grads``)
+    device_grads: bool = False  # units whose weights slide keep a device gradient buffer of their shard
+    # (``Workload.keep_grads``, or data-parallel: the reduced gradient of the rank's shard, updated at the step's end)
     state_chunk: int  # parameters per streamed state chunk
     state_staging: int  # parameters one state staging set holds
     state_staging_bytes: int  # bytes of the STAGING_SETS sets, allocated when a unit's state streams (else 0)
@@ -363,8 +364,6 @@ def build_layout(
     keeps = keeps or (False,) * len(units)
     weights_slide = weights_slide or (False,) * len(units)
     lean = [r and w for r, w in zip(resident, weights_slide, strict=True)]
-    if any(lean):
-        check_world("slide", world)
 
     numels = [n for _, _, n in units]
     shards = unit_shards(numels, world, rank)
@@ -429,7 +428,7 @@ def build_layout(
         and workload.clip_backup
         and any(p.slides and p.state_medium == "host" for p in places),
         upload_staging=UPLOAD_CHUNK if accelerator and itemsize < 4 and any(sliding) else 0,
-        device_grads=workload.keep_grads and any(lean),
+        device_grads=(workload.keep_grads or world > 1) and any(lean),  # a rank reduces them into its shard's
         state_chunk=chunk,
         state_staging=staged,
         state_staging_bytes=STAGING_SETS * drivers.state_bytes(staged) if streams else 0,

@@ -58,7 +58,7 @@ from slidekit.planning.placement import place_state, plan_residency
 from slidekit.planning.run_space import checkpoint_bytes, checkpoint_writes, run_dir_need
 from slidekit.planning.shards import unit_shards
 from slidekit.planning.timing import StepPrediction, StepWork, predict_step
-from slidekit.planning.weights import check_world, device_unit_bytes, plan_weights
+from slidekit.planning.weights import device_unit_bytes, plan_weights
 
 if TYPE_CHECKING:
     from slidekit.config import TrainConfig
@@ -240,7 +240,7 @@ class Planner:
             state=self.state[unit],
             itemsize=self.itemsize,
             slide=slide,
-            deferred=self.workload.keep_grads,
+            deferred=self.workload.keep_grads or self.world > 1,  # a rank's reduced shard waits for the step's end
         )
 
     def layer_work(self) -> int:
@@ -287,8 +287,9 @@ class Planner:
         # Whole weights and gradients, the shard's master and state (a data-parallel rank keeps 1/world); with
         # sliding weights ("slide", and "auto" first) the master and state, and a gradient buffer when deferring.
         per_param = 2 * self.itemsize + (4 + self.state_per_param) / self.world
-        if placement.resident_weights != "keep" and self.world == 1:
-            per_param = 4 + self.state_per_param + (self.itemsize if self.workload.keep_grads else 0)
+        if placement.resident_weights != "keep":
+            deferred = self.workload.keep_grads or self.world > 1
+            per_param = (4 + self.state_per_param + (self.itemsize if deferred else 0)) / self.world
         return plan_residency(self.numels, bytes_per_param=per_param, budget=max(budget, 0))
 
     def device_budget(self, placement: Placement, machine: Machine) -> int | None:
@@ -303,8 +304,7 @@ class Planner:
 
     def weights_slide(self, placement: Placement, machine: Machine, resident: Sequence[bool]) -> list[bool]:
         """The resident units whose weights slide through the window (``slidekit.planning.weights``)."""
-        check_world(placement.resident_weights, self.world)
-        mode = "keep" if self.world > 1 else placement.resident_weights  # "auto" keeps them when data-parallel
+        mode = placement.resident_weights
         units = range(len(self.numels))
         return plan_weights(
             mode,

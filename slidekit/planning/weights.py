@@ -32,8 +32,13 @@ reused: ``slidekit.planning.keeping``).
 weights; "slide" slides every device unit's weights; "auto" puts as many
 units on the device as fit at the sliding cost first (``Planner.residency``),
 then keeps the weights of as many of them as the device memory left holds
-(``plan_weights``), the smallest first. Data-parallel runs keep the weights
-("slide" is refused there; "auto" keeps them).
+(``plan_weights``), the smallest first.
+
+Data-parallel (``slidekit.engine.collectives``): a rank keeps its shard's
+master and state, and always a gradient buffer of its shard (the d2h lane
+reduces the gradient over the ranks into it; the update waits for the step's
+end, as a resident unit's does): (4 + S + s) / world B/param; each cast
+writes the rank's shard into the cache unit and gathers the others'.
 
 Pure: no devices. Test: ``pytest tests/engine/test_device_state_units.py``.
 """
@@ -45,13 +50,14 @@ from collections.abc import Sequence
 from slidekit.config import RESIDENT_WEIGHTS
 from slidekit.errors import ConfigError
 
-__all__ = ["RESIDENT_WEIGHTS", "check_world", "device_unit_bytes", "plan_weights"]
+__all__ = ["RESIDENT_WEIGHTS", "device_unit_bytes", "plan_weights"]
 
 
 def device_unit_bytes(*, own: int, padded: int, state: int, itemsize: int, slide: bool, deferred: bool) -> int:
     """Device bytes of one unit whose master and state live on the device: the master and state of its
     ``own`` parameters (the rank's shard), and either its weights and gradients (``padded`` elements each)
-    or, when its weights ``slide`` and the step defers its updates, a gradient buffer of ``own`` elements."""
+    or, when its weights ``slide`` and its update waits for the step's end (``deferred``: the step defers,
+    or a data-parallel rank reduces the gradient), a gradient buffer of ``own`` elements."""
     if slide:
         return 4 * own + state + (itemsize * own if deferred else 0)
     return 4 * own + state + 2 * itemsize * padded
@@ -90,12 +96,3 @@ def plan_weights(
         room -= extra
     return slide
 
-
-def check_world(mode: str, world: int) -> None:
-    """Refuse sliding weights in a data-parallel run (not built there yet: its units keep their weights)."""
-    if mode == "slide" and world > 1:
-        raise ConfigError(
-            f"engine.resident_weights='slide' is not supported in a data-parallel run ({world} ranks): units on "
-            "the GPU keep their weights there; set engine.resident_weights='keep' (or 'auto', which keeps them "
-            "in a data-parallel run)"
-        )

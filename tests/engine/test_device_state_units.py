@@ -299,12 +299,18 @@ def test_a_unit_whose_weights_slide_never_keeps_its_activations():
     assert any(u.keeps for u in kept.units)  # with their weights kept, the same room keeps activations
 
 
-def test_a_data_parallel_run_refuses_sliding_weights_and_auto_keeps_them():
+def test_a_data_parallel_rank_counts_its_shards():
+    """A rank keeps its shard's master and state and, always (its reduced gradient waits for the step's
+    end), its shard's gradient buffer: (4 + S + 2) / world B/param; the window holds whole units.
+    (tests/distributed/test_dp_training.py and test_dp_checkpoints.py train and resume such runs.)"""
     p = _planner(world=2)
-    with pytest.raises(ConfigError, match=r"resident_weights='slide' is not supported in a data-parallel run"):
-        p.layout(Placement(gpu_resident="all", resident_weights="slide"), _gpu(80 * GIB))
-    layout = p.layout(Placement(gpu_resident="all", resident_weights="auto"), _gpu(80 * GIB))
-    assert not any(u.weights_slide for u in layout.units)
+    layout = p.layout(Placement(gpu_resident="all", resident_weights="slide"), _gpu(80 * GIB))
+    assert all(u.weights_slide for u in layout.units) and layout.device_grads
+    alloc = layout.allocations()["device"]
+    assert alloc["resident"] == sum(u.own * (4 + STATE) for u in layout.units)
+    assert alloc["gradients"] == sum(u.own * 2 for u in layout.units)
+    assert sum(u.own for u in layout.units) < sum(p.numels)  # shards, not whole units
+    assert layout.window.slot_numel >= max(u.padded for u in layout.units)
 
 
 def test_a_bad_setting_is_refused_by_name():
