@@ -99,6 +99,11 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--window": ("engine.window", int, "cache units taking turns on the device"),
     "--gpu-resident": ("engine.gpu_resident", str, "units kept on the GPU: auto, none, all or a fraction"),
     "--recompute": ("engine.recompute", str, "layers recomputed in the backward: auto, all or none"),
+    "--resident-weights": (
+        "engine.resident_weights",
+        str,
+        "units on the GPU keep their BF16 weights (keep), slide them through the window (slide), or auto",
+    ),
     "--run-dir": ("run.dir", str, "run directory: checkpoints, metrics.jsonl, config.json"),
     "--checkpoint-every": ("run.checkpoint_every", int, "steps between checkpoints (0: at the end only)"),
     "--keep": ("run.keep", int, "checkpoints to keep"),

@@ -71,6 +71,8 @@ __all__ = [
 _DTYPES = ("auto", "float32", "bfloat16")
 #: ``OptimConfig.clip_overlap``'s choices (``slidekit.engine.speculation`` documents the trade-off).
 CLIP_OVERLAP = ("auto", "speculate", "defer")
+#: The values of ``engine.resident_weights`` (``slidekit.planning.weights``).
+RESIDENT_WEIGHTS = ("keep", "slide", "auto")
 _SEED_LIMIT = 2**32  # seeds are in [0, 2**32), the range every generator accepts
 
 
@@ -246,6 +248,11 @@ class EngineConfig:
     recompute: str = "auto"  # decoder layers recomputed in the backward instead of keeping their activations:
     # "auto" (resident layers keep what the GPU's memory left holds, the last first), "all" (every layer
     # recomputes), "none" (every layer keeps; needs every layer resident). See slidekit.planning.keeping
+    resident_weights: str = "keep"  # what a unit on the device (gpu_resident) holds besides its FP32 master and
+    # state: "keep" a compute-dtype copy of its weights and gradients for good (today's behaviour), "slide"
+    # them through the window (cast there from the master on the device per visit: 4 + state B/param instead
+    # of 4 + state + 4), or "auto" (the planner puts as many units on the device as fit at the cheaper cost,
+    # then keeps the copy for as many of those as the memory left holds). See slidekit.planning.weights
 
     def __post_init__(self) -> None:
         check_types("engine", self)
@@ -264,6 +271,11 @@ class EngineConfig:
         if self.recompute not in ("auto", "all", "none"):
             raise ConfigError(
                 f"engine.recompute (CLI: --recompute) must be 'auto', 'all' or 'none', got {self.recompute!r}"
+            )
+        if self.resident_weights not in RESIDENT_WEIGHTS:
+            raise ConfigError(
+                f"engine.resident_weights (CLI: --resident-weights) must be one of {list(RESIDENT_WEIGHTS)}, "
+                f"got {self.resident_weights!r}"
             )
         if not 0.0 <= self.state_offload_fraction <= 1.0:
             raise ConfigError(

@@ -64,6 +64,7 @@ PINNED_FINETUNE_OPTIONS = [
     "--window",
     "--gpu-resident",
     "--recompute",
+    "--resident-weights",
     "--run-dir",
     "--checkpoint-every",
     "--keep",

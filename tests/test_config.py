@@ -116,6 +116,7 @@ PINNED_FIELDS = {
         "loss_chunk",
         "timeout_s",
         "recompute",
+        "resident_weights",
     ],
     "TrainConfig": ["model", "data", "optim", "engine", "plugins", "run", "steps", "grad_accum", "seed", "epochs"],
 }

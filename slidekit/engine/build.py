@@ -5,7 +5,9 @@
 
 Per unit: its FP32 master (on the compute device when resident, else in host
 RAM, page-locked with an accelerator), its optimizer state on the tier the
-layout names, and, when resident, its own cache unit. For the run: the
+layout names, and, when resident, its own cache unit (none when its weights
+slide: then, when the step defers its updates, a device gradient buffer of its
+own). For the run: the
 window's cache units, the gradient ring, the per-unit gradient buffers of a
 step that keeps every gradient, the upload staging buffer, the state staging
 sets, and the activation store. Before anything is allocated, the tiers'
@@ -127,9 +129,12 @@ def build_engine(layout: Layout, parts: EngineParts) -> Engine:
         w = layout.window
         # Data-parallel: a unit's buffers hold ``world`` equal pieces (a few GRANULEs more than the unit).
         window = Window(w.window, w.slot_numel, dtype, device, pipeline, deterministic=dp is not None)
+        device_grads: dict[int, torch.Tensor] = {}
         for u in layout.units:
-            if u.resident:  # its own cache unit for good, outside the rotating window
+            if u.resident and not u.weights_slide:  # its own cache unit for good, outside the rotating window
                 window.add_resident(u.index, u.padded)
+            elif u.weights_slide and layout.device_grads:  # its gradients, kept until the step's end
+                device_grads[u.index] = torch.empty(u.own, dtype=dtype, device=device)
         acts = (
             DeviceActivations()
             if layout.activation_tier == "device"
@@ -160,6 +165,7 @@ def build_engine(layout: Layout, parts: EngineParts) -> Engine:
             compute_dtype=dtype,
             loss_chunk=parts.loss_chunk,
             collectives=None if dp is None else Collectives(dp, pipeline, streams, shards),
+            device_grads=device_grads,
         )
     except BaseException:
         pipeline.close()
@@ -178,7 +184,7 @@ def footprint(engine: Engine, tiers: Mapping[str, StorageTier]) -> dict[str, dic
     """What a built engine holds, measured from its tensors, and per tier from the tier's own counter.
 
     "device" and "host" follow ``Layout.allocations``' names (state as the mapped tensors: resident
-    units' under "resident"); "tiers" maps each of ``tiers`` to its ``bytes_allocated``, which holds
+    units' under "resident"; the device gradient buffers of units whose weights slide under "gradients"); "tiers" maps each of ``tiers`` to its ``bytes_allocated``, which holds
     streamed state too, and activations once a step has saved them.
     """
     host, layout, window = engine.host, engine.layout, engine.window
@@ -188,17 +194,18 @@ def footprint(engine: Engine, tiers: Mapping[str, StorageTier]) -> dict[str, dic
 
     resident = [u.index for u in layout.units if u.resident]
     sliding = [u for u in layout.units if u.slides]
+
+    def own(unit: int) -> int:  # a resident unit's weights and gradients (none when its weights slide)
+        slot = window.resident.get(unit)
+        return 0 if slot is None else _nbytes(slot.params) + _nbytes(slot.grads)
+
     device = {
         "window": sum(_nbytes(s.params) + _nbytes(s.grads) for s in window.slots),
-        "resident": sum(
-            _nbytes(window.resident[u].params)
-            + _nbytes(window.resident[u].grads)
-            + _nbytes(host.masters[u])
-            + mapped(u)
-            for u in resident
-        ),
+        "resident": sum(own(u) + _nbytes(host.masters[u]) + mapped(u) for u in resident),
         "staging": 0 if engine.upload_stage is None else _nbytes(engine.upload_stage),
     }
+    if engine.device_grads:
+        device["gradients"] = sum(_nbytes(g) for g in engine.device_grads.values())
     on_device = sum(mapped(u.index) for u in sliding if u.state_medium == "device")
     if on_device:
         device["state"] = on_device

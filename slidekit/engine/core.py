@@ -89,11 +89,13 @@ class Engine(Uploads, Speculation):
         compute_dtype: torch.dtype,
         loss_chunk: int | None,
         collectives: Collectives | None = None,
+        device_grads: Mapping[int, torch.Tensor] | None = None,
     ) -> None:
         """The parts come from ``slidekit.engine.build.build_engine``, which allocates ``layout``.
 
         ``collectives``: this rank's part in a data-parallel run (``slidekit.engine.collectives``);
-        None for one process, which then runs exactly the single-process engine."""
+        None for one process, which then runs exactly the single-process engine. ``device_grads``: the
+        device gradient buffers of the units whose weights slide, for steps that defer their updates."""
         self.spec = spec
         self.kernels = kernels
         self.optimizer = optimizer
@@ -122,6 +124,11 @@ class Engine(Uploads, Speculation):
         self._checkpoint: tuple[Any, dict[int, list[str]]] | None = None  # (SaveHandle, names per unit)
         self.collectives = collectives
         self._stale: set[int] = set()  # resident units whose other ranks' shards are still to be gathered
+        # Resident units whose weights slide (slidekit.planning.weights): cast into a cache unit per visit.
+        self.weights_slide = frozenset(u.index for u in layout.units if u.weights_slide)
+        self.device_grads = dict(device_grads or {})
+        self._cast_after: dict[int, Any] = {}  # unit -> event after its latest device update (CUDA)
+        self._reduced: dict[int, Any] = {}  # data-parallel: unit -> event after its reduced shard's copy
         self.clip_overlap = "auto"
         self._clipped_last = False  # the last step clipped or was not finite ("auto" then defers the next)
         check_keeps(layout.units)  # only resident layers: a sliding one's cache unit is reused before its backward

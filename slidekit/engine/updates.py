@@ -5,7 +5,10 @@ shared host buffer (piece by piece, ``HostStore.pieces``) and the optimizer
 thread updates the unit's FP32 master from it while the device moves on.
 With clipping or skipping the step must see every gradient first: the
 gradients wait in the unit's own host buffer and the updates are queued at
-the end of the step. Resident units are updated on the device. A checkpoint
+the end of the step. Resident units are updated on the device; so are those
+whose weights slide (``slidekit.planning.weights``): from the cache unit right
+after their backward, or, deferring, from a device gradient buffer of their own
+at the step's end (``_finish_lean``). A checkpoint
 being written holds back each unit's next update until it has the unit's
 tensors. Part of ``slidekit.engine.core.Engine``.
 """
@@ -55,6 +58,10 @@ class Updates:
     _checkpoint: tuple[Any, dict[int, list[str]]] | None
     collectives: Collectives | None  # data-parallel ranks' collectives (None: one process)
     _stale: set[int]  # resident units whose other shards are still to be gathered (data-parallel)
+    weights_slide: frozenset[int]  # resident units whose weights slide through the window
+    device_grads: dict[int, torch.Tensor]  # their gradients, kept on the device until the step's end
+    _cast_after: dict[int, Any]  # unit -> event after its latest device update (the next cast waits for it)
+    _reduced: dict[int, Any]  # data-parallel: unit -> event after its reduced shard reached its device buffer
 
     def _finish_unit(self, unit: int, slot: Slot, c: StepState) -> None:
         """After a unit's backward: add its gradient norm, copy the gradients down, update it.
@@ -69,6 +76,9 @@ class Updates:
             n = self.spec.units[unit].numel
             unit_sq = torch.linalg.vector_norm(slot.grads[:n], dtype=torch.float32).square()
             c.sq_norm += unit_sq
+        if unit in self.weights_slide:
+            self._finish_lean(unit, slot, unit_sq, c)
+            return
         # Data-parallel: the d2h lane reduces the gradient over the ranks first; the norm is the shard's.
         if slot.resident:  # updated on the device once the step's loss and norm are known
             c.resident_due.append(unit)
@@ -95,6 +105,41 @@ class Updates:
         self.updated[unit] = self.pipeline.submit(
             "optim", self._update, unit, download, handoff, c.lr, self.updates_applied + 1, 1.0, unit=unit
         )
+
+    def _finish_lean(self, unit: int, slot: Slot, unit_sq: torch.Tensor | None, c: StepState) -> None:
+        """Main thread, after the backward of a resident unit whose weights slide: its gradients are in the
+        cache unit. Deferring, they are copied into the unit's device buffer and it is updated at the step's
+        end with the resident units (``_update_resident``); otherwise it is updated on the device now, with
+        the resident units' fused update (and its arithmetic). Then the cache unit is let go.
+
+        Not deferring, the unit's gradient norm is read first (a device sync, once per such unit): a unit
+        whose gradients are not finite is never applied, as on the host path (``_update``).
+
+        Data-parallel: the d2h lane reduces the gradient over the ranks and copies this rank's shard into
+        the unit's device buffer (``_reduce_lean``); the unit is updated at the step's end, as resident
+        units are, and its next cast gathers every rank's shard."""
+        # Its weights in any cache unit are stale once the update is queued: the next visit casts afresh.
+        self.version[unit] += 1
+        compute = self.streams.compute
+        if self.collectives is not None:
+            done = self.streams.record(compute)
+            c.resident_due.append(unit)
+            c.shard_sq[unit] = self.pipeline.submit("d2h", self._reduce_lean, unit, slot, done, unit=unit)
+            return
+        assert unit_sq is not None
+        n = self.host.masters[unit].numel()
+        try:
+            if c.defer:
+                self.device_grads[unit].copy_(slot.grads[:n])  # on the compute stream, after the backward
+                c.resident_due.append(unit)
+                return
+            self._check_finite(unit, float(unit_sq))
+            self._wait_checkpoint(unit)
+            with self.timeline.device("update_gpu", unit, compute):
+                self._apply(unit, slot.grads[:n], lr=c.lr, count=self.updates_applied + 1, scale=1.0, lowp_out=None)
+            self._cast_after[unit] = self.streams.record(compute)  # the next cast reads the new master
+        finally:  # after the copy or the update that read its gradients, queued on the compute stream
+            self.window.release(slot, self.streams.record(compute))
 
     def _defer_unit(
         self, unit: int, slot: Slot, done: Any, unit_sq: torch.Tensor | None, c: StepState
@@ -186,6 +231,21 @@ class Updates:
             own = slot.grads[shard.start : shard.stop]
             return torch.linalg.vector_norm(own, dtype=torch.float32).square()
 
+    def _reduce_lean(self, unit: int, slot: Slot, computed: Any) -> float:
+        """d2h lane, data-parallel: reduce the gradient of a unit whose weights slide, copy this rank's shard
+        of it into the unit's device buffer and let the cache unit go; returns the shard's squared norm.
+        The update at the step's end (compute stream) waits for the copy (``_reduced``)."""
+        sq = self._reduce(unit, slot, computed)
+        shard = self._shard_start(unit), self._shard_start(unit) + self.host.masters[unit].numel()
+        s = self.streams
+        with s.use(s.d2h):
+            self.device_grads[unit].copy_(slot.grads[shard[0] : shard[1]])
+            copied = s.record(s.d2h)
+        self._reduced[unit] = copied
+        self.window.release(slot, copied)
+        s.synchronize(copied)
+        return float(sq)
+
     def _reduce_resident(self, unit: int, slot: Slot, computed: Any) -> float:
         """d2h lane, data-parallel: reduce a resident unit's gradient (updated on the device at the end of
         the step); returns the squared norm of this rank's shard, once the reduction is complete."""
@@ -264,6 +324,11 @@ class Updates:
     def _update_on_device(self, unit: int, lr: float, count: int, scale: float) -> None:
         # Streaming uses staging buffers that belong to the optimizer thread: resident state must map.
         assert not self.host.state.streamed(unit), f"resident unit {unit} has streamed state"
+        if unit in self.weights_slide:  # its gradients wait in its device buffer; no weights of its own
+            self.streams.wait(self.streams.compute, self._reduced.pop(unit, None))  # data-parallel: the copy
+            self._apply(unit, self.device_grads[unit], lr=lr, count=count, scale=scale, lowp_out=None)
+            self._cast_after[unit] = self.streams.record(self.streams.compute)
+            return
         slot = self.window.resident[unit]
         a = self._shard_start(unit)  # data-parallel: this rank's shard, gathered into the slot afterwards
         b = a + self.host.masters[unit].numel()
@@ -314,7 +379,10 @@ class Updates:
         """Refresh resident units' compute-dtype weights from their masters (after loading or restoring).
 
         Data-parallel: this rank's shard now; the other ranks' at the unit's next request
-        (``_resident_gather``), so that loading and restoring need no collective."""
+        (``_resident_gather``), so that loading and restoring need no collective. Units whose weights
+        slide have none on the device: their next casts wait for what the compute stream wrote so far."""
+        for unit in self.weights_slide:
+            self._cast_after[unit] = self.streams.record(self.streams.compute)
         for unit, slot in self.window.resident.items():
             a = self._shard_start(unit)
             master = self.host.masters[unit]

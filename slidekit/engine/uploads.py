@@ -5,7 +5,10 @@ the next ``prefetch_depth`` visits into free cache units. An upload of a unit
 waits for that unit's latest optimizer update, so every forward pass sees fully
 updated weights. FP32 masters cross the bus and are cast on the device through
 the layout's staging buffer (BF16 compute); units resident on the device are
-never uploaded. Part of ``slidekit.engine.core.Engine``.
+never uploaded. A resident unit whose weights slide (``slidekit.planning.weights``)
+takes a cache unit like a sliding one, and its weights are cast into it from
+its master on the device (``_cast``): no bus crossing, no staging. Part of
+``slidekit.engine.core.Engine``.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class Uploads:
     _tied_slot: Slot | None
     collectives: Collectives | None  # data-parallel ranks' collectives (None: one process)
     _stale: set[int]  # resident units whose other ranks' shards are still to be gathered (data-parallel)
+    weights_slide: frozenset[int]  # resident units whose weights slide: cast from the device master per visit
+    _cast_after: dict[int, Any]  # unit -> event after its latest device update (compute stream)
 
     def _request(self, k: int, *, wait: bool = True) -> bool:
         """Make sure visit ``k``'s parameters are (being) loaded into a slot.
@@ -97,6 +102,8 @@ class Uploads:
 
     def _upload(self, slot: Slot, unit: int, update: Future[None] | None, free_event: Any) -> Any:
         """Upload thread: wait for the unit's update, then copy its master into the slot."""
+        if unit in self.weights_slide:
+            return self._cast(slot, unit, free_event)
         if update is not None:
             self.pipeline.result(update, f"the optimizer update of unit {unit}")
         master = self.host.masters[unit]
@@ -120,6 +127,31 @@ class Uploads:
                         stage[: b - a].copy_(master[a:b], non_blocking=True)
                         slot.params[at + a : at + b].copy_(stage[: b - a])
             self._gather(unit, slot)  # queued behind the upload on the h2d stream
+        return s.record(s.h2d)
+
+    def _cast(self, slot: Slot, unit: int, free_event: Any) -> Any:
+        """Upload thread: the weights of a unit whose master lives on the device, cast into ``slot`` there.
+
+        On CUDA the cast is queued on the upload stream behind two events: the slot's previous contents
+        are no longer read (``free_event``), and the unit's latest update on the compute stream has
+        written the master (``_cast_after``, recorded by the main thread before it asked for this visit).
+        On the CPU the main thread applied that update before it asked: the order is the program's.
+        Data-parallel: the rank casts its shard, then gathers the others' (``_gather``)."""
+        master = self.host.masters[unit]
+        n = master.numel()
+        at = 0 if self.collectives is None else self.collectives.shards[unit].start  # a rank's shard
+        s = self.streams
+        if not s.cuda:
+            with self.timeline.host("cast", unit):
+                slot.params[at : at + n].copy_(master)
+            self._gather(unit, slot)
+            return None
+        with s.use(s.h2d):
+            with self.timeline.device("cast", unit, s.h2d):
+                s.wait(s.h2d, free_event)
+                s.wait(s.h2d, self._cast_after.get(unit))
+                slot.params[at : at + n].copy_(master)  # FP32 to the compute dtype, on the device
+            self._gather(unit, slot)  # data-parallel: every rank's shard, behind the cast on the h2d stream
         return s.record(s.h2d)
 
     def _gather(self, unit: int, slot: Slot) -> None:

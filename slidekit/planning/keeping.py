@@ -4,9 +4,11 @@ A layer that *keeps* runs its forward with autograd on and holds the graph
 (its output, per micro-batch) until its backward, which then back-propagates
 through it without recomputing the forward: about 6N instead of 8N FLOPs per
 token for a model of N parameters when every layer keeps. It saves no boundary
-activation. Only resident layers may keep: a sliding layer's cache unit can be
-taken by another unit before the layer's backward, and its graph would then
-read overwritten weights (``check_keeps`` refuses such a layout).
+activation. Only resident layers with weights of their own may keep: a sliding
+layer's cache unit (or that of a resident layer whose weights slide,
+``slidekit.planning.weights``) can be taken by another unit before the layer's
+backward, and its graph would then read overwritten weights (``check_keeps``
+refuses such a layout).
 
 ``engine.recompute``:
 
@@ -41,6 +43,8 @@ class _Place(Protocol):  # what check_keeps reads of a ``UnitPlace`` (read-only:
     def resident(self) -> bool: ...
     @property
     def keeps(self) -> bool: ...
+    @property
+    def weights_slide(self) -> bool: ...
 
 
 def plan_keeps(
@@ -54,7 +58,7 @@ def plan_keeps(
 ) -> list[bool]:
     """Per unit: whether it keeps its activations.
 
-    ``kinds``/``resident``: per unit; ``per_layer``: device bytes one keeping layer adds (its graphs
+    ``kinds``/``resident``: per unit (``resident``: on the device with weights of its own); ``per_layer``: device bytes one keeping layer adds (its graphs
     over a step's micro-batches, less the boundary activations it no longer saves); ``fixed``: bytes
     each run of consecutive keeping layers adds (its last layer's output, held until its backward);
     ``budget``: device bytes left for it (None: the CPU, where "auto" keeps nothing).
@@ -71,7 +75,8 @@ def plan_keeps(
             raise ConfigError(
                 f"engine.recompute='none' keeps every layer's activations, but layers {_span(sliding)} slide "
                 "through the window (only resident layers may keep: a sliding layer's cache unit is reused "
-                "before its backward); set engine.recompute='auto', or engine.gpu_resident='all'"
+                "before its backward); set engine.recompute='auto', or engine.gpu_resident='all' with "
+                "engine.resident_weights='keep'"
             )
         for i in layers:
             out[i] = True
@@ -101,12 +106,13 @@ def kept_runs(keeps: Sequence[bool]) -> int:
 
 def check_keeps(units: Sequence[_Place]) -> None:
     """Refuse a layout in which a unit that is not a resident decoder layer keeps its activations."""
-    bad = [u.index for u in units if u.keeps and (u.kind != "layer" or not u.resident)]
+    bad = [u.index for u in units if u.keeps and (u.kind != "layer" or not u.resident or u.weights_slide)]
     if bad:
         raise ConfigError(
-            f"units {_span(bad)} are to keep their activations, but only resident decoder layers may (a "
-            "sliding unit's cache unit is reused before its backward, and its graph would read overwritten "
-            "weights); keep those units resident (engine.gpu_resident) or let them recompute "
+            f"units {_span(bad)} are to keep their activations, but only resident decoder layers with weights of "
+            "their own may (a sliding unit's cache unit, or that of a unit whose weights slide, is reused before "
+            "its backward, and its graph would read overwritten weights); keep those units resident "
+            "(engine.gpu_resident) with their weights (engine.resident_weights='keep'), or let them recompute "
             "(engine.recompute='auto' or 'all')"
         )
 

@@ -4,7 +4,10 @@ A ``Layout`` is a pure value, computed from the model spec, the workload, what
 the drivers declare (``Drivers``), the engine settings, the placement and the
 machine (``Planner.layout``). Per unit it says whether the unit is resident
 (FP32 master, optimizer state, weights and gradients on the compute device
-for good, updated there) or slides (master in host RAM, weights uploaded into
+for good, updated there), resident with sliding weights (master and state on
+the device, updated there, its weights cast into a cache unit of the window
+for each visit: ``slidekit.planning.weights``, which gives each placement's
+bytes per parameter) or slides (master in host RAM, weights uploaded into
 the window, gradients down through the ring), which tier holds its optimizer
 state and on what medium, and the pieces its gradients come down in. For the
 run: the window's cache units and their size, the host gradient ring, the
@@ -36,6 +39,7 @@ import torch
 from slidekit.errors import ConfigError
 from slidekit.planning.placement import GRANULE, MemoryPlan, ring_numel, unit_pieces
 from slidekit.planning.shards import Shard, unit_shards
+from slidekit.planning.weights import device_unit_bytes
 
 __all__ = [
     "UPLOAD_CHUNK",
@@ -86,6 +90,7 @@ class Placement:
     state_offload_fraction: float = 0.0
     activation_tier: str = "device"
     gpu_resident: str = "auto"
+    resident_weights: str = "keep"  # units on the device keep or slide their weights (slidekit.planning.weights)
 
     @classmethod
     def of(cls, engine: object) -> Placement:
@@ -101,6 +106,8 @@ class Placement:
                 f"--state-offload-fraction {self.state_offload_fraction:g}",
             ]
         out.append(f"--activation-tier {self.activation_tier}")
+        if self.resident_weights != "keep":
+            out.append(f"--resident-weights {self.resident_weights}")
         return " ".join(out)
 
 
@@ -167,11 +174,19 @@ class UnitPlace:
         """Elements of the unit's buffers on the compute device: ``world`` equal pieces (one process: the unit)."""
         return self.shard.padded
     keeps: bool = False  # a resident layer that keeps its activations: no recompute (slidekit.planning.keeping)
+    # A resident unit without weights of its own on the device: they are cast into a window cache unit from
+    # its device master for each visit, and it is updated from that cache unit (slidekit.planning.weights).
+    weights_slide: bool = False
 
     @property
     def slides(self) -> bool:
         """Uploaded into the window for its visits; its master stays in host RAM."""
         return not self.resident
+
+    @property
+    def visits_window(self) -> bool:
+        """Takes a window cache unit for its visits: it slides, or its weights do."""
+        return not self.resident or self.weights_slide
 
     @property
     def streamed(self) -> bool:
@@ -193,6 +208,8 @@ class Layout:
     unit_grads: bool  # every sliding unit has a host gradient buffer of its own (``Workload.keep_grads``)
     clip_backup: bool = False  # sliding units with state in host RAM keep a backup (``Workload.clip_backup``)
     upload_staging: int  # FP32 elements on the device uploads are cast through (0: none needed)
+    device_grads: bool = False  # units whose weights slide keep a device gradient buffer of their shard
+    # (``Workload.keep_grads``, or data-parallel: the reduced gradient of the rank's shard, updated at the step's end)
     state_chunk: int  # parameters per streamed state chunk
     state_staging: int  # parameters one state staging set holds
     state_staging_bytes: int  # bytes of the STAGING_SETS sets, allocated when a unit's state streams (else 0)
@@ -213,8 +230,9 @@ class Layout:
     def allocations(self) -> dict[str, dict[str, int]]:
         """Bytes the engine builder allocates, per medium ("device", "host", "disk") and component.
 
-        Device: the window's cache units, the resident units (master, state, weights, gradients),
-        the upload staging buffer, state a non-resident unit keeps on a device tier. Host: the
+        Device: the window's cache units, the resident units (master, state, weights, gradients; a unit
+        whose weights slide: master and state), the gradient buffers of units whose weights slide
+        (``device_grads``), the upload staging buffer, state a non-resident unit keeps on a device tier. Host: the
         sliding units' masters, their state on host tiers, the state staging sets, the gradient
         ring and per-unit gradient buffers, activations on a host tier. Disk: state and activations
         on disk tiers.
@@ -223,9 +241,17 @@ class Layout:
         sliding = [u for u in self.units if u.slides]
         device = {
             "window": self.window.device_bytes,
-            "resident": sum(u.padded * 2 * s + u.own * 4 + u.state_bytes for u in self.units if u.resident),
+            "resident": sum(
+                device_unit_bytes(
+                    own=u.own, padded=u.padded, state=u.state_bytes, itemsize=s, slide=u.weights_slide, deferred=False
+                )
+                for u in self.units
+                if u.resident
+            ),
             "staging": 4 * self.upload_staging,
         }
+        if self.device_grads:
+            device["gradients"] = s * sum(u.own for u in self.units if u.weights_slide)
         state = {"device": 0, "host": 0, "disk": 0}
         for u in sliding:
             state[u.state_medium] += u.state_bytes
@@ -262,21 +288,22 @@ class Layout:
                 f"state of its 1/{self.world} shard of every unit ({sum(u.own for u in self.units):,} of "
                 f"{sum(u.numel for u in self.units):,} parameters); the window holds whole units"
             )
-        lines.append("  units     kind   parameters each  where     optimizer state")
+        wide = 14 if any(u.weights_slide for u in self.units) else 9  # room for "weights slide"
+        lines.append("  units     kind   parameters each  " + "where".ljust(wide) + " optimizer state")
         groups: list[tuple[int, int, tuple[object, ...]]] = []  # consecutive units placed alike
         for u in self.units:
-            key = (u.kind, u.numel, u.resident, u.state_tier, u.state_medium, len(u.pieces), u.keeps)
+            key = (u.kind, u.numel, u.resident, u.state_tier, u.state_medium, len(u.pieces), u.keeps, u.weights_slide)
             if groups and groups[-1][2] == key and groups[-1][1] == u.index - 1:
                 groups[-1] = (groups[-1][0], u.index, key)
             else:
                 groups.append((u.index, u.index, key))
-        for first, last, (kind, numel, resident, tier, medium, pieces, keeps) in groups:
+        for first, last, (kind, numel, resident, tier, medium, pieces, keeps, lean) in groups:
             span = f"{first}" if first == last else f"{first}-{last}"
-            where = "resident" if resident else "slides"
+            where = ("weights slide" if lean else "resident") if resident else "slides"
             streamed = ", streamed" if medium == "disk" and not resident else ""
             cut = f", {pieces} gradient pieces" if isinstance(pieces, int) and pieces > 1 else ""
             kept = "; keeps its activations" if keeps else ""
-            lines.append(f"  {span:<9} {kind:<6} {numel:>15,}  {where:<9} {tier} ({medium}{streamed}){cut}{kept}")
+            lines.append(f"  {span:<9} {kind:<6} {numel:>15,}  {where:<{wide}} {tier} ({medium}{streamed}){cut}{kept}")
         w = self.window
         lines.append(
             f"  window: {w.window} cache units of {w.slot_numel:,} parameters (+ gradients), {self.prefetch} "
@@ -295,6 +322,14 @@ class Layout:
         layers = sum(u.kind == "layer" for u in self.units)
         extra.append(f"{keeping} of {layers} layers keep their activations (the rest recompute)")
         lines.append("  " + "; ".join(extra))
+        lean = [u for u in self.units if u.weights_slide]
+        if lean:
+            whole = sum(u.resident for u in self.units) - len(lean)
+            lines.append(
+                f"  {len(lean)} units on the GPU with sliding weights (master and state there, weights cast into "
+                f"the window for each visit), {whole} keep their weights there"
+                + ("; their gradients wait in a device buffer until the step ends" if self.device_grads else "")
+            )
         return "\n".join(lines)
 
 
@@ -315,16 +350,20 @@ def build_layout(
     world: int = 1,
     rank: int = 0,
     keeps: tuple[bool, ...] | None = None,
+    weights_slide: tuple[bool, ...] | None = None,
 ) -> Layout:
     """The layout of ``placement`` with ``resident`` units kept on the device and ``offload`` units' state
     on the offload tier (``Planner.layout`` chooses both). ``accelerator``: the compute device is not the
     CPU (uploads then cross a bus, through the staging buffer when they are cast). ``world``, ``rank``:
     the data-parallel rank whose layout this is (its shards, ``slidekit.planning.shards``). ``keeps``: the
-    resident layers that keep their activations (``slidekit.planning.keeping``; None: none)."""
+    resident layers that keep their activations (``slidekit.planning.keeping``; None: none). ``weights_slide``:
+    the resident units whose weights slide through the window (``slidekit.planning.weights``; None: none)."""
     from slidekit.planning.keeping import check_keeps
     from slidekit.planning.placement import plan_memory
 
     keeps = keeps or (False,) * len(units)
+    weights_slide = weights_slide or (False,) * len(units)
+    lean = [r and w for r, w in zip(resident, weights_slide, strict=True)]
 
     numels = [n for _, _, n in units]
     shards = unit_shards(numels, world, rank)
@@ -359,11 +398,12 @@ def build_layout(
                 pieces=() if on_device else tuple(unit_pieces(shard.size, piece)),
                 shard=shard,
                 keeps=keeps[index],
+                weights_slide=lean[index],
             )
         )
     check_keeps(places)
-    window = plan_memory(
-        [sh.padded for sh, s in zip(shards, sliding, strict=True) if s] or [1],
+    window = plan_memory(  # the units that visit the window: those that slide, and those whose weights do
+        [sh.padded for sh, s, w in zip(shards, sliding, lean, strict=True) if s or w] or [1],
         compute_itemsize=itemsize,
         window=settings.window,
         grad_buffers=settings.grad_buffers,
@@ -388,6 +428,7 @@ def build_layout(
         and workload.clip_backup
         and any(p.slides and p.state_medium == "host" for p in places),
         upload_staging=UPLOAD_CHUNK if accelerator and itemsize < 4 and any(sliding) else 0,
+        device_grads=(workload.keep_grads or world > 1) and any(lean),  # a rank reduces them into its shard's
         state_chunk=chunk,
         state_staging=staged,
         state_staging_bytes=STAGING_SETS * drivers.state_bytes(staged) if streams else 0,

@@ -58,6 +58,7 @@ from slidekit.planning.placement import place_state, plan_residency
 from slidekit.planning.run_space import checkpoint_bytes, checkpoint_writes, run_dir_need
 from slidekit.planning.shards import unit_shards
 from slidekit.planning.timing import StepPrediction, StepWork, predict_step
+from slidekit.planning.weights import device_unit_bytes, plan_weights
 
 if TYPE_CHECKING:
     from slidekit.config import TrainConfig
@@ -228,11 +229,19 @@ class Planner:
     def medium(self, tier: str) -> str:
         return self.drivers.medium(tier)
 
-    def resident_cost(self, unit: int) -> int:
+    def resident_cost(self, unit: int, *, slide: bool = False) -> int:
         """Device bytes of one resident unit: FP32 master and optimizer state (of the rank's shard), weights
-        and gradients (the whole unit, padded for the collectives)."""
+        and gradients (the whole unit, padded for the collectives); ``slide``: its weights slide instead, a
+        gradient buffer of its own when the step defers (``slidekit.planning.weights``)."""
         sh = self.shards[unit]
-        return sh.padded * 2 * self.itemsize + sh.size * 4 + self.state[unit]
+        return device_unit_bytes(
+            own=sh.size,
+            padded=sh.padded,
+            state=self.state[unit],
+            itemsize=self.itemsize,
+            slide=slide,
+            deferred=self.workload.keep_grads or self.world > 1,  # a rank's reduced shard waits for the step's end
+        )
 
     def layer_work(self) -> int:
         return layer_work(self.spec, self.workload, self.itemsize)
@@ -272,34 +281,61 @@ class Planner:
             return [False] * units  # an optimizer that updates on the CPU only: nothing can stay on the GPU
         if fraction is not None:  # as configured (on the CPU "resident" units are updated in place in RAM)
             return plan_residency(self.numels, bytes_per_param=0, budget=0, fraction=fraction)
-        if free is None:
+        budget = self.device_budget(placement, machine)
+        if budget is None:
             return [False] * units  # "auto" on the CPU: nothing to gain
-        nothing = self.layout(placement, machine, [False] * units).allocations()["device"]
-        fixed = nothing["window"] + 4 * UPLOAD_CHUNK + sum(self.flow_bytes(placement.activation_tier).values())
-        reserve = max(RESIDENT_RESERVE, (machine.device_total or 0) // 20 // machine.device_ranks)
-        budget = free - fixed - reserve
-        # Whole weights and gradients, the shard's master and state (a data-parallel rank keeps 1/world).
+        # Whole weights and gradients, the shard's master and state (a data-parallel rank keeps 1/world); with
+        # sliding weights ("slide", and "auto" first) the master and state, and a gradient buffer when deferring.
         per_param = 2 * self.itemsize + (4 + self.state_per_param) / self.world
+        if placement.resident_weights != "keep":
+            deferred = self.workload.keep_grads or self.world > 1
+            per_param = (4 + self.state_per_param + (self.itemsize if deferred else 0)) / self.world
         return plan_residency(self.numels, bytes_per_param=per_param, budget=max(budget, 0))
 
-    def keeps(self, placement: Placement, machine: Machine, resident: Sequence[bool]) -> list[bool]:
+    def device_budget(self, placement: Placement, machine: Machine) -> int | None:
+        """Device bytes left for resident units beyond the window, the staging, a step's work and the
+        reserve (None on the CPU's own planning)."""
+        if machine.device_free is None:
+            return None
+        nothing = self._layout(placement, [False] * len(self.numels), None).allocations()["device"]
+        fixed = nothing["window"] + 4 * UPLOAD_CHUNK + sum(self.flow_bytes(placement.activation_tier).values())
+        reserve = max(RESIDENT_RESERVE, (machine.device_total or 0) // 20 // machine.device_ranks)
+        return machine.device_free - fixed - reserve
+
+    def weights_slide(self, placement: Placement, machine: Machine, resident: Sequence[bool]) -> list[bool]:
+        """The resident units whose weights slide through the window (``slidekit.planning.weights``)."""
+        mode = placement.resident_weights
+        units = range(len(self.numels))
+        return plan_weights(
+            mode,
+            resident,
+            keep_cost=[self.resident_cost(u) for u in units],
+            slide_cost=[self.resident_cost(u, slide=True) for u in units],
+            budget=self.device_budget(placement, machine) if mode == "auto" else None,
+        )
+
+    def keeps(
+        self, placement: Placement, machine: Machine, resident: Sequence[bool], slide: Sequence[bool] = ()
+    ) -> list[bool]:
         """Layers that keep their activations (``slidekit.planning.keeping``): for "auto", as many resident
-        layers as the device memory left beyond the layout without any (and the reserve) holds."""
+        layers (with weights of their own: not ``slide``) as the device memory left beyond the layout
+        without any (and the reserve) holds."""
         kinds = [str(u.kind) for u in self.spec.units]
         budget = None
         w, s = self.workload, self.itemsize
         boundary = w.grad_accum * w.tokens * self.spec.hidden_size * s  # a layer's, every micro-batch
         if self.recompute == "auto" and machine.device_free is not None:
-            need = self.estimate_layout(self._layout(placement, resident, None), machine).device_bytes
+            need = self.estimate_layout(self._layout(placement, resident, None, slide), machine).device_bytes
             reserve = max(RESIDENT_RESERVE, (machine.device_total or 0) // 20 // machine.device_ranks)
             usable = (machine.device_free - reserve - DEVICE_SLACK) / (1 + DEVICE_HEADROOM)
             budget = max(int(usable) - need, 0)
         tier = placement.activation_tier
         on_device = tier == "device" or self.medium(tier) == "device"
         graphs = w.grad_accum * kept_bytes(self.spec, w.tokens, s, fused_kernels=self.fused_kernels)
+        own = [r and not (slide and slide[i]) for i, r in enumerate(resident)]
         return plan_keeps(
             kinds,
-            resident,
+            own,
             recompute=self.recompute,
             per_layer=graphs - (boundary if on_device else 0),  # it saves no boundary activation
             fixed=boundary,
@@ -307,13 +343,25 @@ class Planner:
         )
 
     def layout(
-        self, placement: Placement, machine: Machine, resident: Sequence[bool] | None = None
+        self,
+        placement: Placement,
+        machine: Machine,
+        resident: Sequence[bool] | None = None,
+        slide: Sequence[bool] | None = None,
     ) -> Layout:
-        """Where every buffer of ``placement`` lives (``resident`` overrides the residency plan)."""
+        """Where every buffer of ``placement`` lives (``resident`` overrides the residency plan, ``slide``
+        which resident units' weights slide)."""
         res = tuple(self.residency(placement, machine) if resident is None else resident)
-        return self._layout(placement, res, tuple(self.keeps(placement, machine, res)))
+        lean = tuple(self.weights_slide(placement, machine, res) if slide is None else slide)
+        return self._layout(placement, res, tuple(self.keeps(placement, machine, res, lean)), lean)
 
-    def _layout(self, placement: Placement, res: Sequence[bool], keeps: tuple[bool, ...] | None) -> Layout:
+    def _layout(
+        self,
+        placement: Placement,
+        res: Sequence[bool],
+        keeps: tuple[bool, ...] | None,
+        slide: Sequence[bool] = (),
+    ) -> Layout:
         sp = self.spec
         return build_layout(
             tuple((u.index, str(u.kind), u.numel) for u in sp.units),
@@ -331,6 +379,7 @@ class Planner:
             world=self.world,
             rank=self.rank,
             keeps=keeps,
+            weights_slide=tuple(slide) or None,
         )
 
     def estimate(
@@ -343,8 +392,9 @@ class Planner:
         """``layout``'s bytes plus a step's transient work and the run directory's checkpoints."""
         alloc = layout.allocations()
         device = {k: alloc["device"][k] for k in ("window", "resident", "staging")}
-        if "state" in alloc["device"]:
-            device["state"] = alloc["device"]["state"]
+        for k in ("gradients", "state"):
+            if k in alloc["device"]:
+                device[k] = alloc["device"][k]
         device.update(self.flow_bytes(layout.placement.activation_tier, [u.keeps for u in layout.units]))
         host = dict(alloc["host"])
         host["runtime"] = RUNTIME_HOST.get(self.device_type, RUNTIME_HOST["cuda"])
@@ -368,7 +418,7 @@ class Planner:
         """Placements from the fastest to the slowest, keeping ``base``'s tier choices where they work.
 
         More units resident first (where the optimizer can update on the
-        device); then activations on the device before a host tier; then state
+        device; with ``base``'s ``resident_weights``); then activations on the device before a host tier; then state
         in RAM before a growing share (1/4, 1/2, 3/4, all) on ``disk_tier``;
         activations on disk last.
         """
@@ -392,6 +442,7 @@ class Planner:
                             state_offload_fraction=fraction,
                             activation_tier=acts,
                             gpu_resident=res,
+                            resident_weights=base.resident_weights,
                         )
                     )
         if disk_tier:

@@ -26,6 +26,12 @@ Costs per unit and step (``StepWork``: the model's shape and the run's tokens):
     head        6 x vocab x hidden x tokens at head_tflops (loss and gradients in one visit)
     gradients   zeroed and their norm taken: 4 B/param at device_gbps, once a step
     upload      the FP32 master, 4 B/param at h2d_gbps
+    cast        a resident unit whose weights slide (``slidekit.planning.weights``): its weights cast
+                from its device master into a cache unit for each visit (a layer's forward and backward,
+                the embedding's forward, the head's one visit), 4 B read + 2 B written per param at
+                device_gbps; priced on the compute stream (the engine casts on the upload stream, which
+                shares the device's memory bandwidth) and, like a resident unit, without a cache unit
+                of the window taken; no upload, no download, the update on the device
     down        the gradients, compute dtype, at d2h_gbps, one ring piece at a time
     update      host: parameters / the optimizer's params/s; device (resident units): its bytes per
                 parameter at device_gbps; clipping adds a 4 B/param pass (host_gbps / device_gbps)
@@ -219,7 +225,7 @@ def unit_costs(layout: Layout, rates: Rates, work: StepWork) -> list[UnitCost]:
                 resident=u.resident,
                 fwd_s=fwd,
                 bwd_s=bwd,
-                grad_pass_s=u.numel * GRAD_PASS_BYTES / dev,
+                grad_pass_s=u.numel * GRAD_PASS_BYTES / dev + _cast_s(u.kind, u.numel, dev, u.weights_slide),
                 upload_s=0.0 if u.resident else u.own * 4 / h2d,  # a rank uploads its shard's master
                 pieces=pieces,
                 device_update_s=u.own * (rate.device_bytes_per_param + clip) / dev if u.resident else 0.0,
@@ -250,6 +256,18 @@ def backup_costs(costs: Sequence[UnitCost], layout: Layout, rates: Rates) -> lis
         )
         out.append(replace(cost, pieces=pieces))
     return out
+
+
+#: Bytes a cast of a unit's weights from its FP32 device master moves per parameter: 4 read, 2 written.
+CAST_BYTES = 6
+
+
+def _cast_s(kind: str, numel: int, device_bps: float, weights_slide: bool) -> float:
+    """Seconds of a step's casts of a unit whose weights slide (0 otherwise): a layer is visited twice
+    with its weights (forward, backward), the embedding (its backward needs none) and the head once."""
+    if not weights_slide:
+        return 0.0
+    return (2 if kind == "layer" else 1) * numel * CAST_BYTES / device_bps
 
 
 def predict_step(layout: Layout, rates: Rates, work: StepWork) -> StepPrediction:

@@ -133,6 +133,19 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6,
         "rope_parameters": _rope(1000000.0),
     },
+    "qwen2.5-32b": {  # Qwen/Qwen2.5-32B
+        "model_type": "qwen2",
+        "hidden_size": 5120,
+        "intermediate_size": 27648,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+        "rms_norm_eps": 1e-6,  # as the published GGUF metadata gives it (no effect on memory or time)
+        "rope_parameters": _rope(1000000.0),
+    },
     "mistral-small-24b": {  # mistralai/Mistral-Small-24B-Base-2501
         "model_type": "mistral",
         "hidden_size": 5120,

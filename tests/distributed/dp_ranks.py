@@ -265,6 +265,7 @@ def train(rank: int, world: int, store: str, job: Job) -> dict[str, Any]:
                 "notes": list(t.notes),
                 "master_numel": sum(m.numel() for m in host.masters),
                 "state_bytes": sum(host.state.nbytes(u) for u in range(len(host.masters))),
+                "weights_slide": [u.index for u in t.engine.layout.units if u.weights_slide],
             }
     finally:
         if parallel is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from dp_ranks import Job, run_ranks, train
 
 from slidekit import checkpoint as ck
@@ -26,15 +27,18 @@ def _job(tiny_model, tmp_path, **kw) -> Job:
     return Job(model_dir=str(tiny_model("llama")), run=run, **{"ranks": 2, **SETTINGS, **kw})
 
 
-def test_resume_with_the_same_world_size_is_bitwise(tiny_model, tmp_path):
-    straight = [o.ok() for o in run_ranks(train, 2, _job(tiny_model, tmp_path / "a"))]
-    first = [o.ok() for o in run_ranks(train, 2, _job(tiny_model, tmp_path, fit_steps=2))]
+@pytest.mark.parametrize("engine", [{}, {"resident_weights": "slide"}])  # resident units keep / slide weights
+def test_resume_with_the_same_world_size_is_bitwise(tiny_model, tmp_path, engine):
+    straight = [o.ok() for o in run_ranks(train, 2, _job(tiny_model, tmp_path / "a", engine=engine))]
+    first = [o.ok() for o in run_ranks(train, 2, _job(tiny_model, tmp_path, fit_steps=2, engine=engine))]
     checkpoints = tmp_path / "run" / "checkpoints"
     assert [s for s, _ in ck.step_dirs(checkpoints)] == [2]  # rank 0's part: the checkpoint
     assert [s for s, _ in ck.step_dirs(checkpoints / "rank-1")] == [2]
     resumed = [
-        o.ok() for o in run_ranks(train, 2, _job(tiny_model, tmp_path, skip_steps=2, run={"resume": True}))
+        o.ok()
+        for o in run_ranks(train, 2, _job(tiny_model, tmp_path, skip_steps=2, run={"resume": True}, engine=engine))
     ]
+    assert all(bool(o["weights_slide"]) == bool(engine) for o in resumed)
     for rank in range(2):
         assert resumed[rank]["steps_done"] == 4
         assert any("resumed from step 2" in n for n in resumed[rank]["notes"])

@@ -46,6 +46,15 @@ CASES = {  # family, ranks, job settings, bitwise
     "2 ranks, tied, all resident, every layer keeping, accumulation": (
         "qwen2", 2, {"gpu_resident": "all", "micro": 2, "engine": {"recompute": "none"}}, False,
     ),
+    # Master and state on the device, weights cast into the window per visit and gathered (slidekit.planning.weights).
+    "2 ranks, all resident with sliding weights, adamw_8bit, bitwise": (
+        "llama", 2, {"gpu_resident": "all", "optimizer": "adamw_8bit", "engine": {"resident_weights": "slide"}},
+        True,
+    ),
+    "2 ranks, tied, half resident with sliding weights, clipping, window 2": (
+        "qwen2", 2, {"gpu_resident": "0.5", "max_grad_norm": 0.5, "window": 2,
+                     "engine": {"resident_weights": "slide"}}, False,
+    ),
 }  # fmt: skip
 
 #: Relative tolerance where the reduction order differs. adamw_8bit stores its moments as 8-bit codes:
@@ -83,6 +92,8 @@ def test_data_parallel_equals_one_process(case, tiny_model):
     job = Job(model_dir=str(tiny_model(family)), ranks=world, **settings)
     ref = run_ranks(train, 1, job)[0].ok()
     outs = [o.ok() for o in run_ranks(train, world, job)]
+    if job.engine.get("resident_weights") == "slide":  # the sliding path really ran, on every rank
+        assert all(o["weights_slide"] and o["weights_slide"] == ref["weights_slide"] for o in outs)
     _check(ref, outs, bitwise, RTOL[job.optimizer])
     _check_memory(ref, outs)
 

@@ -1,7 +1,7 @@
 """The built engine allocates exactly its ``Layout``: measured bytes against ``Layout.allocations``.
 
 For random configurations (tied and untied models, none / some / all units
-resident, optimizer state in RAM or partly streamed from disk, boundary
+resident, keeping their weights or sliding them, optimizer state in RAM or partly streamed from disk, boundary
 activations on the device, in RAM or on disk, gradients kept for clipping or
 not, both optimizers) the engine is built and trained one step, then
 ``slidekit.engine.build.footprint`` measures what it holds: the tensors of the
@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from slidekit import DataConfig, EngineConfig, ModelConfig, OptimConfig, TrainConfig, Trainer
@@ -30,6 +30,7 @@ CONFIGS = st.fixed_dictionaries(
     {
         "family": st.sampled_from(["llama", "qwen2"]),
         "resident": st.sampled_from(["none", "0.5", "all"]),
+        "weights": st.sampled_from(["keep", "slide"]),
         "offload": st.sampled_from([0.0, 0.5, 1.0]),
         "acts": st.sampled_from(["device", "ram", "posix"]),
         "clip": st.booleans(),
@@ -41,8 +42,14 @@ CONFIGS = st.fixed_dictionaries(
 )
 
 
+# Sliding weights beside host units, with a device gradient buffer (clipping) and state partly on disk.
+LEAN = {"family": "qwen2", "resident": "0.5", "weights": "slide", "offload": 0.5, "acts": "ram", "clip": True,
+        "clip_overlap": "speculate", "optimizer": "adamw_8bit", "accum": 2, "chunk": 4096}  # fmt: skip
+
+
 @settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cfg=CONFIGS)
+@example(cfg=LEAN)
 def test_the_engine_allocates_its_layout(cfg, tiny_model, tmp_path):
     work = tmp_path / f"case{next(_counter)}"
     (work / "off").mkdir(parents=True)
@@ -61,6 +68,7 @@ def test_the_engine_allocates_its_layout(cfg, tiny_model, tmp_path):
             device="cpu",
             compute_dtype="float32",
             gpu_resident=cfg["resident"],
+            resident_weights=cfg["weights"],
             state_offload_tier="posix" if offload else None,
             state_offload_fraction=offload,
             activation_tier=cfg["acts"],
@@ -73,6 +81,8 @@ def test_the_engine_allocates_its_layout(cfg, tiny_model, tmp_path):
     with Trainer(config) as trainer:
         layout = trainer.engine.layout
         expected = layout.allocations()
+        lean = [u.index for u in layout.units if u.weights_slide]
+        assert lean == ([u.index for u in layout.units if u.resident] if cfg["weights"] == "slide" else [])
         trainer.fit(random_batches(trainer.spec.vocab_size, steps=cfg["accum"], batch=2, seq_len=16))
         measured = footprint(trainer.engine, trainer._tiers)
         state_buffers = [trainer.engine.host.state.layout(u) for u in range(len(trainer.spec.units))]

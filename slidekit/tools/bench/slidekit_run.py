@@ -79,6 +79,7 @@ def _config(args: argparse.Namespace, model_dir: str) -> Any:
             state_offload_fraction=args.state_offload_fraction,
             offload_dir=args.offload_dir,
             recompute=args.recompute,
+            resident_weights=getattr(args, "resident_weights", "keep"),
         ),
         run=RunConfig(trace=getattr(args, "trace", None)),
         steps=args.warmup + args.steps,
@@ -225,6 +226,11 @@ def slidekit_parser() -> argparse.ArgumentParser:
     engine_arguments(p, resident_help="engine.gpu_resident: auto, none, all or a fraction")
     p.add_argument("--out", type=Path, default=None, help="append the JSON lines to this file")
     p.add_argument("--trace", default=None, help="Chrome trace of the steps (open in Perfetto)")
+    p.add_argument(
+        "--resident-weights",
+        default="keep",
+        help="engine.resident_weights: keep, slide or auto (units on the GPU keep or slide their weights)",
+    )
     return p
 
 
