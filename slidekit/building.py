@@ -127,10 +127,14 @@ class EngineBuilding:
         self._check_fit(planner, layout)
         kept = [u for u in layout.units if u.resident]
         if kept:
-            gib = sum(planner.resident_cost(u.index) for u in kept) / 2**30
+            gib = sum(planner.resident_cost(u.index, slide=u.weights_slide) for u in kept) / 2**30
+            sliding = sum(u.weights_slide for u in kept)
+            what = "master, optimizer state, weights, gradients"
+            if sliding:  # their BF16 weights are cast into the window from the device master at each visit
+                what = f"master, optimizer state, and weights and gradients for {len(kept) - sliding} of them"
             self.notes.append(
-                f"{len(kept)} of {len(layout.units)} units resident on {self.device} ({gib:.1f} GiB: master, "
-                "optimizer state, weights, gradients; updated there)"
+                f"{len(kept)} of {len(layout.units)} units resident on {self.device} ({gib:.1f} GiB: {what}; "
+                f"updated there){f'; {sliding} of them slide their weights into the window' if sliding else ''}"
             )
         return layout
 
