@@ -7,7 +7,8 @@
     layout      the run's ``Layout``: every buffer the engine allocates, per unit and for the run
     estimate    the ``Estimate``: a layout's bytes plus a step's transient work, against a ``Machine``
     machine     what the machine has (``Machine.probe``)
-    planner     the ``Planner``: layouts, estimates, predictions, the fastest placement that fits
+    planner     the ``Planner``: layouts, estimates, predictions
+    recommend   the fastest placement that fits (a part of ``Planner``)
     rates       what a machine sustains (``Rates``), each figure with its source
     profiles    known GPUs' memory and rates (``--gpu h200``, ``--gpu rtx4090``)
     simulate    the engine's schedule replayed in virtual time

@@ -21,6 +21,8 @@ refused up front too.
 
     slidekit plan --model DIR --batch-size 8 --seq-len 1024      # what a run needs, and what fits
 
+The recommendations are ``slidekit.planning.recommend`` (a mixin of ``Planner``).
+
 Test: ``pytest tests/test_planner.py``.
 """
 
@@ -55,6 +57,7 @@ from slidekit.planning.layout import (
 )
 from slidekit.planning.machine import Machine
 from slidekit.planning.placement import place_state, plan_residency
+from slidekit.planning.recommend import TIE, Recommendations
 from slidekit.planning.run_space import checkpoint_bytes, checkpoint_writes, run_dir_need
 from slidekit.planning.shards import unit_shards
 from slidekit.planning.timing import StepPrediction, StepWork, predict_step
@@ -70,11 +73,9 @@ __all__ = ["RESIDENT_RESERVE", "TIE", "Planner"]
 
 #: "auto" residency leaves max(RESIDENT_RESERVE, 5% of the device) free beyond the plan.
 RESIDENT_RESERVE = 4 << 30
-#: Predicted steps within this share of the fastest tie: the fixed order picks among them.
-TIE = 0.01
 
 
-class Planner:
+class Planner(Recommendations):
     """Layouts, memory estimates and placement recommendations for one model and workload.
 
     ``state_bytes(numel)`` (or ``state_layout(numel)``) is the optimizer state of a unit of ``numel``
@@ -411,125 +412,6 @@ class Planner:
             run_dir=run_dir,
             run_dir_fix=fix,
         )
-
-    # ------------------------------------------------------------------ recommendations
-
-    def candidates(self, base: Placement, disk_tier: str | None) -> list[Placement]:
-        """Placements from the fastest to the slowest, keeping ``base``'s tier choices where they work.
-
-        More units resident first (where the optimizer can update on the
-        device; with ``base``'s ``resident_weights``); then activations on the device before a host tier; then state
-        in RAM before a growing share (1/4, 1/2, 3/4, all) on ``disk_tier``;
-        activations on disk last.
-        """
-        host = self.drivers.host_tier
-        host_tier = base.state_tier if self.medium(base.state_tier) == "host" else host
-        acts_host = base.activation_tier if base.activation_tier != "device" and self.medium(
-            base.activation_tier) == "host" else host  # fmt: skip
-        if self.device_type == "cpu":
-            residents = [base.gpu_resident]  # the CPU computes where the masters are: nothing to choose
-        else:
-            residents = ["all", "auto"] if self.device_updates else ["none"]
-        out: list[Placement] = []
-        fractions = [0.0] + ([0.25, 0.5, 0.75, 1.0] if disk_tier else [])
-        for fraction in fractions:
-            for acts in ("device", acts_host):
-                for res in residents:
-                    out.append(
-                        Placement(
-                            state_tier=host_tier,
-                            state_offload_tier=disk_tier if fraction else None,
-                            state_offload_fraction=fraction,
-                            activation_tier=acts,
-                            gpu_resident=res,
-                            resident_weights=base.resident_weights,
-                        )
-                    )
-        if disk_tier:
-            out.append(dataclasses.replace(out[-1], activation_tier=disk_tier))
-        return list(dict.fromkeys(out))
-
-    def recommend(
-        self, base: Placement, machine: Machine, disk_tier: str | None = None
-    ) -> Estimate | None:
-        """The placement that fits ``machine`` with the shortest predicted step, or None (see the module
-        doc). ``disk_tier`` (default: the disk role's tier, ``slidekit.planning.roles``) may hold
-        optimizer state where the machine has an offload directory. Without rates for the machine
-        (``Machine.rates``) or on the CPU: the first that fits in the fixed order."""
-        disk_tier = disk_tier or self.drivers.disk_tier
-        disk = disk_tier if machine.disk_free is not None else None
-        rates = machine.rates
-        if rates is None or self.device_type == "cpu":
-            for placement in self.candidates(base, disk):
-                est = self.estimate(placement, machine)
-                if est.placement_fits(machine):  # no placement gives the run directory more room
-                    return est
-            return None
-        fitting = [
-            est
-            for placement in self.split_candidates(base, disk, machine)
-            if (est := self.estimate(placement, machine)).placement_fits(machine)
-        ]
-        if not fitting:
-            return None
-        seconds = [self.predict_layout(est, machine) for est in fitting]
-        best = min(seconds)
-        return next(est for est, t in zip(fitting, seconds, strict=True) if t <= best * (1 + TIE))
-
-    def predict_layout(self, est: Estimate, machine: Machine) -> float:
-        """The predicted step of an estimate's layout on ``machine`` (infinite without a prediction)."""
-        pred = self.predict(est.layout, machine) if est.layout is not None else None
-        return float("inf") if pred is None else pred.seconds
-
-    def split_candidates(self, base: Placement, disk_tier: str | None, machine: Machine) -> list[Placement]:
-        """``candidates`` plus, for each residency and activation tier, the smallest share of units'
-        state on ``disk_tier`` that lets host RAM hold the rest (state goes to disk by whole units,
-        ``place_state``), in the same order: the split the fastest-tier-first rule gives."""
-        out = self.candidates(base, disk_tier)
-        if not disk_tier:
-            return out
-        units = len(self.numels)
-        exact = []
-        for placement in dict.fromkeys(
-            dataclasses.replace(c, state_offload_tier=None, state_offload_fraction=0.0) for c in out
-        ):
-            if placement.activation_tier == disk_tier:
-                continue
-            least = self._least_on_disk(placement, disk_tier, machine)
-            if least is not None and least > 0:
-                exact.append(
-                    dataclasses.replace(
-                        placement, state_offload_tier=disk_tier, state_offload_fraction=least / units
-                    )
-                )
-        merged = sorted(
-            dict.fromkeys([*out, *exact]),
-            key=lambda c: (c.activation_tier == disk_tier, c.state_offload_fraction),
-        )
-        return merged
-
-    def _least_on_disk(self, placement: Placement, disk_tier: str, machine: Machine) -> int | None:
-        """The fewest units whose state must go to ``disk_tier`` for host RAM to hold ``placement``
-        (None: not even all of it is enough)."""
-
-        def host_fits(k: int) -> bool:
-            place = dataclasses.replace(
-                placement,
-                state_offload_tier=disk_tier if k else None,
-                state_offload_fraction=k / len(self.numels),
-            )
-            return self.estimate(place, machine).host_fits(machine)
-
-        lo, hi = 0, len(self.numels)
-        if not host_fits(hi):
-            return None
-        while lo < hi:  # host bytes only fall as units move to disk
-            mid = (lo + hi) // 2
-            if host_fits(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
 
     # ------------------------------------------------------------------ step time
 
