@@ -301,7 +301,10 @@ class Planner(Recommendations):
         nothing = self._layout(placement, [False] * len(self.numels), None).allocations()["device"]
         fixed = nothing["window"] + 4 * UPLOAD_CHUNK + sum(self.flow_bytes(placement.activation_tier).values())
         reserve = max(RESIDENT_RESERVE, (machine.device_total or 0) // 20 // machine.device_ranks)
-        return machine.device_free - fixed - reserve
+        # Never more than the fit check accepts: it adds DEVICE_HEADROOM of the whole need and DEVICE_SLACK,
+        # which on 80-200 GiB devices can exceed the reserve (a full "auto" plan was refused by ~0.1 GiB).
+        fits = int((machine.device_free - DEVICE_SLACK) / (1 + DEVICE_HEADROOM)) - fixed
+        return min(machine.device_free - fixed - reserve, fits)
 
     def weights_slide(self, placement: Placement, machine: Machine, resident: Sequence[bool]) -> list[bool]:
         """The resident units whose weights slide through the window (``slidekit.planning.weights``)."""
