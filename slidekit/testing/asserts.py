@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["assert_losses_close", "assert_states_close", "assert_states_equal", "rel_error"]
+__all__ = ["assert_losses_close", "assert_states_close", "assert_states_equal", "rel_error", "trained_state"]
 
 
 def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -51,3 +52,15 @@ def assert_losses_close(actual: Sequence[float], expected: Sequence[float], *, r
     assert errs[worst] <= rtol, (
         f"step {worst + 1}: loss {actual[worst]:.8f} vs {expected[worst]:.8f} (rel {errs[worst]:.3e} > {rtol:g})"
     )
+
+
+def trained_state(trainer: Any) -> dict[str, torch.Tensor]:
+    """Every FP32 master (``master/<name>``) and every optimizer state buffer (``state/<unit>/<name>``) of
+    a ``slidekit.Trainer``, copied once every update has been applied: what two runs that must agree bit
+    for bit are compared on."""
+    out = {f"master/{k}": v.clone() for k, v in trainer.state_dict().items()}
+    store = trainer.engine.host.state
+    for u in range(len(trainer.spec.units)):
+        for name in store.layout(u):
+            out[f"state/{u}/{name}"] = store.read_buffer(u, name)
+    return out

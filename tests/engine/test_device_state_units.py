@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from slidekit import EngineConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig, Trainer
 from slidekit.errors import ConfigError
@@ -27,7 +26,12 @@ from slidekit.planning import GIB, Machine, Placement, Planner, Workload
 from slidekit.planning.keeping import check_keeps
 from slidekit.planning.placement import spread_host_units
 from slidekit.plugins import Plugins
-from slidekit.testing.asserts import assert_losses_close, assert_states_close, assert_states_equal
+from slidekit.testing.asserts import (
+    assert_losses_close,
+    assert_states_close,
+    assert_states_equal,
+    trained_state,
+)
 from slidekit.testing.models import random_batches, tiny_config
 from slidekit.testing.reference import reference_run
 
@@ -48,14 +52,7 @@ def _config(model_dir, weights: str, *, optimizer="layer_adam", dtype="bfloat16"
     )
 
 
-def _state(t: Trainer) -> dict[str, torch.Tensor]:
-    """Every master and every optimizer state buffer (after all updates)."""
-    out = {f"master/{k}": v.clone() for k, v in t.state_dict().items()}
-    store = t.engine.host.state
-    for u in range(len(t.spec.units)):
-        for name in store.layout(u):
-            out[f"state/{u}/{name}"] = store.read_buffer(u, name)
-    return out
+_state = trained_state  # masters and optimizer state, compared bit for bit
 
 
 def _run(model_dir, weights: str, batches, machine: Machine | None = None, **kw):

@@ -23,7 +23,12 @@ import torch
 from slidekit import EngineConfig, ModelConfig, OptimConfig, Plugins, RunConfig, TrainConfig, Trainer
 from slidekit.hookspecs import hookimpl
 from slidekit.interfaces import KernelSetDescriptor
-from slidekit.testing.asserts import assert_losses_close, assert_states_close, assert_states_equal
+from slidekit.testing.asserts import (
+    assert_losses_close,
+    assert_states_close,
+    assert_states_equal,
+    trained_state,
+)
 from slidekit.testing.models import random_batches
 from slidekit.testing.reference import reference_run
 from slidekit_kernels.torch_ref import TorchRef
@@ -50,14 +55,7 @@ def _config(model_dir, steps, *, policy, clip, optimizer="layer_adam", grad_accu
     )
 
 
-def _state(t: Trainer) -> dict[str, torch.Tensor]:
-    """Every master and every optimizer state buffer (after all updates)."""
-    out = {f"master/{k}": v.clone() for k, v in t.state_dict().items()}
-    store = t.engine.host.state
-    for u in range(len(t.spec.units)):
-        for name in store.layout(u):
-            out[f"state/{u}/{name}"] = store.read_buffer(u, name)
-    return out
+_state = trained_state  # masters and optimizer state, compared bit for bit
 
 
 def _train(model_dir, batches, *, grad_accum=1, plugins=None, **kw):
