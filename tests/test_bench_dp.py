@@ -225,9 +225,12 @@ def test_the_tree_of_a_process_holds_its_descendants_in_new_sessions():
 
 
 @pytest.mark.slow
-def test_a_two_rank_run_through_the_runner_prints_one_record_with_every_rank(tmp_path):
+def test_a_two_rank_run_through_the_runner_prints_one_record_with_every_rank(tmp_path, monkeypatch):
     """torchrun --nproc-per-node 2 -m slidekit.tools.bench --model tiny --device cpu --batch 2 --seq 32
     --steps 2 --warmup 1, started by run_suite as a suite's run on 2 GPUs."""
+    # The runner sets OMP_NUM_THREADS only where the bench's own environment leaves it unset (the GPU
+    # gate sets it for its pytest workers).
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     suite = Suite(
         name="dp-tiny",
         model="tiny",

