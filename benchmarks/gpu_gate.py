@@ -181,22 +181,38 @@ def pytest_workers(requested: str) -> int:
     return 6 if cpus >= 12 else 4 if cpus >= 8 else 1
 
 
+def xdist_mode() -> str:
+    """pytest-xdist's distribution: "worksteal" (3.2 and later), else "load"; never "loadfile".
+
+    Whole files per worker (the gate's first mode) left the 8 re-sharding tests of ~35 s each on
+    one worker: that file alone was most of the suite's 369 s on 6 workers (2026-12-02). Test by
+    test, a worker that runs out takes tests queued on another. The suite passes so on the CPU
+    (2 workers, worksteal, 2026-12-02: 1618 passed, the tests of one file running concurrently)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(x) for x in version("pytest-xdist").split(".")[:2])
+    except (PackageNotFoundError, ValueError):
+        return "load"
+    return "worksteal" if (major, minor) >= (3, 2) else "load"
+
+
 def run_suite(
     timeout: float, log: Path, extra: Sequence[str] = (), workers: int = 1, paths: Sequence[str] = ("tests",)
 ) -> dict[str, Any]:
     """``pytest tests`` (or ``paths``) in a child process: counts, failures and the time it took.
 
-    With ``workers`` > 1 the files are spread over that many pytest-xdist
-    processes, each file whole in one of them (``--dist loadfile``), each with
-    a share of the cores. Past ``timeout`` the suite is interrupted (SIGINT:
-    pytest still reports what ran, the failures included) and then killed.
+    With ``workers`` > 1 the tests are spread over that many pytest-xdist
+    processes, each with a share of the cores, test by test (``xdist_mode``).
+    Past ``timeout`` the suite is interrupted (SIGINT: pytest still reports
+    what ran, the failures included) and then killed.
     """
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={junit}"]
         env = dict(os.environ)
         if workers > 1:
-            cmd += ["-n", str(workers), "--dist", "loadfile"]
+            cmd += ["-n", str(workers), "--dist", xdist_mode()]
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or workers) // workers)))
         cmd += [*extra, *paths]
         t0 = time.perf_counter()

@@ -169,3 +169,20 @@ def test_one_run_per_mode_through_the_child_process_path(tmp_path: Path, monkeyp
         assert run["period_s"] >= sum(run["step_seconds"])
         assert abs(run["tokens_per_s"] - 2 * 16 * 2 / run["period_s"]) <= 0.05  # rounded to 0.1 from it
     assert by_mode["all"]["losses"] == by_mode["none"]["losses"]  # residency never changes the math
+
+
+@pytest.mark.parametrize(
+    ("installed", "mode"), [("3.8.0", "worksteal"), ("3.2", "worksteal"), ("3.1.1", "load"), (None, "load")]
+)
+def test_the_suite_is_spread_test_by_test(monkeypatch, installed, mode):
+    """Never whole files per worker: one file of slow tests made the suite's critical path."""
+    import importlib.metadata as metadata
+
+    def version(name: str) -> str:
+        assert name == "pytest-xdist"
+        if installed is None:
+            raise metadata.PackageNotFoundError(name)
+        return installed
+
+    monkeypatch.setattr(metadata, "version", version)
+    assert gate.xdist_mode() == mode
