@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench_helpers import assert_figures_of_its_steps, fake_machine, table_row
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -35,7 +36,6 @@ from slidekit.cli import build_parser, main
 from slidekit.models.base import ArchSpec
 from slidekit.tools.bench import (
     PRESETS,
-    MemoryWatchdog,
     add_ratios,
     arch_spec,
     bench,
@@ -79,14 +79,6 @@ def _rows(path: Path) -> list[dict]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("record") == "run"]
 
 
-def _assert_figures_of_its_steps(record: dict, batch: int, seq: int, *, steps: int) -> None:
-    """The record's figures are ``throughput`` of the step times it recorded: exact, whatever they were."""
-    assert len(record["step_seconds"]) == steps and all(s > 0 for s in record["step_seconds"])
-    figures = throughput(arch_spec(record["model"], seq), batch, seq, record["step_seconds"])
-    assert {k: record[k] for k in figures} == figures
-    assert record["tokens_per_s"] == round(steps * batch * seq / sum(record["step_seconds"]), 1)
-
-
 @pytest.mark.slow
 def test_tiny_on_cpu_slidekit_against_the_alternatives(tmp_path, capsys):
     out = tmp_path / "out"
@@ -118,7 +110,7 @@ def test_tiny_on_cpu_slidekit_against_the_alternatives(tmp_path, capsys):
         )
         assert (r["commit"], r["repeat"], r["max_grad_norm"]) == ("abc123", 1, None)
         assert r["versions"]["torch"] == torch.__version__
-        _assert_figures_of_its_steps(r, 2, 32, steps=2)
+        assert_figures_of_its_steps(r, 2, 32, steps=2)
         assert len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"])
         assert r["peak_gpu_gib"] is None  # CPU run
         # cross-entropy of random weights on random tokens
@@ -239,15 +231,6 @@ def _fake_systems(directory: Path) -> None:
     )
 
 
-def _fake_machine(floor_mib: int = 200) -> MemoryWatchdog:
-    """A machine with 1 GiB free before the child: it is "exhausted" once the child holds ``floor_mib``."""
-    total = 1 << 30
-    floor = total - floor_mib * 2**20
-    return MemoryWatchdog(
-        floor_bytes=floor, poll_s=0.05, available=lambda rss: total - rss, settle_bytes=floor
-    )
-
-
 def _clock_of_predictions(monkeypatch, speed: float = 1.0) -> Callable[[], float]:
     """A budget clock on which every run takes ``speed`` x its predicted seconds (and nothing else takes time)."""
     from slidekit.tools.bench import runner
@@ -280,7 +263,7 @@ def test_a_suite_on_stand_ins_repeats_recipes_budget_watchdog_and_table(tmp_path
     budget = sum(p.predicted_s for p in plan.runs if p.run.importance <= 4.2 + 1e-9) + 2.0
     assert min(p.predicted_s for p in plan.runs if p.run.importance > 4.2 + 1e-9) > 2.0
     args = build_parser().parse_args([*argv, "--time-budget", str(budget)])
-    rows = bench(args, watchdog=_fake_machine(), clock=_clock_of_predictions(monkeypatch))
+    rows = bench(args, watchdog=fake_machine(), clock=_clock_of_predictions(monkeypatch))
 
     assert rows == _rows(out / "suite-tiny.jsonl")
     by = {(r["label"], r["max_grad_norm"], r["repeat"], r["batch"]): r for r in rows}
@@ -493,28 +476,15 @@ def test_lane_metrics_per_unit_eta_and_busy():
     assert resident["eta"] is None and resident["gpu_busy"] == pytest.approx(0.5)
 
 
-def _row(label, system, batch, tokens, repeat=1, clip=None, **kw):
-    row = {
-        "record": "run",
-        "label": label,
-        "system": system,
-        "batch": batch,
-        "repeat": repeat,
-        "run_name": label,
-    }
-    row |= {"max_grad_norm": clip, "status": "ok" if tokens else "unavailable", "tokens_per_s": tokens, **kw}
-    return row
-
-
 def test_ratios_and_cells_only_between_runs_of_the_same_batch_and_recipe():
     rows = [
-        _row("slidekit (resident all)", "slidekit", 8, 300.0),
-        _row("HF (GC)", "no_offload", 8, 200.0),
-        _row("torchao", "torchao", 8, None, reason="no CUDA"),
-        _row("deepspeed", "deepspeed", 8, None, reason="ConfigError: does not fit:\n  GPU | needs 2 GiB\nfix"),
-        _row("slidekit (resident all)", "slidekit", 16, 500.0),
-        _row("HF (GC)", "no_offload", 16, 100.0),
-        _row("slidekit (resident all)", "slidekit", 8, 900.0, clip=1.0),
+        table_row("slidekit (resident all)", "slidekit", 8, 300.0),
+        table_row("HF (GC)", "no_offload", 8, 200.0),
+        table_row("torchao", "torchao", 8, None, reason="no CUDA"),
+        table_row("deepspeed", "deepspeed", 8, None, reason="ConfigError: does not fit:\n  GPU | needs 2 GiB\nfix"),
+        table_row("slidekit (resident all)", "slidekit", 16, 500.0),
+        table_row("HF (GC)", "no_offload", 16, 100.0),
+        table_row("slidekit (resident all)", "slidekit", 8, 900.0, clip=1.0),
     ]
     add_ratios(rows)
     assert (rows[0]["vs_no_offload"], rows[0]["vs_torchao"]) == (1.5, None)

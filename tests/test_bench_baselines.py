@@ -17,15 +17,9 @@ import sys
 
 import pytest
 import torch
+from bench_helpers import assert_figures_of_its_steps
 
-from slidekit.tools.bench import PRESETS, arch_spec, does_not_fit, throughput
-
-
-def _assert_figures_of_its_steps(record: dict, batch: int, seq: int, *, steps: int) -> None:
-    """The record's figures are ``throughput`` of the step times it recorded: exact, whatever they were."""
-    assert len(record["step_seconds"]) == steps and all(s > 0 for s in record["step_seconds"])
-    figures = throughput(arch_spec(record["model"], seq), batch, seq, record["step_seconds"])
-    assert {k: record[k] for k in figures} == figures
+from slidekit.tools.bench import PRESETS, does_not_fit
 
 
 def test_whole_steps_are_start_to_start_the_last_ending_at_the_drain():
@@ -95,7 +89,7 @@ def test_a_baseline_builds_once_and_prints_a_record_per_batch(baseline_script, c
     assert records[0]["setup_s"] == records[1]["setup_s"] > 0  # one build, shared
     for r in records:
         assert r["setup_shared_by"] == [2, 3] and r["max_grad_norm"] == 1.0
-        _assert_figures_of_its_steps(r, r["batch"], 16, steps=2)
+        assert_figures_of_its_steps(r, r["batch"], 16, steps=2)
         assert len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"])
         assert r["peak_rss_scope"] == ("batch" if sys.platform == "linux" else "process")
         assert r["peak_host_rss_gib"] > 0 and r["wall_s"] > 0

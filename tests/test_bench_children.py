@@ -14,19 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from bench_helpers import fake_machine
 
 from slidekit import telemetry
 from slidekit.tools.bench import peak_rss_gib
 from slidekit.tools.children import MemoryWatchdog, run_child, stream_child
-
-
-def _fake_machine(floor_mib: int = 200) -> MemoryWatchdog:
-    """A machine with 1 GiB free before the child: it is "exhausted" once the child holds ``floor_mib``."""
-    total = 1 << 30
-    floor = total - floor_mib * 2**20
-    return MemoryWatchdog(
-        floor_bytes=floor, poll_s=0.05, available=lambda rss: total - rss, settle_bytes=floor
-    )
 
 
 def _hanging_child(marker: Path, *, prints: str = "") -> list[str]:
@@ -69,13 +61,13 @@ def test_the_memory_watchdog_kills_a_child_that_allocates_until_killed(tmp_path)
         f'    time.sleep(0.01)\nprint(\'{{"status": "ok", "batch": 1}}\', flush=True)\ntime.sleep(120)\n'
         f"open({str(marker)!r}, 'w').close()\n"
     )
-    run = stream_child([sys.executable, "-c", grow], timeout=100, watchdog=_fake_machine(200))
+    run = stream_child([sys.executable, "-c", grow], timeout=100, watchdog=fake_machine(200))
     assert run.killed_by is not None and run.failure == run.killed_by
     assert run.killed_by.startswith("host RAM exhausted: child RSS ") and "memory watchdog" in run.killed_by
     assert run.peak_rss_gib >= 200 / 1024 and run.returncode == -9 and not marker.exists()
     # A child that stays under the floor is watched and left alone.
     quiet = stream_child(
-        [sys.executable, "-c", 'print(\'{"status": "ok"}\')'], timeout=60, watchdog=_fake_machine()
+        [sys.executable, "-c", 'print(\'{"status": "ok"}\')'], timeout=60, watchdog=fake_machine()
     )
     assert quiet.failure is None and quiet.killed_by is None and quiet.records == [{"status": "ok"}]
 

@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from bench_helpers import table_row
 
 from slidekit.cli import build_parser, main
 from slidekit.errors import ConfigError
@@ -233,20 +234,10 @@ def test_the_levers_suite_fits_one_device_call(capsys):
 # ---------------------------------------------------------------------------- the levers' table
 
 
-def _row(label, system, batch, tokens, *, clip=None, repeat=1, levers=None, resident=None, **kw):
-    row = {
-        "record": "run",
-        "label": label,
-        "system": system,
-        "batch": batch,
-        "repeat": repeat,
-        "run_name": label,
-    }
-    row |= {"max_grad_norm": clip, "status": "ok", "tokens_per_s": tokens, "resident": resident}
-    row |= {"optimizer": "layer_adam" if system == "slidekit" else None, **kw}
-    if levers:
-        row["levers"] = levers
-    return row
+def _row(label, system, batch, tokens, *, levers=None, resident=None, **kw):
+    optimizer = "layer_adam" if system == "slidekit" else None
+    row = table_row(label, system, batch, tokens, resident=resident, optimizer=optimizer, **kw)
+    return row | ({"levers": levers} if levers else {})
 
 
 def _levers_rows() -> list[dict]:
