@@ -65,7 +65,7 @@ def _child(
     os._exit(0)  # do not wait on gloo threads of collectives a failed peer left pending
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0) -> list[Outcome]:
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0) -> list[Outcome]:
     """``fn(rank, world, store_path, *args)`` on ``world`` processes; their outcomes in rank order."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
@@ -122,7 +122,9 @@ class Job:
     clip_overlap: str = "auto"  # optim.clip_overlap
     gpu_resident: str = "none"
     window: int = 3
-    timeout_s: float = 30.0
+    # engine.timeout_s: how long a rank waits for the others. A rank that builds the fused CPU kernel on
+    # its first step (~30 s alone, longer on a loaded machine) keeps the others waiting that long.
+    timeout_s: float = 120.0
     fail_rank: int | None = None  # this rank raises ...
     fail_lane: str = "optim"  # ... in this pipeline lane ("main": on the main thread) ...
     fail_step: int = 2  # ... during this step
