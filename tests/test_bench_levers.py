@@ -347,3 +347,25 @@ def test_a_slidekit_record_says_per_timed_step_whether_it_speculated_and_rolled_
     assert record["clip_speculated"] == [speculated] * 3 and record["clip_rollback"] == [speculated] * 3
     assert min(record["grad_norms"]) > 1.0
     capsys.readouterr()
+
+
+def test_a_run_ended_by_a_signal_says_which(monkeypatch):
+    """SIGTERM during the fit (a harness's time limit) ends the run before its next step; the error names
+    the signal instead of a bare step count."""
+    import os
+    import signal
+
+    from slidekit.distributed import launch
+    from slidekit.tools.bench.slidekit_run import measure_slidekit
+
+    def terminated_after(stream, parallel, *, batches=3):
+        for k, batch in enumerate(stream):
+            if k == batches:  # inside fit: its handler takes the signal; the step of this batch is not taken
+                os.kill(os.getpid(), signal.SIGTERM)
+            yield batch
+
+    monkeypatch.setattr(launch, "rank_batches", terminated_after)
+    argv = ["--model", "tiny", "--device", "cpu", "--batch", "2", "--seq", "32", "--steps", "4", "--warmup", "1"]
+    args = argparse.Namespace(**{**vars(slidekit_parser().parse_args(argv)), "batch": 2})
+    with pytest.raises(RuntimeError, match=r"fit ran 3 steps of 5 \(SIGTERM ended it\)"):
+        measure_slidekit(args)

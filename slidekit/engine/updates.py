@@ -248,8 +248,16 @@ class Updates:
 
     def _reduce_resident(self, unit: int, slot: Slot, computed: Any) -> float:
         """d2h lane, data-parallel: reduce a resident unit's gradient (updated on the device at the end of
-        the step); returns the squared norm of this rank's shard, once the reduction is complete."""
-        return float(self._reduce(unit, slot, computed))
+        the step); returns the squared norm of this rank's shard, once the reduction is complete.
+
+        The reduction and the norm run on the d2h stream: the host waits for that stream's event before
+        reading the norm (a plain read would run on this thread's current stream, the compute stream,
+        unordered with d2h), and the update on the compute stream waits for it too (``_reduced``)."""
+        sq = self._reduce(unit, slot, computed)
+        reduced = self.streams.record(self.streams.d2h)
+        self._reduced[unit] = reduced
+        self.streams.synchronize(reduced)
+        return float(sq)
 
     def _update(
         self,
@@ -330,6 +338,7 @@ class Updates:
             self._cast_after[unit] = self.streams.record(self.streams.compute)
             return
         slot = self.window.resident[unit]
+        self.streams.wait(self.streams.compute, self._reduced.pop(unit, None))  # data-parallel: the reduction
         a = self._shard_start(unit)  # data-parallel: this rank's shard, gathered into the slot afterwards
         b = a + self.host.masters[unit].numel()
         params = slot.params[a:b]

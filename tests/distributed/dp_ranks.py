@@ -135,6 +135,8 @@ class Job:
     skip_steps: int = 0  # steps whose batches an earlier run took (a resumed run skips them)
     configured: bool = False  # train on config.data (the sample corpus), not on ``_batches``
     shards: bool = False  # return the rank's shards (masters and state) as restored and as trained
+    device: str = "cpu"  # engine.device ("cuda": every rank on the one GPU, with backend "gloo")
+    backend: str = "auto"  # DataParallel.init's
 
 
 class Injected(RuntimeError):
@@ -202,7 +204,7 @@ def train(rank: int, world: int, store: str, job: Job) -> dict[str, Any]:
             clip_overlap=job.clip_overlap,
         ),
         engine=EngineConfig(
-            device="cpu",
+            device=job.device,
             compute_dtype="float32",
             gpu_resident=job.gpu_resident,
             window=job.window,
@@ -217,8 +219,8 @@ def train(rank: int, world: int, store: str, job: Job) -> dict[str, Any]:
     parallel = None
     if world > 1:
         parallel = DataParallel.init(
-            dist.FileStore(store, world), rank=rank, world=world, device=torch.device("cpu"),
-            timeout_s=job.timeout_s,
+            dist.FileStore(store, world), rank=rank, world=world, device=torch.device(job.device),
+            backend=job.backend, timeout_s=job.timeout_s,
         )  # fmt: skip
     trainer_ref: list[Any] = []  # the trainer, once built: the hook asks it for the step
 

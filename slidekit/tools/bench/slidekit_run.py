@@ -137,7 +137,8 @@ def measure_slidekit(args: argparse.Namespace, parallel: DataParallel | None = N
     timed = slice(args.warmup, None)
     own_seconds, timings = result.step_seconds[timed], result.timings[timed]
     if len(own_seconds) != args.steps:
-        raise RuntimeError(f"fit ran {len(result.step_seconds)} steps of {args.warmup + args.steps}")
+        why = f" ({result.interrupted} ended it)" if result.interrupted else ""
+        raise RuntimeError(f"fit ran {len(result.step_seconds)} steps of {args.warmup + args.steps}{why}")
     mine = rank_figures(setup_s=setup_s, timings=timings, step_seconds=own_seconds, device=device)
     ranks = gather_ranks(parallel, mine)
     step_seconds = slowest_steps(parallel, own_seconds)  # the ranks wait for each other every step
