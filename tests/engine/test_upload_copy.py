@@ -5,10 +5,10 @@ pass (the optimizer's ``lowp_out``), and uploads that copy instead of casting it
 device. Both round to nearest even, so each case trains the tiny model twice in BF16 compute on the
 CPU (torch_ref) and compares losses, gradient norms, masters, optimizer state and the exported
 weights bit for bit: both optimizers, accumulation, clipping with rollbacks (speculate) and deferred,
-a non-finite step skipped after speculating (the rollback restores the master: the copy must follow),
-half the units resident, state streamed from the posix tier, a checkpoint and resume mid-run. After
-every run each host unit's copy must equal its master's cast (``_fresh``); the data-parallel cases
-are in ``tests/distributed/test_dp_training.py``.
+a non-finite step skipped after speculating (the rollback restores the master: the copy must follow)
+and after deferring, half the units resident, state streamed from the posix tier, a checkpoint and
+resume mid-run. After every run each host unit's copy must equal its master's cast (``_fresh``); the
+data-parallel cases are in ``tests/distributed/test_dp_training.py`` and ``test_dp_reshard.py``.
 
 Test: ``pytest tests/engine/test_upload_copy.py``.
 """
@@ -143,10 +143,12 @@ def test_clipping_with_rollbacks(tiny_model, policy, optimizer):
         assert 0 < on[0].rollbacks < on[0].speculated == 6  # rolled back and redone, with the copy
 
 
-def test_skipped_nonfinite_step_after_speculating(tiny_model):
-    """The rollback of a non-finite step restores the speculated masters and applies nothing: their copies,
-    which the speculated update wrote, must be cast again from the restored masters (``HostStore.restore``),
-    or the next forward uploads the speculated weights and the runs part."""
+@pytest.mark.parametrize("policy", ["speculate", "defer"])
+def test_skipped_nonfinite_step(tiny_model, policy):
+    """Speculating, the rollback of a non-finite step restores the speculated masters and applies nothing:
+    their copies, which the speculated update wrote, must be cast again from the restored masters
+    (``HostStore.restore``), or the next forward uploads the speculated weights and the runs part.
+    Deferring, nothing is written: master and copy stay as they were."""
     from test_speculative_clip import LateNaN
 
     model_dir = tiny_model("llama")
@@ -160,13 +162,16 @@ def test_skipped_nonfinite_step_after_speculating(tiny_model):
                 batches,
                 copy,
                 clip=1e6,
-                policy="speculate",
+                policy=policy,
                 plugins=plugins,
                 kernels="late_nan",
                 on_nonfinite="skip",
             )
     _same(runs["off"], runs["on"])
-    assert runs["on"][0].rollbacks == 1 and "restore" in runs["on"][0].timings[1]
+    if policy == "speculate":
+        assert runs["on"][0].rollbacks == 1 and "restore" in runs["on"][0].timings[1]
+    else:
+        assert runs["on"][0].speculated == 0
 
 
 @pytest.mark.parametrize(
