@@ -260,7 +260,7 @@ class EngineConfig:
     # (2 B/param of host RAM), written by its host update in the same pass, and uploads those bytes as they are
     # (2 B/param over the bus instead of the FP32 master's 4, no device cast); bitwise the same training. Use it
     # where uploads bound the step (forced offload at small batches) and host RAM has the room; not where the
-    # host update bounds it (it writes 2 B/param more). Needs compute_dtype "bfloat16". NOTES.md 21
+    # host update bounds it (it writes 2 B/param more). Needs compute_dtype "bfloat16". NOTES.md 22
 
     def __post_init__(self) -> None:
         check_types("engine", self)
