@@ -2,7 +2,7 @@
 
 On the CPU the compute dtype is FP32 ("auto"), which refuses upload copies: that record is the
 ConfigError's reason and the next run (off) still measures. On the GPU "auto" is BF16 and both run
-(NOTES.md 21 has the commands).
+(NOTES.md 22 has the commands).
 """
 
 from __future__ import annotations
