@@ -104,6 +104,12 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
         str,
         "units on the GPU keep their BF16 weights (keep), slide them through the window (slide), or auto",
     ),
+    "--upload-copy": (
+        "engine.upload_copy",
+        str,
+        "off or on: host units keep a BF16 copy of their weights, written by their update, and upload it "
+        "(2 B/param over the bus instead of 4; needs --dtype bfloat16)",
+    ),
     "--run-dir": ("run.dir", str, "run directory: checkpoints, metrics.jsonl, config.json"),
     "--checkpoint-every": ("run.checkpoint_every", int, "steps between checkpoints (0: at the end only)"),
     "--keep": ("run.keep", int, "checkpoints to keep"),

@@ -66,6 +66,7 @@ __all__ = [
     "load_toml",
     "parse_columns",
     "resident_fraction",
+    "upload_copy_dtype_error",
 ]
 
 _DTYPES = ("auto", "float32", "bfloat16")
@@ -73,6 +74,8 @@ _DTYPES = ("auto", "float32", "bfloat16")
 CLIP_OVERLAP = ("auto", "speculate", "defer")
 #: The values of ``engine.resident_weights`` (``slidekit.planning.weights``).
 RESIDENT_WEIGHTS = ("keep", "slide", "auto")
+#: The values of ``engine.upload_copy`` (``slidekit.engine.host``: the BF16 upload copies).
+UPLOAD_COPY = ("off", "on")
 _SEED_LIMIT = 2**32  # seeds are in [0, 2**32), the range every generator accepts
 
 
@@ -253,6 +256,11 @@ class EngineConfig:
     # them through the window (cast there from the master on the device per visit: 4 + state B/param instead
     # of 4 + state + 4), or "auto" (the planner puts as many units on the device as fit at the cheaper cost,
     # then keeps the copy for as many of those as the memory left holds). See slidekit.planning.weights
+    upload_copy: str = "off"  # "on": every host unit (master in host RAM) keeps a pinned BF16 copy of its weights
+    # (2 B/param of host RAM), written by its host update in the same pass, and uploads those bytes as they are
+    # (2 B/param over the bus instead of the FP32 master's 4, no device cast); bitwise the same training. Use it
+    # where uploads bound the step (forced offload at small batches) and host RAM has the room; not where the
+    # host update bounds it (it writes 2 B/param more). Needs compute_dtype "bfloat16". NOTES.md 22
 
     def __post_init__(self) -> None:
         check_types("engine", self)
@@ -277,6 +285,12 @@ class EngineConfig:
                 f"engine.resident_weights (CLI: --resident-weights) must be one of {list(RESIDENT_WEIGHTS)}, "
                 f"got {self.resident_weights!r}"
             )
+        if self.upload_copy not in UPLOAD_COPY:
+            raise ConfigError(
+                f"engine.upload_copy (CLI: --upload-copy) must be one of {list(UPLOAD_COPY)}, got {self.upload_copy!r}"
+            )
+        if self.upload_copy == "on" and self.compute_dtype == "float32":
+            raise ConfigError(upload_copy_dtype_error("float32"))
         if not 0.0 <= self.state_offload_fraction <= 1.0:
             raise ConfigError(
                 f"engine.state_offload_fraction must lie in [0, 1], got {self.state_offload_fraction!r}"
@@ -289,6 +303,16 @@ class EngineConfig:
     def resident_fraction(self) -> float | None:
         """``gpu_resident`` as a fraction of units, or None for "auto"."""
         return resident_fraction(self.gpu_resident)
+
+
+def upload_copy_dtype_error(dtype: str) -> str:
+    """The message refusing ``engine.upload_copy="on"`` with compute dtype ``dtype`` (the copy is the BF16
+    weights the optimizer kernels write; FP32 training uploads its masters as they are, nothing to halve)."""
+    return (
+        f"engine.upload_copy='on' keeps BF16 copies of the weights, but the compute dtype is {dtype}: set "
+        "engine.compute_dtype='bfloat16' (CLI: --dtype bfloat16), or engine.upload_copy='off' (FP32 compute "
+        "uploads the FP32 masters as they are)"
+    )
 
 
 def resident_fraction(gpu_resident: str) -> float | None:

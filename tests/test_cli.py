@@ -65,6 +65,7 @@ PINNED_FINETUNE_OPTIONS = [
     "--gpu-resident",
     "--recompute",
     "--resident-weights",
+    "--upload-copy",
     "--run-dir",
     "--checkpoint-every",
     "--keep",

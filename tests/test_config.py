@@ -117,6 +117,7 @@ PINNED_FIELDS = {
         "timeout_s",
         "recompute",
         "resident_weights",
+        "upload_copy",
     ],
     "TrainConfig": ["model", "data", "optim", "engine", "plugins", "run", "steps", "grad_accum", "seed", "epochs"],
 }

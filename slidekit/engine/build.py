@@ -9,7 +9,7 @@ layout names, and, when resident, its own cache unit (none when its weights
 slide: then, when the step defers its updates, a device gradient buffer of its
 own). For the run: the
 window's cache units, the gradient ring, the per-unit gradient buffers of a
-step that keeps every gradient, the upload staging buffer, the state staging
+step that keeps every gradient, the host units' upload copies, the upload staging buffer, the state staging
 sets, and the activation store. Before anything is allocated, the tiers'
 capacity is checked against what the layout puts on them.
 
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from slidekit.config import upload_copy_dtype_error
 from slidekit.distributed.group import DataParallel
 from slidekit.engine.activations import DeviceActivations, TierActivations
 from slidekit.engine.collectives import Collectives
@@ -107,6 +108,8 @@ def _check_rank(layout: Layout, dp: DataParallel | None) -> None:
 
 def build_engine(layout: Layout, parts: EngineParts) -> Engine:
     """Allocate ``layout`` and return the engine that runs it (closed again if building fails)."""
+    if layout.upload_copy and parts.compute_dtype != torch.bfloat16:  # the optimizers write BF16 copies only
+        raise ConfigError(upload_copy_dtype_error(str(parts.compute_dtype).removeprefix("torch.")))
     _check_rank(layout, parts.parallel)
     _check_layout(layout)
     _check_capacity(layout, parts)
@@ -217,6 +220,8 @@ def footprint(engine: Engine, tiers: Mapping[str, StorageTier]) -> dict[str, dic
     }
     if layout.clip_backup:
         out_host["clip backup"] = host.backup_bytes()
+    if layout.upload_copy:
+        out_host["upload copies"] = host.copy_bytes()
     return {
         "device": device,
         "host": out_host,

@@ -13,6 +13,18 @@ parameter, plus a few layer-sized buffers. A unit kept on the compute device
 (``device_masters[i]`` set) keeps its master there and never uses the ring;
 when every unit is kept there, the ring is empty.
 
+Upload copies (``Layout.upload_copy``, ``engine.upload_copy="on"``): each
+sliding unit also keeps its weights in the compute dtype (BF16), pinned, 2
+bytes per parameter (``copies[i]``; a data-parallel rank: its shard's). The
+unit's host update writes them in the same pass as the master (the
+optimizer's ``lowp_out``), and its uploads copy those bytes into the cache
+unit as they are. A copy is derived state, never checkpointed: wherever a
+master changes outside an update (loading, restoring a checkpoint,
+re-sharding: ``refresh_copies``; a speculative-clipping rollback:
+``restore``) it is cast again from the master, round to nearest even as the
+device's cast of an uploaded FP32 master rounds, so training is bitwise the
+same either way.
+
 Speculative clipping (``slidekit.engine.speculation``): each sliding unit whose
 state is mapped in host RAM has a backup of its master and state (plain
 pageable memory, allocated once when ``Layout.clip_backup``), which a step
@@ -98,6 +110,11 @@ class HostStore:
         # The ring holds gradients on their way down: units kept on the compute device never come down.
         self.piece = layout.ring_numel
         self.ring = GradRing(layout.ring_buffers, self.piece, grad_dtype, self.memory, pipeline)
+        # The sliding units' weights in the compute dtype, written by their updates, uploaded as they are.
+        self.copies: list[torch.Tensor | None] = [
+            self.memory.empty(n, grad_dtype) if layout.upload_copy and place.slides else None
+            for n, place in zip(self.numels, layout.units, strict=True)
+        ]
         self._pieces = [list(place.pieces) for place in layout.units]  # of the rank's shard
         self._grad_dtype = grad_dtype
         self._backups: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
@@ -154,13 +171,35 @@ class HostStore:
         return got
 
     def restore(self, unit: int) -> None:
-        """Put the unit's master and state back as its backup holds them (optimizer thread)."""
+        """Put the unit's master and state back as its backup holds them (optimizer thread), and its upload
+        copy as the master's cast: the speculated update wrote the copy too."""
         master, state = self._backups[unit]
         self.masters[unit].copy_(master)
+        self.refresh_copy(unit)
         mapped = self.state.mapped(unit)
         assert mapped is not None
         for name, saved in state.items():
             mapped[name].copy_(saved)
+
+    def copy_slice(self, unit: int, start: int = 0, stop: int | None = None) -> torch.Tensor | None:
+        """Parameters [start, stop) of the unit's upload copy, for the update to write (None: it has none)."""
+        copy = self.copies[unit]
+        return None if copy is None else copy[start:stop]
+
+    def refresh_copy(self, unit: int) -> None:
+        """The unit's upload copy cast again from its master (round to nearest even), if it has one."""
+        copy = self.copies[unit]
+        if copy is not None:
+            copy.copy_(self.masters[unit])
+
+    def refresh_copies(self) -> None:
+        """Every upload copy cast again from its master: after masters changed outside an update."""
+        for unit in range(len(self.copies)):
+            self.refresh_copy(unit)
+
+    def copy_bytes(self) -> int:
+        """Bytes of the upload copies."""
+        return sum(c.numel() * c.element_size() for c in self.copies if c is not None)
 
     def backup_bytes(self) -> int:
         """Bytes of the speculative-clipping backups allocated so far."""

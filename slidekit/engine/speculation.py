@@ -155,11 +155,14 @@ def update_backed(
     groups: Sequence[ParamGroupRange],
     span: Span | None,
     chunk: int = BACKUP_CHUNK,
+    lowp_out: torch.Tensor | None = None,
 ) -> None:
     """Back up and update one range of a unit, ``chunk`` parameters at a time: each chunk's master and state
     are copied to ``saved_*`` right before the optimizer reads them (so it reads them from cache), then the
     chunk is updated with scale 1. ``span(lo, hi)``: name -> (dtype, first, count) of the state of parameters
-    [lo, hi) of the range, for linear state; None (state that is not linear): the range in one go."""
+    [lo, hi) of the range, for linear state; None (state that is not linear): the range in one go.
+    ``lowp_out``: the range's upload copy, written with the update (not backed up: ``HostStore.restore``
+    casts it again from the restored master)."""
     n = master.numel()
     cuts = [(0, n)] if span is None else [(lo, min(lo + chunk, n)) for lo in range(0, n, chunk)]
     for lo, hi in cuts:
@@ -179,7 +182,7 @@ def update_backed(
             lr=lr,
             count=count,
             groups=slice_groups(groups, lo, hi),
-            lowp_out=None,
+            lowp_out=None if lowp_out is None else lowp_out[lo:hi],
         )
 
 
@@ -288,6 +291,7 @@ class Speculation(Updates):
         master, groups = self.host.masters[unit], self.groups[unit]
         saved_master, saved_state = self.host.backup(unit)
         store = self.host.state
+        copy = self.host.copy_slice(unit)  # the upload copy (engine.upload_copy), written with the update
 
         def step(a: int, b: int, state: Mapping[str, torch.Tensor]) -> None:
             update_backed(
@@ -301,6 +305,7 @@ class Speculation(Updates):
                 count=count,
                 groups=slice_groups(groups, a, b),
                 span=functools.partial(_relative_span, store.span, unit, a) if store.linear else None,
+                lowp_out=None if copy is None else copy[a:b],
             )
 
         store.update(unit, step, start, stop)

@@ -279,7 +279,8 @@ class Updates:
             self._check_finite(unit, self.pipeline.result(download, what))
             self._wait_checkpoint(unit)
             with self.timeline.host("update", unit):
-                self._apply(unit, self.host.unit_grad(unit), lr=lr, count=count, scale=scale, lowp_out=None)
+                copy = self.host.copy_slice(unit)  # the upload copy, written in the same pass (engine.upload_copy)
+                self._apply(unit, self.host.unit_grad(unit), lr=lr, count=count, scale=scale, lowp_out=copy)
             return
         for k, (a, b) in enumerate(self.host.pieces(unit)):
             index, sq = self.pipeline.result(handoff[k], what)
@@ -289,7 +290,8 @@ class Updates:
                     self._wait_checkpoint(unit)
                 grad = self.host.ring.buffers[index][: b - a]
                 with self.timeline.host("update", unit):
-                    self._apply(unit, grad, lr=lr, count=count, scale=scale, lowp_out=None, start=a, stop=b)
+                    copy = self.host.copy_slice(unit, a, b)
+                    self._apply(unit, grad, lr=lr, count=count, scale=scale, lowp_out=copy, start=a, stop=b)
             finally:
                 self.host.ring.release(index)
 
@@ -385,11 +387,14 @@ class Updates:
         self.host.state.update(unit, step, start, stop)
 
     def sync_resident(self) -> None:
-        """Refresh resident units' compute-dtype weights from their masters (after loading or restoring).
+        """Refresh resident units' compute-dtype weights from their masters (after loading or restoring),
+        and the host units' upload copies.
 
         Data-parallel: this rank's shard now; the other ranks' at the unit's next request
         (``_resident_gather``), so that loading and restoring need no collective. Units whose weights
-        slide have none on the device: their next casts wait for what the compute stream wrote so far."""
+        slide have none on the device: their next casts wait for what the compute stream wrote so far.
+        Host units' upload copies (``engine.upload_copy``) are cast again from their masters."""
+        self.host.refresh_copies()
         for unit in self.weights_slide:
             self._cast_after[unit] = self.streams.record(self.streams.compute)
         for unit, slot in self.window.resident.items():

@@ -4,7 +4,10 @@ While the device computes visit k, the upload thread loads the parameters of
 the next ``prefetch_depth`` visits into free cache units. An upload of a unit
 waits for that unit's latest optimizer update, so every forward pass sees fully
 updated weights. FP32 masters cross the bus and are cast on the device through
-the layout's staging buffer (BF16 compute); units resident on the device are
+the layout's staging buffer (BF16 compute), or, with upload copies
+(``engine.upload_copy``, ``Layout.upload_copy``), the unit's BF16 copy that
+its host update wrote crosses as it is (half the bytes, no staging, no
+device cast; ``slidekit.engine.host``); units resident on the device are
 never uploaded. A resident unit whose weights slide (``slidekit.planning.weights``)
 takes a cache unit like a sliding one, and its weights are cast into it from
 its master on the device (``_cast``): no bus crossing, no staging. Part of
@@ -107,18 +110,21 @@ class Uploads:
         if update is not None:
             self.pipeline.result(update, f"the optimizer update of unit {unit}")
         master = self.host.masters[unit]
+        copy = self.host.copies[unit]  # its weights in the compute dtype, written by its update (or None)
         n = master.numel()
         at = 0 if self.collectives is None else self.collectives.shards[unit].start  # a rank's shard
         if not self.streams.cuda:
             with self.timeline.host("h2d", unit):
-                slot.params[at : at + n].copy_(master)
+                slot.params[at : at + n].copy_(master if copy is None else copy)
             self._gather(unit, slot)
             return None
         s = self.streams
         with s.use(s.h2d):
             with self.timeline.device("h2d", unit, s.h2d):
                 s.wait(s.h2d, free_event)  # the slot's previous contents are no longer read
-                if self.dtype == torch.float32:
+                if copy is not None:  # BF16 over the bus, as its update wrote it (pinned): nothing to cast
+                    slot.params[at : at + n].copy_(copy, non_blocking=True)
+                elif self.dtype == torch.float32:
                     slot.params[at : at + n].copy_(master, non_blocking=True)
                 else:  # FP32 over the bus, cast on the device: no host-side BF16 copy to keep
                     stage = self._staging()

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from slidekit.config import upload_copy_dtype_error
 from slidekit.errors import ConfigError
 from slidekit.planning.placement import GRANULE, MemoryPlan, ring_numel, unit_pieces
 from slidekit.planning.shards import Shard, unit_shards
@@ -74,6 +75,9 @@ class Workload:
     #: With ``keep_grads``: every sliding unit whose state is mapped in host RAM keeps a backup of its
     #: master and state, for speculative clipping (``optim.clip_overlap``, ``slidekit.engine.speculation``).
     clip_backup: bool = False
+    #: Every sliding unit keeps a BF16 copy of its weights in host RAM, written by its host update, and
+    #: uploads it instead of its FP32 master (``engine.upload_copy``, ``slidekit.engine.host``).
+    upload_copy: bool = False
 
     @property
     def tokens(self) -> int:
@@ -207,6 +211,9 @@ class Layout:
     ring_numel: int  # elements of each
     unit_grads: bool  # every sliding unit has a host gradient buffer of its own (``Workload.keep_grads``)
     clip_backup: bool = False  # sliding units with state in host RAM keep a backup (``Workload.clip_backup``)
+    # Every sliding unit keeps a host copy of its weights in the compute dtype (BF16), written by its update,
+    # and its uploads copy those bytes (``Workload.upload_copy``): no FP32 over the bus, no staging.
+    upload_copy: bool = False
     upload_staging: int  # FP32 elements on the device uploads are cast through (0: none needed)
     device_grads: bool = False  # units whose weights slide keep a device gradient buffer of their shard
     # (``Workload.keep_grads``, or data-parallel: the reduced gradient of the rank's shard, updated at the step's end)
@@ -234,7 +241,7 @@ class Layout:
         whose weights slide: master and state), the gradient buffers of units whose weights slide
         (``device_grads``), the upload staging buffer, state a non-resident unit keeps on a device tier. Host: the
         sliding units' masters, their state on host tiers, the state staging sets, the gradient
-        ring and per-unit gradient buffers, activations on a host tier. Disk: state and activations
+        ring and per-unit gradient buffers, the upload copies (``upload_copy``), activations on a host tier. Disk: state and activations
         on disk tiers.
         """
         s = self.itemsize
@@ -266,6 +273,8 @@ class Layout:
         }
         if self.clip_backup:  # the speculated units' pre-update master and state
             host["clip backup"] = sum(4 * u.own + u.state_bytes for u in self.backed_up())
+        if self.upload_copy:  # the sliding units' weights in the compute dtype, uploaded as they are
+            host["upload copies"] = s * sum(u.own for u in sliding)
         disk: dict[str, int] = {}
         if self.activation_medium == "host":
             host["activations"] = self.activation_bytes
@@ -311,6 +320,11 @@ class Layout:
             + ("; every sliding unit keeps its gradients until the step ends" if self.unit_grads else "")
             + (f"; {len(self.backed_up())} units back up their master and state" if self.clip_backup else "")
         )
+        if self.upload_copy:
+            lines.append(
+                "  upload copies: every sliding unit keeps its weights in BF16 in host RAM (written by its update) "
+                "and uploads them as they are, 2 B/param over the bus instead of the FP32 master's 4"
+            )
         extra = []
         if self.upload_staging:
             extra.append(f"upload staging {self.upload_staging:,} FP32")
@@ -369,6 +383,9 @@ def build_layout(
     shards = unit_shards(numels, world, rank)
     owns = [sh.size for sh in shards]
     sliding = [not r for r in resident]
+    copies = workload.upload_copy and any(sliding)
+    if copies and itemsize != 2:
+        raise ConfigError(upload_copy_dtype_error(f"{8 * itemsize}-bit"))
     piece = ring_numel(owns, [k for _, k, _ in units], sliding, pieces=drivers.linear_state)
     if any(sliding):
         piece = max(piece, 1)  # a rank may own none of any sliding unit (tiny units, many ranks)
@@ -427,7 +444,8 @@ def build_layout(
         clip_backup=workload.keep_grads
         and workload.clip_backup
         and any(p.slides and p.state_medium == "host" for p in places),
-        upload_staging=UPLOAD_CHUNK if accelerator and itemsize < 4 and any(sliding) else 0,
+        upload_copy=copies,
+        upload_staging=UPLOAD_CHUNK if accelerator and itemsize < 4 and any(sliding) and not copies else 0,
         device_grads=(workload.keep_grads or world > 1) and any(lean),  # a rank reduces them into its shard's
         state_chunk=chunk,
         state_staging=staged,

@@ -32,7 +32,8 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from slidekit.config import resident_fraction
+from slidekit.config import resident_fraction, upload_copy_dtype_error
+from slidekit.errors import ConfigError
 from slidekit.models.base import ArchSpec
 from slidekit.planning.estimate import (
     DEVICE_HEADROOM,
@@ -196,6 +197,7 @@ class Planner(Recommendations):
                 seq_len=dc.seq_len,
                 grad_accum=config.grad_accum,
                 clip_backup=oc.clip_overlap != "defer",  # speculative clipping's backups (host RAM)
+                upload_copy=_upload_copy(ec.upload_copy, setup),
             ),
             compute_itemsize=setup.itemsize,
             state_layout=optimizer.state_layout,
@@ -434,3 +436,15 @@ class Planner(Recommendations):
         if machine.rates is None or self.device_type == "cpu":
             return None
         return predict_step(layout, machine.rates, self.work)
+
+
+def _upload_copy(setting: str, setup: RunSetup) -> bool:
+    """``engine.upload_copy`` of a run: "on" needs BF16 compute (a ConfigError naming the fix otherwise,
+    also where compute_dtype "auto" resolved to FP32 on the CPU)."""
+    import torch
+
+    if setting != "on":
+        return False
+    if setup.compute_dtype != torch.bfloat16:
+        raise ConfigError(upload_copy_dtype_error(str(setup.compute_dtype).removeprefix("torch.")))
+    return True

@@ -28,6 +28,9 @@ __all__ = ["Rates", "UpdateRate"]
 #: Bytes per parameter the clipping pass moves: the BF16 gradient read and written once more
 #: (``grad.mul_(scale)`` before the update, ``slidekit.engine.updates.Updates._apply``).
 CLIP_PASS_BYTES = 4
+#: Bytes per parameter a host update writes more with upload copies (``engine.upload_copy``): the BF16
+#: weights, in the same pass as the FP32 master (``slidekit.engine.host``).
+COPY_WRITE_BYTES = 2
 #: Bytes per parameter of the gradient passes every unit gets on the device each step: its BF16
 #: gradient zeroed before its backward, and read for its norm after (``Updates._finish_unit``).
 GRAD_PASS_BYTES = 4

@@ -25,7 +25,8 @@ Costs per unit and step (``StepWork``: the model's shape and the run's tokens):
                 keeps its activations (no recompute)
     head        6 x vocab x hidden x tokens at head_tflops (loss and gradients in one visit)
     gradients   zeroed and their norm taken: 4 B/param at device_gbps, once a step
-    upload      the FP32 master, 4 B/param at h2d_gbps
+    upload      the FP32 master, 4 B/param at h2d_gbps; with upload copies (``Layout.upload_copy``,
+                ``engine.upload_copy``) its BF16 copy, 2 B/param
     cast        a resident unit whose weights slide (``slidekit.planning.weights``): its weights cast
                 from its device master into a cache unit for each visit (a layer's forward and backward,
                 the embedding's forward, the head's one visit), 4 B read + 2 B written per param at
@@ -34,7 +35,8 @@ Costs per unit and step (``StepWork``: the model's shape and the run's tokens):
                 of the window taken; no upload, no download, the update on the device
     down        the gradients, compute dtype, at d2h_gbps, one ring piece at a time
     update      host: parameters / the optimizer's params/s; device (resident units): its bytes per
-                parameter at device_gbps; clipping adds a 4 B/param pass (host_gbps / device_gbps)
+                parameter at device_gbps; clipping adds a 4 B/param pass (host_gbps / device_gbps);
+                upload copies add the BF16 write, 2 B/param at host_gbps, to the host update
     backup      speculative clipping, per backed-up unit: its master (4 B/param) and state bytes read
                 and written at host_gbps, with each update; the same again to restore a step that clips
                 (NOTES.md 15 takes +12 to +24 B/param for layer_adam; this is the +24 end)
@@ -63,7 +65,7 @@ from dataclasses import dataclass, replace
 
 from slidekit.models.base import ArchSpec
 from slidekit.planning.layout import Layout, Workload
-from slidekit.planning.rates import CLIP_PASS_BYTES, GRAD_PASS_BYTES, Rates
+from slidekit.planning.rates import CLIP_PASS_BYTES, COPY_WRITE_BYTES, GRAD_PASS_BYTES, Rates
 from slidekit.planning.simulate import Piece, SimResult, UnitCost, simulate
 
 __all__ = ["LABELS", "StepPrediction", "StepWork", "backup_costs", "predict_step", "unit_costs"]
@@ -187,6 +189,8 @@ def unit_costs(layout: Layout, rates: Rates, work: StepWork) -> list[UnitCost]:
     host_bw = rates.host_gbps * 1e9
     rate = rates.update(work.optimizer, work.state_bytes_per_param)
     clip = CLIP_PASS_BYTES if work.clip else 0
+    extra = clip + (COPY_WRITE_BYTES if layout.upload_copy else 0)  # host bytes per param beyond the rate's
+    up = layout.itemsize if layout.upload_copy else 4  # bytes per param an upload moves
     layers = sum(u.kind == "layer" and not u.keeps for u in layout.units)  # those saving a boundary
     acts_lane, write_bw, read_bw = {
         "host": ("d2h", d2h, h2d),
@@ -213,7 +217,7 @@ def unit_costs(layout: Layout, rates: Rates, work: StepWork) -> list[UnitCost]:
             pieces = tuple(
                 Piece(
                     down_s=(b - a) * s / d2h,
-                    update_s=(b - a) / rate.host_params_per_s + (b - a) * clip / host_bw,
+                    update_s=(b - a) / rate.host_params_per_s + (b - a) * extra / host_bw,
                     disk_s=(b - a) * per_param_state * disk,
                 )
                 for a, b in u.pieces
@@ -226,7 +230,7 @@ def unit_costs(layout: Layout, rates: Rates, work: StepWork) -> list[UnitCost]:
                 fwd_s=fwd,
                 bwd_s=bwd,
                 grad_pass_s=u.numel * GRAD_PASS_BYTES / dev + _cast_s(u.kind, u.numel, dev, u.weights_slide),
-                upload_s=0.0 if u.resident else u.own * 4 / h2d,  # a rank uploads its shard's master
+                upload_s=0.0 if u.resident else u.own * up / h2d,  # a rank uploads its shard's master / copy
                 pieces=pieces,
                 device_update_s=u.own * (rate.device_bytes_per_param + clip) / dev if u.resident else 0.0,
                 act_write_s=per_act / write_bw if on_tier else 0.0,

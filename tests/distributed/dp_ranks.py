@@ -121,6 +121,7 @@ class Job:
     max_grad_norm: float | None = None
     clip_overlap: str = "auto"  # optim.clip_overlap
     gpu_resident: str = "none"
+    compute_dtype: str = "float32"  # engine.compute_dtype ("bfloat16" for engine.upload_copy "on")
     window: int = 3
     # engine.timeout_s: how long a rank waits for the others. A rank that builds the fused CPU kernel on
     # its first step (~30 s alone, longer on a loaded machine) keeps the others waiting that long.
@@ -179,6 +180,22 @@ def own_shards(engine: Any) -> dict[str, Any]:
     return out
 
 
+def _upload_copies(engine: Any) -> list[int]:
+    """The units whose upload copy (``engine.upload_copy``) this rank keeps: every host unit, no resident
+    one; each must equal the BF16 cast of the rank's master (its shard), or the copy is stale."""
+    engine.wait_updates()
+    out = []
+    for u, (copy, master) in enumerate(zip(engine.host.copies, engine.host.masters, strict=True)):
+        slides = engine.layout.units[u].slides  # resident units keep none: their weights are on the device
+        assert (copy is not None) == (slides and engine.layout.upload_copy), f"unit {u}"
+        if copy is not None:
+            want = master.to(torch.bfloat16)
+            assert copy.view(torch.int16).equal(want.view(torch.int16)), f"unit {u}: stale copy"
+            assert copy.numel() == master.numel()  # the shard's, not the whole unit's
+            out.append(u)
+    return out
+
+
 def _batches(job: Job, vocab: int) -> list[Any]:
     from slidekit.testing.models import random_batches
 
@@ -205,7 +222,7 @@ def train(rank: int, world: int, store: str, job: Job) -> dict[str, Any]:
         ),
         engine=EngineConfig(
             device=job.device,
-            compute_dtype="float32",
+            compute_dtype=job.compute_dtype,
             gpu_resident=job.gpu_resident,
             window=job.window,
             timeout_s=job.timeout_s,
@@ -270,6 +287,7 @@ def train(rank: int, world: int, store: str, job: Job) -> dict[str, Any]:
                 "master_numel": sum(m.numel() for m in host.masters),
                 "state_bytes": sum(host.state.nbytes(u) for u in range(len(host.masters))),
                 "weights_slide": [u.index for u in t.engine.layout.units if u.weights_slide],
+                "upload_copies": _upload_copies(t.engine),
             }
     finally:
         if parallel is not None:

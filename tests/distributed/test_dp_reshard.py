@@ -20,6 +20,8 @@ Test: ``pytest tests/distributed/test_dp_reshard.py``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from dp_ranks import WHOLE_ADAM, Job, run_ranks, train
@@ -107,6 +109,30 @@ def test_a_checkpoint_resumes_on_another_world_size(case, tiny_model, tmp_path):
         assert_states_close(resumed[0]["state"], straight["state"], rtol=RTOL[optimizer])
     for r in resumed[1:]:
         assert_states_equal(r["state"], resumed[0]["state"])
+
+
+def _copies(job: Job, copy: str) -> Job:
+    """``job`` in BF16 compute with ``engine.upload_copy`` = ``copy``."""
+    engine = {**job.engine, "upload_copy": copy, "kernels": "torch_ref"}
+    return dataclasses.replace(job, compute_dtype="bfloat16", engine=engine)
+
+
+def test_resharding_rebuilds_the_upload_copies(tiny_model, tmp_path):
+    """2 ranks -> 1 with upload copies (``engine.upload_copy``): the resumed run casts its copies from the
+    re-sharded masters (the copies are never checkpointed), and trains bitwise as the FP32 uploads do."""
+    model = str(tiny_model("llama"))
+    runs = {}
+    for copy in ("off", "on"):
+        run = {"dir": str(tmp_path / copy / "run")}
+        first = _copies(_job(model, tmp_path / copy, 2, 2, "layer_adam", run=run, fit_steps=2), copy)
+        saved = [o.ok() for o in run_ranks(train, 2, first)]
+        again = _job(model, tmp_path / copy, 1, 2, "layer_adam", run={**run, "resume": True}, skip_steps=2)
+        resumed = run_ranks(train, 1, _copies(again, copy))[0].ok()
+        assert resumed["steps_done"] == 4 and any(n.startswith("re-sharded") for n in resumed["notes"])
+        assert bool(resumed["upload_copies"]) == (copy == "on")  # each checked against its master
+        runs[copy] = (saved[0]["losses"] + resumed["losses"], resumed["state"])
+    assert runs["on"][0] == runs["off"][0]
+    assert_states_equal(runs["on"][1], runs["off"][1])
 
 
 def test_state_that_is_not_linear_is_refused_naming_the_optimizer(tiny_model, tmp_path):

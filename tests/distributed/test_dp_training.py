@@ -129,3 +129,36 @@ def test_speculative_clipping_rolls_back_on_every_rank(tiny_model):
         assert got["losses"] == want["losses"] and got["grad_norms"] == want["grad_norms"]
         assert_states_equal(got["state"], want["state"])
         assert (got["speculated"], got["rollbacks"]) == (4, clipped)
+
+
+#: Upload copies (``engine.upload_copy``) on two ranks, BF16 compute: family, job settings.
+UPLOAD_COPY_CASES = {
+    "layer_adam": ("llama", {}),
+    "adamw_8bit, half resident, accumulation": ("mistral", {"optimizer": "adamw_8bit", "gpu_resident": "0.5", "micro": 2}),
+    "tied, every step clips and rolls back": ("qwen2", {"max_grad_norm": 1e-3, "clip_overlap": "speculate"}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(UPLOAD_COPY_CASES), ids=list(UPLOAD_COPY_CASES))
+def test_upload_copies_train_bitwise_as_the_fp32_uploads_on_every_rank(case, tiny_model):
+    """Each rank keeps the BF16 copy of its shard, written by its update, uploads it and gathers the others'
+    after (``dp_ranks._upload_copies`` checks every copy against its master): bitwise the FP32 uploads."""
+    family, settings = UPLOAD_COPY_CASES[case]
+    model = str(tiny_model(family))
+    runs = {
+        copy: [
+            o.ok()
+            for o in run_ranks(
+                train, 2, Job(model_dir=model, ranks=2, compute_dtype="bfloat16",
+                              engine={"upload_copy": copy, "kernels": "torch_ref"}, **settings)
+            )
+        ]
+        for copy in ("off", "on")
+    }  # fmt: skip
+    for off, on in zip(runs["off"], runs["on"], strict=True):
+        assert on["losses"] == off["losses"] and on["grad_norms"] == off["grad_norms"]
+        assert (on["speculated"], on["rollbacks"]) == (off["speculated"], off["rollbacks"])
+        assert_states_equal(on["state"], off["state"])
+        assert off["upload_copies"] == [] and on["upload_copies"]
+    if settings.get("clip_overlap") == "speculate":
+        assert runs["on"][0]["rollbacks"] == 3

@@ -6,7 +6,7 @@ activations on the device, in RAM or on disk, gradients kept for clipping or
 not, both optimizers) the engine is built and trained one step, then
 ``slidekit.engine.build.footprint`` measures what it holds: the tensors of the
 window, the resident units, the masters, the ring, the per-unit gradient
-buffers, the speculative-clipping backups and the staging buffers, and each tier's own allocation counter
+buffers, the speculative-clipping backups, the upload copies (``engine.upload_copy``) and the staging buffers, and each tier's own allocation counter
 (state, and the activations the step saved). Every component must equal the
 layout's bytes.
 """
@@ -38,18 +38,22 @@ CONFIGS = st.fixed_dictionaries(
         "optimizer": st.sampled_from(["layer_adam", "adamw_8bit"]),
         "accum": st.integers(1, 2),
         "chunk": st.sampled_from([4096, 1 << 22]),
+        "copy": st.sampled_from(["off", "on"]),  # engine.upload_copy (BF16 compute with "on")
     }
 )
 
 
 # Sliding weights beside host units, with a device gradient buffer (clipping) and state partly on disk.
 LEAN = {"family": "qwen2", "resident": "0.5", "weights": "slide", "offload": 0.5, "acts": "ram", "clip": True,
-        "clip_overlap": "speculate", "optimizer": "adamw_8bit", "accum": 2, "chunk": 4096}  # fmt: skip
+        "clip_overlap": "speculate", "optimizer": "adamw_8bit", "accum": 2, "chunk": 4096, "copy": "off"}  # fmt: skip
+# Upload copies of the host units beside resident ones, with backups for speculative clipping.
+COPIES = {**LEAN, "weights": "keep", "optimizer": "layer_adam", "accum": 1, "copy": "on"}
 
 
 @settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(cfg=CONFIGS)
 @example(cfg=LEAN)
+@example(cfg=COPIES)
 def test_the_engine_allocates_its_layout(cfg, tiny_model, tmp_path):
     work = tmp_path / f"case{next(_counter)}"
     (work / "off").mkdir(parents=True)
@@ -66,9 +70,10 @@ def test_the_engine_allocates_its_layout(cfg, tiny_model, tmp_path):
         ),
         engine=EngineConfig(
             device="cpu",
-            compute_dtype="float32",
+            compute_dtype="bfloat16" if cfg["copy"] == "on" else "float32",
             gpu_resident=cfg["resident"],
             resident_weights=cfg["weights"],
+            upload_copy=cfg["copy"],
             state_offload_tier="posix" if offload else None,
             state_offload_fraction=offload,
             activation_tier=cfg["acts"],
@@ -99,6 +104,11 @@ def test_the_engine_allocates_its_layout(cfg, tiny_model, tmp_path):
     assert layout.clip_backup == planned, cfg
     want_backup = sum(4 * u.numel + u.state_bytes for u in backed) if planned else 0
     assert expected["host"].get("clip backup", 0) == measured["host"].get("clip backup", 0) == want_backup
+    # Upload copies: the weights of every sliding unit in BF16 (2 B/param), with "on" only.
+    copies = 2 * sum(u.numel for u in layout.units if u.slides) if cfg["copy"] == "on" else 0
+    assert layout.upload_copy == bool(copies), cfg
+    assert expected["host"].get("upload copies", 0) == measured["host"].get("upload copies", 0) == copies
+    assert expected["device"]["staging"] == 0  # the CPU casts no upload through a staging buffer
     per_tier: dict[str, int] = {}
     regions: dict[str, int] = {}
     for u in layout.units:

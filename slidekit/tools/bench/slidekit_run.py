@@ -3,6 +3,7 @@
     python -m slidekit.tools.bench --model qwen2.5-3b --batch 8,32 --resident none --clip 1.0
     python -m slidekit.tools.bench --model tiny --device cpu --batch 2 --seq 64 --steps 2   # anywhere
     python -m slidekit.tools.bench --model qwen2.5-3b --batch 32 --resident none --clip 1.0 --clip-overlap defer
+    python -m slidekit.tools.bench --model qwen2.5-3b --batch 8,32 --resident none --upload-copy on
 
 For each ``--batch`` in order: a fresh ``Trainer`` (its build is the record's ``setup_s``; the peak
 RSS starts over before it, the peak GPU memory after it), then ``--warmup`` + ``--steps`` steps in
@@ -12,7 +13,8 @@ start to start, the last ending once every update is applied and the device is i
 line is printed at once (a run killed later keeps it). A batch that does not fit (the planner refuses
 it, or the GPU runs out of memory) prints its reason and the next batch still runs. ``--recompute``
 (``engine.recompute``) and ``--clip-overlap`` (``optim.clip_overlap``) are the levers; the record says
-both, how many layers kept their activations (``kept_layers``) and, per timed step, whether it
+both, ``--upload-copy`` (``engine.upload_copy``; this process's alone: ``slidekit bench`` does not cross
+it), how many layers kept their activations (``kept_layers``) and, per timed step, whether it
 speculated and rolled back (``clip_speculated``, ``clip_rollback``: the Trainer's step metrics, taken
 from its ``slidekit_step_end`` hook).
 
@@ -80,6 +82,7 @@ def _config(args: argparse.Namespace, model_dir: str) -> Any:
             offload_dir=args.offload_dir,
             recompute=args.recompute,
             resident_weights=getattr(args, "resident_weights", "keep"),
+            upload_copy=getattr(args, "upload_copy", "off"),
         ),
         run=RunConfig(trace=getattr(args, "trace", None)),
         steps=args.warmup + args.steps,
@@ -150,6 +153,7 @@ def measure_slidekit(args: argparse.Namespace, parallel: DataParallel | None = N
         "recompute": trainer.config.engine.recompute,
         "kept_layers": kept,
         "clip_overlap": trainer.config.optim.clip_overlap,
+        "upload_copy": trainer.config.engine.upload_copy,
         "clip_speculated": metrics.per_step("clip_speculated", args.steps),
         "clip_rollback": metrics.per_step("clip_rollback", args.steps),
         "activations": args.activations,
@@ -231,6 +235,12 @@ def slidekit_parser() -> argparse.ArgumentParser:
         "--resident-weights",
         default="keep",
         help="engine.resident_weights: keep, slide or auto (units on the GPU keep or slide their weights)",
+    )
+    p.add_argument(
+        "--upload-copy",
+        default="off",
+        choices=("off", "on"),
+        help="engine.upload_copy: on = host units upload a BF16 copy their update writes (2 B/param, not 4)",
     )
     return p
 
