@@ -2,6 +2,7 @@
 
     python benchmarks/fp8_codec.py range                 # flush/subnormal fractions per format
     python benchmarks/fp8_codec.py rate --numel 20000000 --repeat 15
+    python3 benchmarks/fp8_codec.py rate --numel 233000000 --repeat 5 --threads 16   # the H200 host
 
 ``range``: 1 M elements in blocks of 256, per-element gradient scale
 log-normal within each block (log-sigma 1, 2, 3), 300 AdamW steps (betas 0.9,
@@ -15,9 +16,9 @@ nonzero codes. E4M3 and E5M2 through torch's float8 casts, UE4M4 through
 adamw_8bit's ``adamw8.cpp``, the FP8 ``adamwfp8.cpp``) on one unit each,
 built first, BF16 gradient in, BF16 copy out, weight decay 0.1, moments
 made realistic by 5 warm-up steps on log-normal gradients. Then --repeat
-rounds, each timing one step of every kernel in turn, at 1 and at 2 threads
-(the kernels' thread cap, torch's pool set to 2), so background load hits
-them alike. Prints one JSON line: per kernel and thread count the median
+rounds, each timing one step of every kernel in turn, at each of --threads
+(default 1 and 2: the kernels' thread cap, torch's pool set to the largest),
+so background load hits them alike. Prints one JSON line: per kernel and thread count the median
 G params/s with min and max, and the FP8 kernel's ratios to the others
 (medians of the per-round ratios, with min and max).
 """
@@ -129,9 +130,11 @@ def _fp8_step(
 
 
 def _driver_step(
-    factory, hyper: OptimizerHyper, n: int, grads: list[torch.Tensor], groups
+    factory, hyper: OptimizerHyper, n: int, grads: list[torch.Tensor], groups, thread_counts: tuple[int, ...]
 ) -> Callable[[int, int], None]:
-    opts = {t: factory(dataclasses.replace(hyper, threads=t), impl="cpp") for t in (1, 2)}  # the kernels' cap
+    opts = {
+        t: factory(dataclasses.replace(hyper, threads=t), impl="cpp") for t in thread_counts
+    }  # the kernels' cap
     opt = opts[1]
     master = torch.randn(n, generator=torch.Generator().manual_seed(1))
     state = {k: torch.zeros(c, dtype=dt) for k, (dt, c) in opt.state_layout(n).items()}
@@ -152,25 +155,25 @@ def _spread(xs: list[float]) -> dict[str, float]:
     return {"median": round(median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3)}
 
 
-def rates(n: int, repeat: int) -> dict[str, object]:
-    torch.set_num_threads(2)
+def rates(n: int, repeat: int, thread_counts: tuple[int, ...]) -> dict[str, object]:
+    torch.set_num_threads(max(thread_counts))
     hyper = OptimizerHyper(weight_decay=0.1)
     groups = [ParamGroupRange(start=0, stop=n, weight_decay=0.1)]
     grads = _warm_grads(n, 3)
     steps = {
-        "layer_adam": _driver_step(LayerAdam, hyper, n, grads, groups),
-        "adamw_8bit": _driver_step(AdamW8bit, hyper, n, grads, groups),
+        "layer_adam": _driver_step(LayerAdam, hyper, n, grads, groups, thread_counts),
+        "adamw_8bit": _driver_step(AdamW8bit, hyper, n, grads, groups, thread_counts),
         "adamw_fp8": _fp8_step(load_kernel(CSRC / "adamwfp8.cpp"), hyper, n, grads, groups),
     }
     for step in steps.values():
         for i in range(5):
-            step(i, 2)
+            step(i, max(thread_counts))
     out: dict[str, object] = {
         "numel": n,
         "repeat": repeat,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
-    for threads in (1, 2):
+    for threads in thread_counts:
         times: dict[str, list[float]] = {k: [] for k in steps}
         for r in range(repeat):
             for name, step in steps.items():
@@ -190,12 +193,18 @@ def main() -> None:
     p.add_argument("what", choices=("range", "rate"))
     p.add_argument("--numel", type=int, default=20_000_000)
     p.add_argument("--repeat", type=int, default=15)
+    p.add_argument(
+        "--threads",
+        default="1,2",
+        help="thread counts to measure, comma-separated (torch's pool: the largest)",
+    )
     args = p.parse_args()
     if args.what == "range":
         for row in code_range():
             print(json.dumps(row), flush=True)
     else:
-        print(json.dumps(rates(args.numel, args.repeat)), flush=True)
+        counts = tuple(int(t) for t in args.threads.split(","))
+        print(json.dumps(rates(args.numel, args.repeat, counts)), flush=True)
 
 
 if __name__ == "__main__":
