@@ -15,8 +15,10 @@ integer arithmetic on the FP32 bit pattern (no table):
 
 A code's relative error is at most half a unit in the last place: 2^-4 =
 6.25 % for E4M3 normals, 2^-5 = 3.1 % for UE4M4 (median over realistic
-moments ~2.2 % and ~1.1 %); subnormals, the bottom 2^-3 of a block's scale
-range, have absolute error 2^-10 (2^-11) of the largest code.
+moments ~2.2 % and ~1.1 %, ``benchmarks/fp8_codec.py range``); below the
+smallest normal, 2^-6 (a block's absmax times 2^-6 / 448 = 3.5e-5, or
+2^-6 / 496), the error is absolute: at most 2^-10 (UE4M4: 2^-11) on the
+scale where the absmax is 448 (496).
 
 Per block of ``BLOCK_SIZE`` (256) elements with absmax ``A`` (FP32), as the
 fused kernel (``csrc/adamwfp8.cpp``) does, each step one IEEE FP32 operation:
@@ -32,6 +34,12 @@ fused kernel (``csrc/adamwfp8.cpp``) does, each step one IEEE FP32 operation:
 so the hardware's nearest-even addition rounds) and takes the pattern's
 difference. ``value`` is exact: ``(code << S) + (120 << 23)`` as a pattern
 for normals; for subnormals the pattern with exponent 121, less 2^-6.
+
+State per parameter, as ``adamw_8bit``'s: 2 bytes of codes + 2 * 4 / 256 of
+scales = 2.03 bytes. Why the square root of v: the update takes ``sqrt(v)``
+for its denominator anyway, so the new r costs nothing, and r spans half v's
+range in log terms, so E4M3's 2^17.8 (UE4M4's 2^19) covers realistic blocks
+where v's own range would flush a third of them to 0 (NOTES section 20).
 
 ``reference_step`` is the pure-torch statement of the fused AdamW step of
 ``csrc/adamwfp8.cpp`` (m in E4M3, r = sqrt(v) in UE4M4 with keep_nonzero, the
