@@ -39,7 +39,7 @@ State per parameter, as ``adamw_8bit``'s: 2 bytes of codes + 2 * 4 / 256 of
 scales = 2.03 bytes. Why the square root of v: the update takes ``sqrt(v)``
 for its denominator anyway, so the new r costs nothing, and r spans half v's
 range in log terms, so E4M3's 2^17.8 (UE4M4's 2^19) covers realistic blocks
-where v's own range would flush a third of them to 0 (NOTES section 20).
+where v's own range would flush a third of them to 0 (NOTES section 21).
 
 ``reference_step`` is the pure-torch statement of the fused AdamW step of
 ``csrc/adamwfp8.cpp`` (m in E4M3, r = sqrt(v) in UE4M4 with keep_nonzero, the
