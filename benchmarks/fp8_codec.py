@@ -1,0 +1,211 @@
+"""The FP8 moment codec against the dynamic-map one: code range on realistic moments, and kernel rates.
+
+    python benchmarks/fp8_codec.py range                 # flush/subnormal fractions per format
+    python benchmarks/fp8_codec.py rate --numel 20000000 --repeat 15
+    python3 benchmarks/fp8_codec.py rate --numel 233000000 --repeat 5 --threads 16   # the H200 host
+
+``range``: 1 M elements in blocks of 256, per-element gradient scale
+log-normal within each block (log-sigma 1, 2, 3), 300 AdamW steps (betas 0.9,
+0.999); for m, v and r = sqrt(v), each block scaled onto a format's largest
+value, the fraction of nonzero elements that round to 0 ("flush"), that fall
+below the smallest normal ("subnormal"), and the median relative error of the
+nonzero codes. E4M3 and E5M2 through torch's float8 casts, UE4M4 through
+``slidekit_optim.fp8``.
+
+``rate``: the three fused CPU kernels (layer_adam's ``fused_adam.cpp``,
+adamw_8bit's ``adamw8.cpp``, the FP8 ``adamwfp8.cpp``) on one unit each,
+built first, BF16 gradient in, BF16 copy out, weight decay 0.1, moments
+made realistic by 5 warm-up steps on log-normal gradients. Then --repeat
+rounds, each timing one step of every kernel in turn, at each of --threads
+(default 1 and 2: the kernels' thread cap, torch's pool set to the largest),
+so background load hits them alike. Prints one JSON line: per kernel and thread count the median
+G params/s with min and max, and the FP8 kernel's ratios to the others
+(medians of the per-round ratios, with min and max).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from statistics import median
+
+import torch
+
+from slidekit.interfaces import OptimizerHyper, ParamGroupRange
+from slidekit_optim.adamw_8bit import AdamW8bit
+from slidekit_optim.fp8 import UE4M4, decode, encode
+from slidekit_optim.kernel_build import CSRC, load_kernel
+from slidekit_optim.layer_adam import LayerAdam, _scalars, _segments
+from slidekit_optim.quant8 import BLOCK_SIZE, num_blocks
+
+Step = Callable[[int], None]
+
+
+# --------------------------------------------------------------------------- range
+
+
+def _code_stats(x: torch.Tensor, fmt: str) -> dict[str, float]:
+    top = {"e4m3": 448.0, "e5m2": 57344.0, "ue4m4": 496.0}[fmt]
+    smallest_normal = {"e4m3": 2.0**-6, "e5m2": 2.0**-14, "ue4m4": 2.0**-6}[fmt]
+    xb = x.view(-1, BLOCK_SIZE)
+    factor = top / xb.abs().amax(1, keepdim=True)
+    y = xb * factor
+    if fmt == "ue4m4":
+        q = decode(encode(y.abs().reshape(-1), UE4M4), UE4M4).view_as(y)
+    else:
+        q = y.to(torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2).float()
+    nonzero = xb != 0
+    rel = ((q / factor - xb).abs() / xb.abs())[nonzero & (q != 0)]
+    return {
+        "flush": float(((q == 0) & nonzero).sum() / nonzero.sum()),
+        "subnormal": float(((y.abs() < smallest_normal) & nonzero).sum() / nonzero.sum()),
+        "median_rel_err": round(float(rel.median()), 4),
+    }
+
+
+def code_range(steps: int = 300, n: int = 1 << 20) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    gen = torch.Generator().manual_seed(0)
+    for sigma in (1.0, 2.0, 3.0):
+        scale = torch.exp(torch.randn(n, generator=gen) * sigma)
+        m, v = torch.zeros(n), torch.zeros(n)
+        for _ in range(steps):
+            g = scale * torch.randn(n, generator=gen)
+            m.mul_(0.9).add_(0.1 * g)
+            v.mul_(0.999).add_(0.001 * g * g)
+        r = v.sqrt()
+        for name, x, fmts in (
+            ("m", m, ("e4m3", "e5m2")),
+            ("v", v, ("e4m3", "e5m2")),
+            ("r", r, ("e4m3", "e5m2", "ue4m4")),
+        ):
+            for fmt in fmts:
+                rows.append({"sigma": sigma, "moment": name, "format": fmt, **_code_stats(x, fmt)})
+    return rows
+
+
+# --------------------------------------------------------------------------- rate
+
+
+def _warm_grads(n: int, count: int) -> list[torch.Tensor]:
+    """BF16 gradients with log-normal per-element scales (log-sigma 1.5): realistic moment spreads."""
+    gen = torch.Generator().manual_seed(0)
+    scale = torch.exp(torch.randn(n, generator=gen) * 1.5) * 1e-3
+    return [(scale * torch.randn(n, generator=gen)).to(torch.bfloat16) for _ in range(count)]
+
+
+def _fp8_step(
+    kernel, hyper: OptimizerHyper, n: int, grads: list[torch.Tensor], groups
+) -> Callable[[int, int], None]:
+    master = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    blocks = num_blocks(n)
+    mc, rc = torch.zeros(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    ma, ra = torch.zeros(blocks), torch.zeros(blocks)
+    lowp = torch.empty(n, dtype=torch.bfloat16)
+    segments = _segments(groups, n, 1e-4)
+    count = 0
+
+    def step(i: int, threads: int) -> None:
+        nonlocal count
+        count += 1
+        s = _scalars(hyper, 1e-4, count)
+        kernel.adamwfp8_step_(
+            master,
+            grads[i % len(grads)],
+            mc,
+            ma,
+            rc,
+            ra,
+            lowp,
+            [b for _, b, _ in segments],
+            [1.0 if d is None else d for _, _, d in segments],
+            *s.values(),
+            threads,
+        )
+
+    return step
+
+
+def _driver_step(
+    factory, hyper: OptimizerHyper, n: int, grads: list[torch.Tensor], groups, thread_counts: tuple[int, ...]
+) -> Callable[[int, int], None]:
+    opts = {
+        t: factory(dataclasses.replace(hyper, threads=t), impl="cpp") for t in thread_counts
+    }  # the kernels' cap
+    opt = opts[1]
+    master = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    state = {k: torch.zeros(c, dtype=dt) for k, (dt, c) in opt.state_layout(n).items()}
+    lowp = torch.empty(n, dtype=torch.bfloat16)
+    count = 0
+
+    def step(i: int, threads: int) -> None:
+        nonlocal count
+        count += 1
+        opts[threads].step(
+            master, grads[i % len(grads)], state, lr=1e-4, count=count, groups=groups, lowp_out=lowp
+        )
+
+    return step
+
+
+def _spread(xs: list[float]) -> dict[str, float]:
+    return {"median": round(median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3)}
+
+
+def rates(n: int, repeat: int, thread_counts: tuple[int, ...]) -> dict[str, object]:
+    torch.set_num_threads(max(thread_counts))
+    hyper = OptimizerHyper(weight_decay=0.1)
+    groups = [ParamGroupRange(start=0, stop=n, weight_decay=0.1)]
+    grads = _warm_grads(n, 3)
+    steps = {
+        "layer_adam": _driver_step(LayerAdam, hyper, n, grads, groups, thread_counts),
+        "adamw_8bit": _driver_step(AdamW8bit, hyper, n, grads, groups, thread_counts),
+        "adamw_fp8": _fp8_step(load_kernel(CSRC / "adamwfp8.cpp"), hyper, n, grads, groups),
+    }
+    for step in steps.values():
+        for i in range(5):
+            step(i, max(thread_counts))
+    out: dict[str, object] = {
+        "numel": n,
+        "repeat": repeat,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+    for threads in thread_counts:
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        for r in range(repeat):
+            for name, step in steps.items():
+                t0 = time.perf_counter()
+                step(r, threads)
+                times[name].append(time.perf_counter() - t0)
+        for name, ts in times.items():
+            out[f"{name}_{threads}t_gparams_s"] = _spread([n / t / 1e9 for t in ts])
+        for other in ("adamw_8bit", "layer_adam"):
+            ratio = [b / a for a, b in zip(times["adamw_fp8"], times[other], strict=True)]
+            out[f"adamw_fp8_over_{other}_{threads}t"] = _spread(ratio)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=("range", "rate"))
+    p.add_argument("--numel", type=int, default=20_000_000)
+    p.add_argument("--repeat", type=int, default=15)
+    p.add_argument(
+        "--threads",
+        default="1,2",
+        help="thread counts to measure, comma-separated (torch's pool: the largest)",
+    )
+    args = p.parse_args()
+    if args.what == "range":
+        for row in code_range():
+            print(json.dumps(row), flush=True)
+    else:
+        counts = tuple(int(t) for t in args.threads.split(","))
+        print(json.dumps(rates(args.numel, args.repeat, counts)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
