@@ -85,7 +85,7 @@ class Updates:
             if self.collectives is not None:
                 done = self.streams.record(self.streams.compute)
                 c.shard_sq[unit] = self.pipeline.submit(
-                    "d2h", self._reduce_resident, unit, slot, done, unit=unit
+                    "d2h", self._reduce_on_device, unit, slot, done, unit=unit
                 )
             return
         done = self.streams.record(self.streams.compute)
@@ -116,7 +116,7 @@ class Updates:
         whose gradients are not finite is never applied, as on the host path (``_update``).
 
         Data-parallel: the d2h lane reduces the gradient over the ranks and copies this rank's shard into
-        the unit's device buffer (``_reduce_lean``); the unit is updated at the step's end, as resident
+        the unit's device buffer (``_reduce_on_device``); the unit is updated at the step's end, as resident
         units are, and its next cast gathers every rank's shard."""
         # Its weights in any cache unit are stale once the update is queued: the next visit casts afresh.
         self.version[unit] += 1
@@ -124,7 +124,7 @@ class Updates:
         if self.collectives is not None:
             done = self.streams.record(compute)
             c.resident_due.append(unit)
-            c.shard_sq[unit] = self.pipeline.submit("d2h", self._reduce_lean, unit, slot, done, unit=unit)
+            c.shard_sq[unit] = self.pipeline.submit("d2h", self._reduce_on_device, unit, slot, done, unit=unit)
             return
         assert unit_sq is not None
         n = self.host.masters[unit].numel()
@@ -231,32 +231,27 @@ class Updates:
             own = slot.grads[shard.start : shard.stop]
             return torch.linalg.vector_norm(own, dtype=torch.float32).square()
 
-    def _reduce_lean(self, unit: int, slot: Slot, computed: Any) -> float:
-        """d2h lane, data-parallel: reduce the gradient of a unit whose weights slide, copy this rank's shard
-        of it into the unit's device buffer and let the cache unit go; returns the shard's squared norm.
-        The update at the step's end (compute stream) waits for the copy (``_reduced``)."""
+    def _reduce_on_device(self, unit: int, slot: Slot, computed: Any) -> float:
+        """d2h lane, data-parallel: reduce the gradient of a unit updated on the device at the step's end
+        (resident, or resident with sliding weights) and return the squared norm of this rank's shard,
+        once the d2h stream has written it.
+
+        A unit whose weights slide has its shard copied into its device buffer first and lets the cache
+        unit go. The host waits for an event on the d2h stream before reading the norm (a plain read would
+        run on this thread's current stream, the compute stream, unordered with d2h), and the update on
+        the compute stream waits for the same event (``_reduced``)."""
         sq = self._reduce(unit, slot, computed)
-        shard = self._shard_start(unit), self._shard_start(unit) + self.host.masters[unit].numel()
         s = self.streams
-        with s.use(s.d2h):
-            self.device_grads[unit].copy_(slot.grads[shard[0] : shard[1]])
-            copied = s.record(s.d2h)
-        self._reduced[unit] = copied
-        self.window.release(slot, copied)
-        s.synchronize(copied)
-        return float(sq)
-
-    def _reduce_resident(self, unit: int, slot: Slot, computed: Any) -> float:
-        """d2h lane, data-parallel: reduce a resident unit's gradient (updated on the device at the end of
-        the step); returns the squared norm of this rank's shard, once the reduction is complete.
-
-        The reduction and the norm run on the d2h stream: the host waits for that stream's event before
-        reading the norm (a plain read would run on this thread's current stream, the compute stream,
-        unordered with d2h), and the update on the compute stream waits for it too (``_reduced``)."""
-        sq = self._reduce(unit, slot, computed)
-        reduced = self.streams.record(self.streams.d2h)
-        self._reduced[unit] = reduced
-        self.streams.synchronize(reduced)
+        lean = unit in self.weights_slide
+        if lean:
+            a = self._shard_start(unit)
+            with s.use(s.d2h):
+                self.device_grads[unit].copy_(slot.grads[a : a + self.host.masters[unit].numel()])
+        done = s.record(s.d2h)
+        self._reduced[unit] = done
+        if lean:
+            self.window.release(slot, done)
+        s.synchronize(done)
         return float(sq)
 
     def _update(
@@ -334,13 +329,12 @@ class Updates:
     def _update_on_device(self, unit: int, lr: float, count: int, scale: float) -> None:
         # Streaming uses staging buffers that belong to the optimizer thread: resident state must map.
         assert not self.host.state.streamed(unit), f"resident unit {unit} has streamed state"
+        self.streams.wait(self.streams.compute, self._reduced.pop(unit, None))  # data-parallel: the reduction
         if unit in self.weights_slide:  # its gradients wait in its device buffer; no weights of its own
-            self.streams.wait(self.streams.compute, self._reduced.pop(unit, None))  # data-parallel: the copy
             self._apply(unit, self.device_grads[unit], lr=lr, count=count, scale=scale, lowp_out=None)
             self._cast_after[unit] = self.streams.record(self.streams.compute)
             return
         slot = self.window.resident[unit]
-        self.streams.wait(self.streams.compute, self._reduced.pop(unit, None))  # data-parallel: the reduction
         a = self._shard_start(unit)  # data-parallel: this rank's shard, gathered into the slot afterwards
         b = a + self.host.masters[unit].numel()
         params = slot.params[a:b]
