@@ -135,7 +135,7 @@ def _driver_step(
     opts = {
         t: factory(dataclasses.replace(hyper, threads=t), impl="cpp") for t in thread_counts
     }  # the kernels' cap
-    opt = opts[1]
+    opt = opts[thread_counts[0]]  # any: the state layout does not depend on the thread count
     master = torch.randn(n, generator=torch.Generator().manual_seed(1))
     state = {k: torch.zeros(c, dtype=dt) for k, (dt, c) in opt.state_layout(n).items()}
     lowp = torch.empty(n, dtype=torch.bfloat16)

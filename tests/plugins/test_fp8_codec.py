@@ -241,3 +241,19 @@ def test_portable_loops_give_the_same_bits(kernel, tmp_path):
     assert done.stdout.split()[:2] == ["DEFAULT", "1"], done.stdout
     _, ref = _run(None, init, grads, _groups(n), lowp=True, threads=1)
     _assert_bitwise(torch.load(tmp_path / "result.pt"), ref, "portable loops")
+
+
+def test_the_rate_benchmark_runs_at_thread_counts_without_one(kernel):
+    """benchmarks/fp8_codec.py rate at ``--threads 2`` (the H200 command passes 16 alone): every optimizer
+    is built for the counts asked and the record has each one's rate and the ratios."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_codec.py"
+    spec = importlib.util.spec_from_file_location("fp8_codec_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = bench.rates(4 * BLOCK_SIZE + 5, 1, (2,))
+    for name in ("layer_adam", "adamw_8bit", "adamw_fp8"):
+        assert out[f"{name}_2t_gparams_s"]["median"] > 0
+    assert set(out) >= {"adamw_fp8_over_layer_adam_2t", "adamw_fp8_over_adamw_8bit_2t"}
