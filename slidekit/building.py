@@ -15,13 +15,14 @@ from slidekit.config import TrainConfig
 from slidekit.devices import device_family
 from slidekit.distributed import DataParallel
 from slidekit.distributed.planning import check_same_decisions, rank_machine
-from slidekit.engine import Engine, speculation
+from slidekit.engine import Engine
 from slidekit.engine.build import EngineParts, build_engine
 from slidekit.errors import ConfigError
 from slidekit.interfaces import StorageTier, TierContext
 from slidekit.owned import Leftover
 from slidekit.param_groups import param_groups
 from slidekit.planning import Estimate, Layout, Machine, Placement, Planner
+from slidekit.planning.clip_overlap import overlap_layout
 from slidekit.planning.fit import check_fit
 from slidekit.plugins import Plugins, Selection, build_kernel_set, driver_options
 from slidekit.resolve import build_optimizer
@@ -121,7 +122,7 @@ class EngineBuilding:
                 "GPU; set engine.gpu_resident='none' or use layer_adam"
             )
         layout = planner.layout(Placement.of(ec), self.machine())
-        layout, note = speculation.room(planner, layout, self.machine(), self.config.optim.clip_overlap)
+        layout, note = overlap_layout(planner, layout, self.machine(), self.config.optim.clip_overlap)
         if note:
             self.notes.append(note)
         self._check_fit(planner, layout)

@@ -20,6 +20,7 @@ from slidekit.config import DataConfig, EngineConfig, ModelConfig, OptimConfig, 
 from slidekit.errors import ConfigError
 from slidekit.models.base import ArchSpec
 from slidekit.planning import GIB, TIE, Machine, Placement, Planner, Rates, UpdateRate, plan_run
+from slidekit.planning.clip_overlap import overlap_layout as room
 from slidekit.planning.profiles import PROFILES, profile, profile_for_device
 from slidekit.planning.rates import CLIP_PASS_BYTES, GRAD_PASS_BYTES
 from slidekit.planning.simulate import Piece, UnitCost, simulate
@@ -560,9 +561,8 @@ def test_the_cpu_gets_no_prediction():
 
 
 def test_auto_clip_overlap_speculates_only_where_the_model_predicts_it_faster():
-    """``speculation.room``: with rates, "auto" keeps the backups where a speculating step is predicted
+    """``overlap_layout``: with rates, "auto" keeps the backups where a speculating step is predicted
     faster than a deferring one, and drops them (saying so) where the backups' copies cost more."""
-    from slidekit.engine.speculation import room
 
     spec = tiny_spec("llama", num_hidden_layers=6)
     p = _planner(spec, keep_grads=True, clip=True)
@@ -582,3 +582,43 @@ def test_auto_clip_overlap_speculates_only_where_the_model_predicts_it_faster():
     assert not dropped.clip_backup and note is not None and "predicts" in note and "defer" in note
     assert room(p, layout, _machine(rates=copies), "speculate")[0].clip_backup  # asked for: kept
     assert room(p, layout, _machine(rates=None), "auto")[0].clip_backup  # no rates: nothing to predict with
+
+
+#: The H200 levers suite's 3B forced-offload batch-32 whole steps (raw/2026-12-02-s10/levers-3b): a clip of
+#: 1.0 deferred, and speculating with a clip that never fires (every step backs up, none rolls back).
+MEASURED_3B_B32 = {"defer": 2.139, "speculate": 3.311}
+
+
+def _plan_3b_b32(capsys, *flags: str) -> str:
+    args = ["plan", "--preset", "qwen2.5-3b", "--gpu", "h200", "--ram-gib", "125", "--batch-size", "32"]
+    main([*args, "--seq-len", "1024", "--gpu-resident", "none", "--max-grad-norm", "1.0", *flags])
+    return capsys.readouterr().out
+
+
+def _requested_step(out: str) -> float:
+    return float(re.search(r"^  predicted step ([0-9.]+) s", out, re.M).group(1))
+
+
+def test_plan_predicts_the_clipped_step_the_engine_runs(capsys):
+    """On the H200's rates the backups copy at their measured 35 GB/s, so for the 3B shape at batch 32
+    "auto" defers, ``slidekit plan`` says so and predicts the deferring step (as the engine's builder
+    decides, through the same ``overlap_layout``), and both predictions are within 15% of the H200's
+    measured steps."""
+    auto = _plan_3b_b32(capsys)
+    assert "note: optim.clip_overlap='auto': the step-time model predicts" in auto and "clipped steps defer" in auto
+    assert "clip backup" not in auto.split("fastest placement")[0]
+    defer, spec = _plan_3b_b32(capsys, "--clip-overlap", "defer"), _plan_3b_b32(capsys, "--clip-overlap", "speculate")
+    assert "clip backup" in spec and "note: optim.clip_overlap" not in spec
+    assert _requested_step(auto) == _requested_step(defer) < _requested_step(spec)
+    for policy, out in (("defer", defer), ("speculate", spec)):
+        assert _requested_step(out) == pytest.approx(MEASURED_3B_B32[policy], rel=0.15), policy
+
+
+def test_backups_copy_at_host_bandwidth_without_their_own_figure():
+    rates = PROFILES["h200"].rates
+    assert rates.backup_rate_gbps == rates.backup_gbps < rates.host_gbps
+    bare = dataclasses.replace(rates, backup_gbps=None)
+    assert bare.backup_rate_gbps == bare.host_gbps and "clipping backups" not in bare.describe()
+    assert "clipping backups 35.4 GB/s" in rates.describe()
+    with pytest.raises(ConfigError, match="backup_gbps must be positive"):
+        dataclasses.replace(rates, backup_gbps=0.0)

@@ -43,7 +43,7 @@ clips pays a restore and the whole deferred update at its end, more than the
 deferred path. "defer" is the deferred path. "auto" speculates where the
 planner found host RAM for the backups and, on a GPU with known rates, where
 the step-time model predicts a speculating step faster than a deferring one
-(``room``), and not on the step right
+(``slidekit.planning.clip_overlap.overlap_layout``), and not on the step right
 after a step that clipped or was not finite: clipping tends to persist, and
 deferring then costs no rollback.
 
@@ -59,7 +59,7 @@ import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -70,12 +70,7 @@ from slidekit.engine.window import Slot
 from slidekit.interfaces import ParamGroupRange, UnitOptimizer
 from slidekit.planning.placement import GRANULE
 
-if TYPE_CHECKING:
-    from slidekit.planning.estimate import Machine
-    from slidekit.planning.layout import Layout
-    from slidekit.planning.planner import Planner
-
-__all__ = ["BACKUP_CHUNK", "CERTAIN", "Speculation", "decide", "room", "settle_scale", "update_backed"]
+__all__ = ["BACKUP_CHUNK", "CERTAIN", "Speculation", "decide", "settle_scale", "update_backed"]
 
 #: Parameters backed up and then updated in one go: a multiple of GRANULE (so chunks of linear state
 #: start where their state does), small enough that much of the backed-up bytes (12 MiB with layer_adam)
@@ -85,33 +80,6 @@ BACKUP_CHUNK = 256 * GRANULE
 #: The early stop declares clipping certain once the norm seen so far exceeds max_grad_norm by this
 #: share: the host's sum of the units' FP32 squared norms differs from the device's by rounding only.
 CERTAIN = 1e-4
-
-
-def room(planner: Planner, layout: Layout, machine: Machine, policy: str) -> tuple[Layout, str | None]:
-    """``layout`` for ``policy`` (``optim.clip_overlap``): "auto" drops the backups when host RAM cannot
-    hold them, or when the step-time model (``Planner.predict``, where the machine has rates) predicts
-    a step that speculates no faster than one that defers, with a note saying which; "speculate" keeps
-    them (the fit check refuses what does not fit); "defer" has none."""
-    import dataclasses
-
-    if policy != "auto" or not layout.clip_backup:
-        return layout, None
-    deferred = dataclasses.replace(layout, clip_backup=False)
-    if not planner.estimate_layout(layout, machine).host_fits(machine):
-        backup = layout.allocations()["host"]["clip backup"]
-        return deferred, (
-            f"optim.clip_overlap='auto': host RAM lacks the {backup / 2**30:.1f} GiB the speculative-clipping "
-            "backups need, so clipped steps defer their updates to the step's end (slower; free host RAM or "
-            "set optim.clip_overlap='defer' to silence this)"
-        )
-    ahead, behind = planner.predict(layout, machine), planner.predict(deferred, machine)
-    if ahead is None or behind is None or ahead.seconds < behind.seconds:
-        return layout, None  # no prediction (the CPU, a GPU without rates), or speculating is faster
-    return deferred, (
-        f"optim.clip_overlap='auto': the step-time model predicts {behind.seconds:.3f} s a step deferring the "
-        f"host updates and {ahead.seconds:.3f} s speculating (the backups' copies cost more than the overlap "
-        "gains here), so clipped steps defer (optim.clip_overlap='speculate' speculates anyway)"
-    )
 
 
 def decide(policy: str, *, defer: bool, backed_up: bool, clipped_last: bool) -> bool:

@@ -44,6 +44,11 @@ _H200_PAGE = "docs/benchmarks"
 #: PCIe Gen5 x16 (63 GB/s each way).
 _H200_PUBLISHED = {"bf16_tflops": 989.5, "memory_gbps": 4800.0, "bus_gbps": 63.0}
 _SUITES = "raw/2026-12-01-s6/suite-qwen2.5-3b.jsonl and raw/2026-12-01-s7/suite-qwen2.5-7b.jsonl"
+#: Speculative clipping's backups on the H200 host, effective: the 3B forced-offload batch-32 step's host
+#: update lane took 2.813 s speculating (a clip that never fires) and 0.723 s unclipped; the 2.090 s
+#: more over 3.086 G parameters at 24 B/param (master and moments read and written) is 35.4 GB/s.
+_H200_BACKUP_GBPS = 35.4
+_LEVERS = "raw/2026-12-02-s10/levers-3b/suite-levers-qwen2.5-3b.jsonl"
 
 H200_RATES = Rates(
     name="h200 (measured)",
@@ -56,6 +61,7 @@ H200_RATES = Rates(
     disk_read_gbps=2.09,
     disk_write_gbps=2.79,
     step_overhead_s=0.0073,
+    backup_gbps=_H200_BACKUP_GBPS,
     updates={
         "layer_adam": UpdateRate(
             host_params_per_s=4.32e9,
@@ -94,6 +100,10 @@ H200_RATES = Rates(
             "measured: device -> pinned host, the same table; the suites' d2h_copy lanes give 51-53 GB/s"
         ),
         "host_gbps": f"measured: STREAM triad, 16 threads ({_H200_PAGE}/2026-11-29-session3.md)",
+        "backup_gbps": (
+            "measured: the host update lanes of the 3B forced-offload batch-32 runs speculating and "
+            f"unclipped ({_H200_PAGE}/{_LEVERS}), the difference over 24 B/param"
+        ),
         "disk_read_gbps": (
             f"measured: the posix tier, O_DIRECT, 16 MiB chunks, 2 I/O threads ({_H200_PAGE}/"
             "2026-11-29-h200-session.md, Storage tiers)"
@@ -141,6 +151,7 @@ def _rtx4090_rates() -> Rates:
         h2d_gbps=_scaled(H200_RATES.h2d_gbps, pub["bus_gbps"], h200["bus_gbps"]),
         d2h_gbps=_scaled(H200_RATES.d2h_gbps, pub["bus_gbps"], h200["bus_gbps"]),
         host_gbps=_WORKSTATION_TRIAD,
+        backup_gbps=round(_H200_BACKUP_GBPS * _WORKSTATION_TRIAD / 95.0, 1),
         disk_read_gbps=5.0,
         disk_write_gbps=3.0,
         step_overhead_s=H200_RATES.step_overhead_s,
@@ -169,6 +180,10 @@ def _rtx4090_rates() -> Rates:
             "h2d_gbps": share("PCIe bandwidth (Gen4 x16 here, Gen5 there)", H200_RATES.h2d_gbps, "bus_gbps"),
             "d2h_gbps": share("PCIe bandwidth", H200_RATES.d2h_gbps, "bus_gbps"),
             "host_gbps": f"{host}: STREAM triad {_WORKSTATION_TRIAD:g} GB/s",
+            "backup_gbps": (
+                f"{host}: the H200 host's effective {_H200_BACKUP_GBPS:g} GB/s for clipping backups x "
+                f"{_WORKSTATION_TRIAD:g} / 95 GB/s of triad"
+            ),
             "disk_read_gbps": "assumed: a PCIe Gen4 NVMe drive, sustained O_DIRECT reads",
             "disk_write_gbps": "assumed: the same drive, sustained writes past its cache",
             "step_overhead_s": "assumed: the H200 machine's measured per-step host time",

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from slidekit.errors import ConfigError
 from slidekit.inputs import seq_len_refusal
+from slidekit.planning.clip_overlap import overlap_layout
 from slidekit.planning.estimate import Estimate
 from slidekit.planning.layout import Layout, Placement
 from slidekit.planning.machine import Machine
@@ -38,6 +39,7 @@ class PlanReport:
     requested_step: StepPrediction | None = None  # None: no rates for this machine, or the CPU
     recommended_step: StepPrediction | None = None
     rates_note: str = ""  # the rates and their sources (a what-if), or why there is no prediction
+    notes: tuple[str, ...] = ()  # what the run's settings made of the layouts (optim.clip_overlap)
     floor: tuple[str, ...] = ()  # when nothing fits: the most offloaded placement, then what it still lacks
 
     @property
@@ -48,6 +50,7 @@ class PlanReport:
         lines = [self.summary, f"machine: {self.machine.describe()}"]
         if self.rates_note:
             lines.append(self.rates_note)
+        lines += [f"note: {n}" for n in self.notes]
         lines.append("")
         device = "GPU" if self.machine.device_free is not None else "compute device (host RAM)"
         lines.append(f"requested placement: {self.requested.placement.flags()}")
@@ -172,8 +175,12 @@ def plan_run(
         machine = what_if_machine(gpu, here) if gpu is not None else here
     machine = machine.share(ranks.host_ranks, ranks.device_ranks)
     placement = Placement.of(config.engine)
-    requested = planner.estimate(placement, machine)
+    notes: list[str] = []
+    policy = config.optim.clip_overlap
+    requested = _overlap(planner, planner.estimate(placement, machine), machine, policy, notes)
     recommended = planner.recommend(placement, machine)
+    if recommended is not None:
+        recommended = _overlap(planner, recommended, machine, policy, notes)
     spec, dc = setup.spec, config.data
     summary = (
         f"model: {model_name or config.model.source} ({spec.family}, {spec.num_layers} layers, "
@@ -202,8 +209,20 @@ def plan_run(
         requested_step=_predict(planner, requested, machine),
         recommended_step=None if recommended is None else _predict(planner, recommended, machine),
         rates_note=_rates_note(machine, planner, gpu),
+        notes=tuple(notes),
         floor=floor,
     )
+
+
+def _overlap(planner: Planner, est: Estimate, machine: Machine, policy: str, notes: list[str]) -> Estimate:
+    """``est`` with the layout the engine builds for ``optim.clip_overlap`` (``overlap_layout``): a
+    clipped run whose backups are dropped is estimated and predicted deferring, and says why."""
+    if est.layout is None:
+        return est
+    layout, note = overlap_layout(planner, est.layout, machine, policy)
+    if note and note not in notes:
+        notes.append(note)
+    return est if layout is est.layout else planner.estimate_layout(layout, machine)
 
 
 def _predict(planner: Planner, est: Estimate, machine: Machine) -> StepPrediction | None:

@@ -38,8 +38,9 @@ Costs per unit and step (``StepWork``: the model's shape and the run's tokens):
                 parameter at device_gbps; clipping adds a 4 B/param pass (host_gbps / device_gbps);
                 upload copies add the BF16 write, 2 B/param at host_gbps, to the host update
     backup      speculative clipping, per backed-up unit: its master (4 B/param) and state bytes read
-                and written at host_gbps, with each update; the same again to restore a step that clips
-                (NOTES.md 15 takes +12 to +24 B/param for layer_adam; this is the +24 end)
+                and written at backup_gbps (host_gbps where the rates have none), with each update;
+                the same again to restore a step that clips (NOTES.md 15: 24 B/param for layer_adam,
+                at an effective 35 GB/s on the H200 host, a third of its triad)
     streamed    state on a disk tier: read and written back at disk_read/write_gbps, the update
                 taking the longer of that and its CPU time
     activations on a tier: each recomputing layer's input written in the forward, read in the backward,
@@ -243,12 +244,12 @@ def unit_costs(layout: Layout, rates: Rates, work: StepWork) -> list[UnitCost]:
 
 def backup_costs(costs: Sequence[UnitCost], layout: Layout, rates: Rates) -> list[UnitCost]:
     """``costs`` (``unit_costs``) with each backed-up unit's pieces (``Layout.backed_up``) paying their
-    backup: master (4 B/param) and state bytes, read and written, at ``host_gbps``. Unchanged without
-    backups."""
+    backup: master (4 B/param) and state bytes, read and written, at ``Rates.backup_rate_gbps``.
+    Unchanged without backups."""
     backed = {u.index for u in layout.backed_up()}
     if not backed:
         return list(costs)
-    host_bw = rates.host_gbps * 1e9
+    host_bw = rates.backup_rate_gbps * 1e9
     out = []
     for u, cost in zip(layout.units, costs, strict=True):
         if u.index not in backed:
