@@ -4,12 +4,15 @@ A ``UnitOptimizer`` declares two capabilities (its docstring in
 ``slidekit.interfaces`` defines them): ``device_update`` (``step`` also runs
 on tensors on the compute device, so units can be resident there) and
 ``linear_state`` (its state is linear in the parameters, so a unit can be
-updated, and its state streamed, piece by piece). The engine and the planner
+updated, and its state streamed, piece by piece), and may declare a third,
+optional one, ``fused_backup`` (``step`` also writes speculative clipping's
+backup, ``FusedBackupOptimizer``; ``fuses_backup`` reads it, False where it is
+not declared). The engine and the planner
 read the declarations and never probe. What can be checked without running
 the optimizer is checked here, once, when a run builds it
 (``slidekit.resolve.build_optimizer``):
 
-* both attributes are there and are bools;
+* both attributes are there and are bools; ``fused_backup``, where declared, is a bool;
 * ``linear_state = True`` agrees with the optimizer's own ``state_layout``:
   ``state_layout(a + m)`` is ``state_layout(a)`` followed by
   ``state_layout(m)`` (same names, same dtypes, sizes adding up) for offsets
@@ -34,10 +37,20 @@ import torch
 from slidekit.errors import PluginError
 from slidekit.planning.placement import GRANULE
 
-__all__ = ["CAPABILITIES", "GRANULE", "check_optimizer", "layout_nonlinearity", "state_is_linear"]
+__all__ = [
+    "CAPABILITIES",
+    "GRANULE",
+    "OPTIONAL_CAPABILITIES",
+    "check_optimizer",
+    "fuses_backup",
+    "layout_nonlinearity",
+    "state_is_linear",
+]
 
 #: The capability attributes every optimizer declares, each a bool.
 CAPABILITIES: Final = ("device_update", "linear_state")
+#: Capabilities an optimizer may declare, each a bool where declared (not declared: False).
+OPTIONAL_CAPABILITIES: Final = ("fused_backup",)
 
 _FIXES: Final = {
     "device_update": (
@@ -49,6 +62,11 @@ _FIXES: Final = {
         f"[a, a + m) sits at state_layout(a)'s offsets with state_layout(m)'s size for every a that is a "
         f"multiple of {GRANULE}, so a unit can be updated and its state streamed piece by piece; "
         "False, always safe, updates every unit whole)"
+    ),
+    "fused_backup": (
+        "declare fused_backup = True/False on the optimizer, or leave it out (True when step() takes "
+        "backup_out and writes the old master and state there in its pass: "
+        "slidekit.interfaces.FusedBackupOptimizer; False or absent, the engine copies the backup itself)"
     ),
 }
 
@@ -124,6 +142,12 @@ def state_is_linear(optimizer: Any, granule: int = GRANULE) -> bool:
     return layout_nonlinearity(optimizer, granule) is None
 
 
+def fuses_backup(optimizer: Any) -> bool:
+    """Whether ``optimizer`` writes speculative clipping's backup itself (``fused_backup`` is True;
+    an optimizer that does not declare it does not)."""
+    return getattr(optimizer, "fused_backup", False) is True
+
+
 def check_optimizer(optimizer: Any, *, who: str) -> None:
     """Refuse an optimizer whose capability declarations are missing, not bool, or contradicted.
 
@@ -140,6 +164,12 @@ def check_optimizer(optimizer: Any, *, who: str) -> None:
         if not hasattr(optimizer, attr):
             raise PluginError(f"{who} does not declare {attr}: {_FIXES[attr]}")
         value = getattr(optimizer, attr)
+        if not isinstance(value, bool):
+            raise PluginError(
+                f"{who} declares {attr} = {value!r} ({type(value).__name__}), which is not a bool: {_FIXES[attr]}"
+            )
+    for attr in OPTIONAL_CAPABILITIES:
+        value = getattr(optimizer, attr, False)
         if not isinstance(value, bool):
             raise PluginError(
                 f"{who} declares {attr} = {value!r} ({type(value).__name__}), which is not a bool: {_FIXES[attr]}"

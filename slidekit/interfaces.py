@@ -28,6 +28,7 @@ __all__ = [
     "TIER_MEDIA",
     "Availability",
     "DriverDescriptor",
+    "FusedBackupOptimizer",
     "KernelSet",
     "KernelSetDescriptor",
     "ModelAdapterDescriptor",
@@ -310,6 +311,16 @@ class UnitOptimizer(Protocol):
         of ``slidekit.planning.GRANULE`` (per-element moments; block-wise quantized
         state with blocks dividing it). Only then can a unit be updated, and its
         state streamed, piece by piece.
+
+    One optional capability, read with ``getattr(optimizer, "fused_backup", False)``
+    (``slidekit.capabilities.fuses_backup``), so an optimizer that does not declare it keeps working:
+
+    ``fused_backup``
+        ``step`` also takes ``backup_out`` (``FusedBackupOptimizer``): speculative clipping
+        (``slidekit.engine.speculation``) then hands it the unit's backup and the optimizer writes the
+        old master and state there in the update's own pass, instead of the engine copying each chunk
+        first. Without it (False, or not declared) the engine copies, chunk by chunk, then calls ``step``
+        without ``backup_out``: the same bits, more memory traffic.
     """
 
     name: str
@@ -328,6 +339,34 @@ class UnitOptimizer(Protocol):
         count: int,
         groups: Sequence[ParamGroupRange],
         lowp_out: Tensor | None = None,
+    ) -> None: ...
+
+
+@runtime_checkable
+class FusedBackupOptimizer(UnitOptimizer, Protocol):
+    """A ``UnitOptimizer`` declaring ``fused_backup = True``: ``step`` also takes ``backup_out``.
+
+    ``backup_out`` maps "master" and each name of ``state`` to a tensor of the same dtype and number of
+    elements (contiguous, on the master's device, overlapping no other argument). ``step`` writes
+    there the values ``master`` and ``state`` hold *before* the update, bit for bit, and updates them
+    exactly as without ``backup_out`` (same bits). Bad buffers (a name missing or unknown, another
+    dtype or size) are refused before anything is written, with an error naming the buffer. None:
+    no backup, the plain ``UnitOptimizer.step``.
+    """
+
+    fused_backup: bool
+
+    def step(
+        self,
+        master: Tensor,
+        grad: Tensor,
+        state: Mapping[str, Tensor],
+        *,
+        lr: float,
+        count: int,
+        groups: Sequence[ParamGroupRange],
+        lowp_out: Tensor | None = None,
+        backup_out: Mapping[str, Tensor] | None = None,
     ) -> None: ...
 
 

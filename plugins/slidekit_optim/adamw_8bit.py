@@ -70,6 +70,12 @@ or with ``impl="torch"``, they take the torch path on the device (also
 bitwise: each of its operations is correctly rounded on a GPU too). The maps
 go to each device once (1.4 MB for both) and are shared by every unit there.
 
+Speculative clipping's backup (``fused_backup = True``): ``step(..., backup_out=...)``, "master"
+and the four state buffers, receives the values before the update. The C++ kernel copies each
+block's master and codes (streaming stores where the build has AVX-512 or AVX, ``csrc/backup_copy.h``)
+and its two scales right before decoding it; the torch path and the Triton kernel copy first, then
+update. The backup is the old bytes, and the update the same bits, either way.
+
 A resident unit costs 10.03 bytes per parameter of device memory in BF16
 training: the FP32 master (4), the state (2.03), the BF16 weights (2) and
 gradients (2), against 16 with ``layer_adam`` (14.03 and 20 in FP32
@@ -98,6 +104,7 @@ from torch import Tensor
 
 from slidekit.hookspecs import hookimpl
 from slidekit.interfaces import Availability, OptimizerDescriptor, OptimizerHyper, ParamGroupRange
+from slidekit_optim.backup import check_backup_out, copy_backup
 from slidekit_optim.kernel_build import CSRC, kernel_status, load_or_fallback, prepare_kernel
 from slidekit_optim.layer_adam import _IMPLS, Impl, _scalars, _Segment, _segments, _StepScalars
 from slidekit_optim.quant8 import (
@@ -166,6 +173,8 @@ class AdamW8bit:
     #: Blocks of 256 divide slidekit's granule (4096): the state of parameters [a, a + m), a a multiple
     #: of it, is codes [a, a + m) and scales [a / 256, a / 256 + ceil(m / 256)).
     linear_state = True
+    #: ``step`` takes ``backup_out`` (speculative clipping): the C++ kernel writes it block by block.
+    fused_backup = True
     #: Tests only: send CPU tensors down the GPU path too (the Triton kernel then needs TRITON_INTERPRET=1).
     _device_path_on_cpu = False
 
@@ -218,10 +227,19 @@ class AdamW8bit:
         count: int,
         groups: Sequence[ParamGroupRange],
         lowp_out: Tensor | None = None,
+        backup_out: Mapping[str, Tensor] | None = None,
     ) -> None:
+        """One update of the unit; ``backup_out`` ("master" and each state name, each as large as its
+        source) receives the values before it (``fused_backup``)."""
         if count < 1:
             raise ValueError(f"count is the 1-based update number, got {count}")
         self._check(master, grad, state, lowp_out)
+        layout = {k: state[k] for k in self.state_layout(0)}
+        backup = (
+            None
+            if backup_out is None
+            else check_backup_out("adamw_8bit", backup_out, master, layout, {"grad": grad, "lowp_out": lowp_out})
+        )
         n = master.numel()
         grad = grad.reshape(-1)  # a view when contiguous
         segments = _segments(groups, n, lr)
@@ -236,6 +254,11 @@ class AdamW8bit:
         elif self._kernel is not None:  # the C++ kernel reads their packed form, and takes a thread cap
             maps = tuple(t for q in (m_map, v_map) for t in (q.values, q.packed))
             fused = (self._kernel.adamw8_step_, maps, (self.hyper.threads or 0,))
+            if backup is not None:  # the kernel writes the backup in its pass
+                fused = (fused[0], maps, (*fused[2], *(backup[k] for k in ("master", *layout))))
+                backup = None
+        if backup is not None:  # the Triton kernel and the torch path: copy, then update
+            copy_backup(backup, master, layout)
         if fused is not None:
             self._step_fused(*fused, master, grad, state, segments, scalars, lowp_out)
             return

@@ -8,11 +8,14 @@ a fine-tune do not clip, so this module bets that the step will not:
 
 * during the backward, each sliding unit whose master and optimizer state are
   in host RAM (``HostStore.can_back_up``) is updated at once with scale 1, as
-  in the unclipped path, piece by piece as its gradient arrives. Right before
-  each chunk of ``BACKUP_CHUNK`` parameters is updated, the optimizer thread
-  copies that chunk's master and state into the unit's backup
-  (``HostStore.backup``), so the bytes the update then reads are hot in cache.
-  The gradient stays in the unit's own buffer (``HostStore.unit_grad``), as the
+  in the unclipped path, piece by piece as its gradient arrives, and its master
+  and state as they were go to the unit's backup (``HostStore.backup``). An
+  optimizer that declares ``fused_backup`` (``FusedBackupOptimizer``: both
+  bundled ones) writes the backup itself, in the update's own pass, given the
+  backup's slices as ``backup_out``: one call per piece. For any other, right
+  before each chunk of ``BACKUP_CHUNK`` parameters is updated, the optimizer
+  thread copies that chunk's master and state into the backup, so the bytes
+  the update then reads are hot in cache (``update_backed``). The gradient stays in the unit's own buffer (``HostStore.unit_grad``), as the
   deferred path keeps it;
 * at the end of the step, when the global norm is known: with scale exactly
   1.0 and a finite norm the bet was right and the speculated units are done;
@@ -37,8 +40,10 @@ which units speculate.
 
 The trade-off (``OptimConfig.clip_overlap``): "speculate" holds a backup of
 4 B/param (master) plus the optimizer's state bytes (8 for layer_adam, 2 for
-adamw_8bit) for every backed-up unit, in host RAM, and costs a copy of those
-bytes per update (``benchmarks/clip_backup.py`` measures it); a step that
+adamw_8bit) for every backed-up unit, in host RAM, and costs writing those
+bytes per update, in the update's pass with ``fused_backup``, else a copy
+(``benchmarks/clip_backup.py`` measures both, docs/benchmarks/NOTES.md 15 and
+23); a step that
 clips pays a restore and the whole deferred update at its end, more than the
 deferred path. "defer" is the deferred path. "auto" speculates where the
 planner found host RAM for the backups and, on a GPU with known rates, where
@@ -59,15 +64,16 @@ import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from slidekit.capabilities import fuses_backup
 from slidekit.engine.state import slice_groups
 from slidekit.engine.step_state import StepState
 from slidekit.engine.updates import Updates
 from slidekit.engine.window import Slot
-from slidekit.interfaces import ParamGroupRange, UnitOptimizer
+from slidekit.interfaces import FusedBackupOptimizer, ParamGroupRange, UnitOptimizer
 from slidekit.planning.placement import GRANULE
 
 __all__ = ["BACKUP_CHUNK", "CERTAIN", "Speculation", "decide", "settle_scale", "update_backed"]
@@ -125,12 +131,26 @@ def update_backed(
     chunk: int = BACKUP_CHUNK,
     lowp_out: torch.Tensor | None = None,
 ) -> None:
-    """Back up and update one range of a unit, ``chunk`` parameters at a time: each chunk's master and state
-    are copied to ``saved_*`` right before the optimizer reads them (so it reads them from cache), then the
-    chunk is updated with scale 1. ``span(lo, hi)``: name -> (dtype, first, count) of the state of parameters
-    [lo, hi) of the range, for linear state; None (state that is not linear): the range in one go.
-    ``lowp_out``: the range's upload copy, written with the update (not backed up: ``HostStore.restore``
-    casts it again from the restored master)."""
+    """Back up and update one range of a unit with scale 1: ``saved_*`` receive its master and state as
+    they were. An optimizer with ``fused_backup`` gets them as ``backup_out`` and writes them in its update's
+    pass, the range in one call. Any other is called ``chunk`` parameters at a time, each chunk's master and
+    state copied to ``saved_*`` right before the optimizer reads them (so it reads them from cache).
+    ``span(lo, hi)``: name -> (dtype, first, count) of the state of parameters [lo, hi) of the range, for
+    linear state; None (state that is not linear): the range in one go. ``lowp_out``: the range's upload
+    copy, written with the update (not backed up: ``HostStore.restore`` casts it again from the restored
+    master). Either way the same bits."""
+    if fuses_backup(optimizer):
+        cast(FusedBackupOptimizer, optimizer).step(
+            master,
+            grad,
+            state,
+            lr=lr,
+            count=count,
+            groups=groups,
+            lowp_out=lowp_out,
+            backup_out={"master": saved_master, **{k: saved_state[k][: t.numel()] for k, t in state.items()}},
+        )
+        return
     n = master.numel()
     cuts = [(0, n)] if span is None else [(lo, min(lo + chunk, n)) for lo in range(0, n, chunk)]
     for lo, hi in cuts:
@@ -254,8 +274,8 @@ class Speculation(Updates):
     def _apply_backed(
         self, unit: int, grad: torch.Tensor, *, lr: float, count: int, start: int, stop: int
     ) -> None:
-        """``_apply`` with scale 1 over parameters [start, stop), each chunk's master and state copied to
-        the unit's backup right before the optimizer reads them (so they are read from cache)."""
+        """``_apply`` with scale 1 over parameters [start, stop), their master and state backed up first
+        (``update_backed``: by the optimizer in its pass, or chunk by chunk right before it reads them)."""
         master, groups = self.host.masters[unit], self.groups[unit]
         saved_master, saved_state = self.host.backup(unit)
         store = self.host.state

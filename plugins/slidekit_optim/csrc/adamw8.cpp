@@ -38,6 +38,11 @@
 // NaN: a NaN anywhere in a block makes its scale NaN, as in the torch path; which NaN (its sign
 // and payload) may differ from the torch path, so only non-NaN results are bitwise identical.
 //
+// Backup (speculative clipping, backup_copy.h): given the five backup buffers (master, both
+// moments' codes and scales), each block's old master and codes are copied there (streaming stores
+// where the ISA has them) and its two scales with plain stores, right before the block is decoded
+// and updated from L1: the backup is the old bytes, and the update's bits do not change.
+//
 // The per-element update (and the BF16 rounding, the scalars and the argument checks) is in
 // adam_common.h, shared with fused_adam.cpp; this file decodes, encodes and walks the blocks.
 // quantize_blockwise_ exposes the encoder alone, so that tests can hold it to quant8.encode on
@@ -52,6 +57,7 @@
 #include <torch/csrc/utils/pybind.h>  // lighter than torch/extension.h: halves the build time
 
 #include "adam_common.h"     // the per-element update, BF16 rounding and checks, shared by both kernels
+#include "backup_copy.h"     // the speculative-clipping backup, stored in the update's pass
 #include "parallel_tasks.h"  // the split into tasks on torch's thread pool, shared by both kernels
 #include "quant8_avx512.h"   // the AVX-512 block pass (only where the build enables AVX-512)
 #include "quant8_packed.h"   // quant8's compact encoding table
@@ -121,6 +127,15 @@ float encode_block(int64_t len, const float* __restrict x, uint32_t top, const P
   return amax;
 }
 
+// Where a speculative step's backup goes: the buffers' old values (all null: no backup).
+struct Backup {
+  float* p;
+  uint8_t* m_codes;
+  float* m_absmax;
+  uint8_t* v_codes;
+  float* v_absmax;
+};
+
 // Everything one call needs, shared read-only by the tasks.
 struct Args {
   int64_t n;
@@ -133,7 +148,21 @@ struct Args {
   const float* seg_decay;   // its factor; 1 means no decay (multiplying by 1 changes no bits)
   int64_t segments;
   slidekit::AdamScalars s;
+  Backup backup;
 };
+
+// Block b (elements [lo, lo + len)): its master, codes and scales into the backup, if there is one.
+void back_up_block(const Args& a, int64_t b, int64_t lo, int64_t len) {
+  const Backup& k = a.backup;
+  if (k.p == nullptr) {
+    return;
+  }
+  slidekit::backup_copy(k.p + lo, a.p + lo, len * static_cast<int64_t>(sizeof(float)));
+  slidekit::backup_copy(k.m_codes + lo, a.m.codes + lo, len);
+  slidekit::backup_copy(k.v_codes + lo, a.v.codes + lo, len);
+  k.m_absmax[b] = a.m.absmax[b];
+  k.v_absmax[b] = a.v.absmax[b];
+}
 
 // The first decay segment that ends past element i.
 int64_t segment_of(const int64_t* seg_stop, int64_t segments, int64_t i) {
@@ -150,6 +179,7 @@ void run_blocks_avx512(int64_t b_lo, int64_t b_hi, const Args& a) {
   for (int64_t b = b_lo; b < b_hi; ++b) {
     const int64_t lo = b * kBlock;
     const int64_t len = std::min(a.n, lo + kBlock) - lo;
+    back_up_block(a, b, lo, len);
     // The decay factors of elements [lo + i, lo + i + 16): one broadcast unless a segment ends inside.
     auto decay = [&](int64_t i) {
       const int64_t at = lo + i;
@@ -189,12 +219,12 @@ void run_blocks_avx512(int64_t b_lo, int64_t b_hi, const Args& a) {
 void run_blocks(int64_t b_lo, int64_t b_hi, const Args& a, int64_t g_size, bool bf16_grad) {
   const bool lowp = a.out != nullptr;
 #ifdef SLIDEKIT_ADAMW8_AVX512
+  (void)g_size;
   if (bf16_grad) {
-    return lowp ? run_blocks_avx512<uint16_t, true>(b_lo, b_hi, a)
-                : run_blocks_avx512<uint16_t, false>(b_lo, b_hi, a);
+    lowp ? run_blocks_avx512<uint16_t, true>(b_lo, b_hi, a) : run_blocks_avx512<uint16_t, false>(b_lo, b_hi, a);
+  } else {
+    lowp ? run_blocks_avx512<float, true>(b_lo, b_hi, a) : run_blocks_avx512<float, false>(b_lo, b_hi, a);
   }
-  return lowp ? run_blocks_avx512<float, true>(b_lo, b_hi, a)
-              : run_blocks_avx512<float, false>(b_lo, b_hi, a);
 #else
   const slidekit::UpdateFn plain = slidekit::pick_update(bf16_grad, false, lowp);
   const slidekit::UpdateFn decayed = slidekit::pick_update(bf16_grad, true, lowp);
@@ -206,6 +236,7 @@ void run_blocks(int64_t b_lo, int64_t b_hi, const Args& a, int64_t g_size, bool 
     const int64_t lo = b * kBlock;
     const int64_t hi = std::min(a.n, lo + kBlock);
     const int64_t len = hi - lo;
+    back_up_block(a, b, lo, len);
     decode(len, a.m.codes + lo, a.m.map.values, a.m.absmax[b], m);
     decode(len, a.v.codes + lo, a.v.map.values, a.v.absmax[b], v);
     for (int64_t i = lo; i < hi;) {
@@ -222,6 +253,9 @@ void run_blocks(int64_t b_lo, int64_t b_hi, const Args& a, int64_t g_size, bool 
     a.v.absmax[b] = encode_block(len, v, block_top(len, v), a.v.map.packed, a.v.codes + lo);
   }
 #endif
+  if (a.backup.p != nullptr) {
+    slidekit::backup_fence();
+  }
 }
 
 void check_vector(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t n) {
@@ -236,7 +270,8 @@ Map check_map(const at::Tensor& values, const at::Tensor& packed, const char* na
 // One AdamW step over a whole unit, in place: master, both moments' codes and scales, and the
 // BF16 copy when `lowp_out` is given. `seg_stop`/`seg_decay` tile [0, n) in order; a decay of 1
 // means none. At most `max_tasks` threads of torch's intra-op pool take part (0: as many as torch
-// uses); the result does not depend on it. Returns how many threads took part.
+// uses); the result does not depend on it. Returns how many threads took part. `backup_*`: all five
+// or none; each gets the old values of its buffer (the caller checks they overlap nothing).
 //
 // at::parallel_for is a header template: its OpenMP form is compiled here, so this file is built
 // with -fopenmp but linked without an OpenMP runtime of its own. Its few OpenMP calls then bind
@@ -261,7 +296,12 @@ int64_t adamw8_step_(
     double inv_b2,
     double eps,
     double neg_step,
-    int64_t max_tasks) {
+    int64_t max_tasks,
+    std::optional<at::Tensor> backup_master,
+    std::optional<at::Tensor> backup_m_codes,
+    std::optional<at::Tensor> backup_m_absmax,
+    std::optional<at::Tensor> backup_v_codes,
+    std::optional<at::Tensor> backup_v_absmax) {
   const int64_t n = master.numel();
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   check_vector(master, "master", at::kFloat, n);
@@ -273,6 +313,22 @@ int64_t adamw8_step_(
   const bool lowp = lowp_out.has_value();
   if (lowp) {
     check_vector(*lowp_out, "lowp_out", at::kBFloat16, n);
+  }
+  const bool backup = backup_master.has_value();
+  TORCH_CHECK(
+      backup == backup_m_codes.has_value() && backup == backup_m_absmax.has_value() &&
+          backup == backup_v_codes.has_value() && backup == backup_v_absmax.has_value(),
+      kKernel, ": give all five backup buffers (master, both moments' codes and absmax) or none");
+  Backup saved{nullptr, nullptr, nullptr, nullptr, nullptr};
+  if (backup) {
+    check_vector(*backup_master, "backup_master", at::kFloat, n);
+    check_vector(*backup_m_codes, "backup_exp_avg_codes", at::kByte, n);
+    check_vector(*backup_m_absmax, "backup_exp_avg_absmax", at::kFloat, blocks);
+    check_vector(*backup_v_codes, "backup_exp_avg_sq_codes", at::kByte, n);
+    check_vector(*backup_v_absmax, "backup_exp_avg_sq_absmax", at::kFloat, blocks);
+    saved = Backup{backup_master->data_ptr<float>(), backup_m_codes->data_ptr<uint8_t>(),
+                   backup_m_absmax->data_ptr<float>(), backup_v_codes->data_ptr<uint8_t>(),
+                   backup_v_absmax->data_ptr<float>()};
   }
   const Map m_map = check_map(m_values, m_packed, "the exp_avg map");
   const Map v_map = check_map(v_values, v_packed, "the exp_avg_sq map");
@@ -297,7 +353,8 @@ int64_t adamw8_step_(
       seg_stop.data(),
       decay.data(),
       static_cast<int64_t>(seg_stop.size()),
-      slidekit::AdamScalars::from(w1, beta2, sq_weight, inv_b2, eps, neg_step)};
+      slidekit::AdamScalars::from(w1, beta2, sq_weight, inv_b2, eps, neg_step),
+      saved};
   const bool bf16_grad = grad.scalar_type() == at::kBFloat16;
   const int64_t g_size = grad.element_size();
 
@@ -359,6 +416,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       pybind11::arg("eps"),
       pybind11::arg("neg_step"),
       pybind11::arg("max_tasks"),
+      pybind11::arg("backup_master") = pybind11::none(),
+      pybind11::arg("backup_m_codes") = pybind11::none(),
+      pybind11::arg("backup_m_absmax") = pybind11::none(),
+      pybind11::arg("backup_v_codes") = pybind11::none(),
+      pybind11::arg("backup_v_absmax") = pybind11::none(),
       // The update runs for tens of milliseconds: let the engine's other Python threads run.
       pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def(
@@ -370,5 +432,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       pybind11::arg("codes"),
       pybind11::arg("absmax"),
       pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("backup_stream_bytes", []() { return slidekit::kBackupStreamBytes; },
+             "the width of the backup's streaming stores in this build, 0 where it copies with memcpy");
   module.def("vector_width", []() { return kVectorWidth; }, "16 where built for AVX-512, else 1");
 }

@@ -27,6 +27,14 @@
 // The update itself (and the BF16 rounding, the scalars and the argument checks) is in
 // adam_common.h, shared with adamw8.cpp; this file splits a range into tasks and binds it to Python.
 //
+// Backup (speculative clipping, backup_copy.h): given backup_master / backup_exp_avg /
+// backup_exp_avg_sq, each task walks its slice in tiles of kBackupTile elements, copying the tile's
+// master and moments there (streaming stores where the ISA has them) right before updating it from
+// L1. The update is the same adam_update on the same elements, so its bits do not change; the
+// backup is the old bytes. Cost: 12 B/param more written (28 -> 40 B/param in all), where a separate
+// copy reads 12 and writes 12 (and reads those 12 lines first, without streaming stores), and the
+// update then reads the 12 again from wherever the copy left them.
+//
 // Built on first use by slidekit_optim/layer_adam.py (torch.utils.cpp_extension.load);
 // tested by tests/plugins/test_layer_adam.py (bitwise against the pure-torch path).
 
@@ -35,8 +43,10 @@
 #include <torch/csrc/utils/pybind.h>  // lighter than torch/extension.h: halves the build time
 
 #include "adam_common.h"     // the per-element update, BF16 rounding and checks, shared by both kernels
+#include "backup_copy.h"     // the speculative-clipping backup, stored in the update's pass
 #include "parallel_tasks.h"  // the split into tasks on torch's thread pool, shared by both kernels
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 
@@ -48,6 +58,8 @@ constexpr const char* kKernel = "fused_adamw";
 // shares its weight decay; `decay` is applied when `apply_decay`. The buffers must not overlap
 // (the caller checks). At most `max_tasks` threads of torch's intra-op pool take part (0: as
 // many as torch uses); the result does not depend on it. Returns how many threads took part.
+// `backup_*`: all three or none; each gets the old values of its buffer (the caller checks they
+// overlap nothing).
 //
 // at::parallel_for is a header template: its OpenMP form is compiled here, so this file is built
 // with -fopenmp but linked without an OpenMP runtime of its own. Its few OpenMP calls then bind
@@ -66,7 +78,10 @@ int64_t fused_adamw_(
     double inv_b2,
     double eps,
     double neg_step,
-    int64_t max_tasks) {
+    int64_t max_tasks,
+    std::optional<at::Tensor> backup_master,
+    std::optional<at::Tensor> backup_exp_avg,
+    std::optional<at::Tensor> backup_exp_avg_sq) {
   const int64_t n = master.numel();
   slidekit::check_vector(master, kKernel, "master", at::kFloat, n);
   slidekit::check_grad(grad, kKernel, n);
@@ -75,6 +90,15 @@ int64_t fused_adamw_(
   const bool lowp = lowp_out.has_value();
   if (lowp) {
     slidekit::check_vector(*lowp_out, kKernel, "lowp_out", at::kBFloat16, n);
+  }
+  const bool backup = backup_master.has_value();
+  TORCH_CHECK(
+      backup == backup_exp_avg.has_value() && backup == backup_exp_avg_sq.has_value(), kKernel,
+      ": give backup_master, backup_exp_avg and backup_exp_avg_sq together, or none of them");
+  if (backup) {
+    slidekit::check_vector(*backup_master, kKernel, "backup_master", at::kFloat, n);
+    slidekit::check_vector(*backup_exp_avg, kKernel, "backup_exp_avg", at::kFloat, n);
+    slidekit::check_vector(*backup_exp_avg_sq, kKernel, "backup_exp_avg_sq", at::kFloat, n);
   }
   if (n == 0) {
     return 0;
@@ -91,13 +115,28 @@ int64_t fused_adamw_(
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
   uint16_t* out = lowp ? reinterpret_cast<uint16_t*>(lowp_out->data_ptr<at::BFloat16>()) : nullptr;
+  float* bp = backup ? backup_master->data_ptr<float>() : nullptr;
+  float* bm = backup ? backup_exp_avg->data_ptr<float>() : nullptr;
+  float* bv = backup ? backup_exp_avg_sq->data_ptr<float>() : nullptr;
 
   // One contiguous slice per task, its ends on 64-element boundaries (whole cache lines of every
   // array), at least kMinPerTask elements each: small ranges run on fewer threads, down to one.
   constexpr int64_t kAlign = 64;
   constexpr int64_t kMinPerTask = int64_t{1} << 15;
   return slidekit::run_in_tasks(n, kMinPerTask, kAlign, max_tasks, [&](int64_t lo, int64_t hi) {
-    fn(hi - lo, p + lo, g + lo * g_size, m + lo, v + lo, out ? out + lo : nullptr, decay_f, s);
+    if (!backup) {
+      fn(hi - lo, p + lo, g + lo * g_size, m + lo, v + lo, out ? out + lo : nullptr, decay_f, s);
+      return;
+    }
+    constexpr int64_t kBytes = sizeof(float);
+    for (int64_t a = lo; a < hi; a += slidekit::kBackupTile) {
+      const int64_t len = std::min(hi, a + slidekit::kBackupTile) - a;
+      slidekit::backup_copy(bp + a, p + a, len * kBytes);
+      slidekit::backup_copy(bm + a, m + a, len * kBytes);
+      slidekit::backup_copy(bv + a, v + a, len * kBytes);
+      fn(len, p + a, g + a * g_size, m + a, v + a, out ? out + a : nullptr, decay_f, s);
+    }
+    slidekit::backup_fence();
   });
 }
 
@@ -105,6 +144,8 @@ int64_t fused_adamw_(
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.doc() = "slidekit fused CPU AdamW step (see fused_adam.cpp)";
+  module.def("backup_stream_bytes", []() { return slidekit::kBackupStreamBytes; },
+             "the width of the backup's streaming stores in this build, 0 where it copies with memcpy");
   module.def(
       "fused_adamw_",
       &fused_adamw_,
@@ -123,6 +164,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       pybind11::arg("eps"),
       pybind11::arg("neg_step"),
       pybind11::arg("max_tasks"),
+      pybind11::arg("backup_master") = pybind11::none(),
+      pybind11::arg("backup_exp_avg") = pybind11::none(),
+      pybind11::arg("backup_exp_avg_sq") = pybind11::none(),
       // The update runs for tens of milliseconds: let the engine's other Python threads run.
       pybind11::call_guard<pybind11::gil_scoped_release>());
 }
