@@ -6,7 +6,9 @@ when the step clips); parameters, optimizer state, losses and norms must be equa
 where every step clips, where none does and where clipping alternates; both bundled optimizers; half
 the units resident; state streamed from the posix tier; accumulation; a non-finite step skipped after
 speculating; a checkpoint right after a rollback; and the transformers + torch.optim.AdamW +
-clip_grad_norm_ reference loop.
+clip_grad_norm_ reference loop. The bundled optimizers write the backup in their update's pass
+(``fused_backup``); the copy path an optimizer without it takes is run too, in the engine and in
+``update_backed``.
 
 Test: ``pytest tests/engine/test_speculative_clip.py``.
 """
@@ -277,17 +279,70 @@ def test_checkpoint_after_a_rollback_resumes_bitwise(tiny_model, tmp_path):
     assert_states_equal(got, want)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "copy"])
+def test_speculating_takes_the_fused_backup_or_copies(tiny_model, monkeypatch, fused):
+    """layer_adam declares ``fused_backup``: a speculating step hands it the backup (``backup_out``) and
+    never copies; without the capability the engine copies and calls ``step`` without it. Both are
+    bitwise the deferred path, rollbacks included."""
+    from slidekit_optim.layer_adam import LayerAdam
+
+    model_dir = tiny_model("llama")
+    batches = random_batches(128, steps=6, seed=10)
+    clip = _alternating(model_dir, batches)
+    want = _train(model_dir, batches, policy="defer", clip=clip)
+    calls: list[bool] = []  # per step() call: was backup_out given
+    inner = LayerAdam.step
+
+    def step(self, *args, backup_out=None, **kw):
+        calls.append(backup_out is not None)
+        inner(self, *args, **kw, **({} if backup_out is None else {"backup_out": backup_out}))
+
+    monkeypatch.setattr(LayerAdam, "step", step)
+    if not fused:
+        monkeypatch.setattr(LayerAdam, "fused_backup", False)
+    got = _train(model_dir, batches, policy="speculate", clip=clip)
+    _same(want, got)
+    assert 0 < got[0].rollbacks < got[0].speculated == 6
+    assert any(calls) is fused  # speculated updates carry the backup only with the capability
+    assert not all(calls)  # the deferred and rolled-back updates never do
+
+
+class _Counted:
+    """An optimizer whose ``step`` calls are counted; ``fused`` False: as one lacking ``fused_backup`` (a
+    third-party one, whose ``step`` takes no ``backup_out``)."""
+
+    def __init__(self, inner, fused: bool) -> None:
+        self.inner, self.name = inner, inner.name
+        self.device_update, self.linear_state = inner.device_update, inner.linear_state
+        if fused:
+            self.fused_backup = True
+        self.calls = 0
+
+    def state_layout(self, numel):
+        return self.inner.state_layout(numel)
+
+    def step(self, master, grad, state, *, lr, count, groups, lowp_out=None, **backup_out):
+        assert set(backup_out) <= ({"backup_out"} if hasattr(self, "fused_backup") else set())
+        self.calls += 1
+        self.inner.step(master, grad, state, lr=lr, count=count, groups=groups, lowp_out=lowp_out, **backup_out)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "copy"])
 @pytest.mark.parametrize("optimizer", ["layer_adam", "adamw_8bit"])
-def test_backed_update_in_chunks_is_the_whole_update(optimizer):
-    """``update_backed`` over several chunks: the same bits as one whole-unit update, and the backup holds
-    the master and state exactly as they were before (the tiny models' units fit in one chunk)."""
+def test_backed_update_in_chunks_is_the_whole_update(optimizer, fused):
+    """``update_backed``: the same bits as one whole-unit update, and the backup holds the master and
+    state exactly as they were before; in one call with the optimizer's ``fused_backup``, else over
+    several chunks (the tiny models' units fit in one chunk)."""
     from slidekit import Plugins
+    from slidekit.capabilities import fuses_backup
     from slidekit.engine.speculation import update_backed
     from slidekit.interfaces import OptimizerHyper, ParamGroupRange
     from slidekit.planning.placement import GRANULE
 
     reg = next(r for r in Plugins().drivers("optimizer") if r.name == optimizer)
     opt = reg.descriptor.factory(OptimizerHyper(weight_decay=0.1))
+    backed = _Counted(opt, fused)
+    assert fuses_backup(backed) is fused
     n = 5 * GRANULE + 123
     gen = torch.Generator().manual_seed(0)
     groups = [
@@ -311,7 +366,9 @@ def test_backed_update_in_chunks_is_the_whole_update(optimizer):
         opt.step(wm, grad, ws, lr=1e-3, count=count, groups=groups, lowp_out=None)
         saved_m, saved_s = torch.empty_like(gm), {k: torch.empty_like(t) for k, t in gs.items()}
         update_backed(
-            opt, gm, grad, gs, saved_m, saved_s, lr=1e-3, count=count, groups=groups, span=span, chunk=GRANULE
-        )
+            backed, gm, grad, gs, saved_m, saved_s, lr=1e-3, count=count, groups=groups, span=span,
+            chunk=GRANULE,
+        )  # fmt: skip
         assert gm.equal(wm) and all(gs[k].equal(ws[k]) for k in ws)
         assert saved_m.equal(before_m) and all(saved_s[k].equal(before_s[k]) for k in before_s)
+    assert backed.calls == (3 if fused else 3 * 6)  # fused: one call; else per chunk (5 granules, a tail)
