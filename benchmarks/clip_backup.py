@@ -2,22 +2,30 @@
 
     python benchmarks/clip_backup.py --numel 20000000                   # quick, anywhere
     python benchmarks/clip_backup.py --numel 100000000 --chunks 65536,1048576,4194304
+    python benchmarks/clip_backup.py --numel 81000000 --repeat 5 --threads 16   # the H200 host
 
-A speculative step (``slidekit.engine.speculation``) copies each chunk of a
-unit's FP32 master and optimizer state into the unit's backup right before the
-optimizer updates that chunk (``update_backed``), so the update reads the bytes
-the copy has just brought into cache. Per optimizer driver (``layer_adam`` and
+A speculative step (``slidekit.engine.speculation``) backs up each unit's FP32
+master and optimizer state before updating it (``update_backed``). An
+optimizer declaring ``fused_backup`` (both bundled ones) writes the backup in
+its update's pass, given it as ``backup_out``; for any other the engine copies
+each chunk right before the optimizer updates that chunk, so the update reads
+the bytes the copy has just brought into cache. Per optimizer driver (``layer_adam`` and
 ``adamw_8bit``, fused C++ kernels, through the plugin registry as the engine
 gets them), this times, on one unit of ``--numel`` parameters with an FP32
 gradient (the CPU engine's; BF16 on the GPU) and weight decay 0.1:
 
 * ``update``: the update alone, whole unit in one call (today's path);
-* ``backed_<chunk>``: ``update_backed`` with each chunk size of ``--chunks``;
+* ``backed_<chunk>``: the copy path, ``update_backed`` with each chunk size of ``--chunks``, the
+  optimizer's ``fused_backup`` hidden (as for an optimizer without it; the path before the fused one);
+* ``fused``: ``update_backed`` with the capability: one call, the backup written in the pass;
 * ``copy_then_update``: the whole unit copied first, then updated (the naive backup).
 
 ``--repeat`` interleaved rounds (a change of background load hits all alike),
-median per contender; prints one JSON line with seconds, and each contender's
-extra time over ``update`` (``<driver>_<contender>_extra``, a fraction).
+median per contender; prints one JSON line with seconds, each contender's
+extra time over ``update`` (``<driver>_<contender>_extra``, a fraction), the
+fused path's time over the copy path's at the engine's chunk
+(``<driver>_fused_over_copy``) and the kernels' streaming-store width
+(``backup_stream_bytes``: 64 with AVX-512, 32 with AVX2, 0 where they memcpy).
 """
 
 from __future__ import annotations
@@ -32,9 +40,19 @@ import torch
 
 from slidekit import Plugins
 from slidekit.engine.speculation import BACKUP_CHUNK, update_backed
-from slidekit.interfaces import OptimizerHyper, ParamGroupRange
+from slidekit.interfaces import OptimizerHyper, ParamGroupRange, UnitOptimizer
 
 Step = Callable[[], None]
+
+
+class _CopyPath:
+    """``opt`` without its ``fused_backup``: ``update_backed`` copies the backup chunk by chunk."""
+
+    def __init__(self, opt: UnitOptimizer) -> None:
+        self.opt = opt
+        self.name, self.device_update, self.linear_state = opt.name, opt.device_update, opt.linear_state
+        self.state_layout = opt.state_layout
+        self.step = opt.step
 
 
 def _unit(opt, n: int):
@@ -59,11 +77,11 @@ def _contenders(opt, n: int, chunks: list[int]) -> dict[str, Step]:
         count[0] += 1
         opt.step(master, grad, state, lr=1e-6, count=count[0], groups=groups, lowp_out=None)
 
-    def backed(chunk: int) -> Step:
+    def backed(chunk: int, via: UnitOptimizer) -> Step:
         def step() -> None:
             count[0] += 1
             update_backed(
-                opt, master, grad, state, saved_master, saved_state,
+                via, master, grad, state, saved_master, saved_state,
                 lr=1e-6, count=count[0], groups=groups, span=span, chunk=chunk,
             )  # fmt: skip
 
@@ -76,7 +94,9 @@ def _contenders(opt, n: int, chunks: list[int]) -> dict[str, Step]:
         update()
 
     out = {"update": update, "copy_then_update": copy_then_update}
-    out |= {f"backed_{c}": backed(c) for c in chunks}
+    out |= {f"backed_{c}": backed(c, _CopyPath(opt)) for c in chunks}
+    if getattr(opt, "fused_backup", False) is True:
+        out["fused"] = backed(BACKUP_CHUNK, opt)  # the chunk is not used: one call
     return out
 
 
@@ -92,9 +112,11 @@ def main() -> None:
     chunks = [int(c) for c in args.chunks.split(",")]
     hyper = OptimizerHyper(weight_decay=0.1)
     steps: dict[str, Step] = {}
+    stream_bytes = None
     for reg in Plugins().drivers("optimizer"):
         if reg.name in ("layer_adam", "adamw_8bit"):
             opt = reg.descriptor.factory(hyper, impl="cpp")
+            stream_bytes = opt._kernel.backup_stream_bytes()
             steps |= {f"{reg.name}_{k}": s for k, s in _contenders(opt, args.numel, chunks).items()}
     for step in steps.values():
         step()  # warm-up: first touch, kernel caches
@@ -111,6 +133,7 @@ def main() -> None:
         "torch": torch.__version__,
         "default_chunk": BACKUP_CHUNK,
         "repeat": args.repeat,
+        "backup_stream_bytes": stream_bytes,
     }
     out |= {f"{k}_s": round(v, 5) for k, v in secs.items()}
     for name in secs:
@@ -119,6 +142,10 @@ def main() -> None:
             for other, v in secs.items():
                 if other.startswith(driver + "_") and other != name:
                     out[f"{other}_extra"] = round(v / secs[name] - 1, 3)
+            if f"{driver}_fused" in secs:
+                out[f"{driver}_fused_over_copy"] = round(
+                    secs[f"{driver}_fused"] / secs[f"{driver}_backed_{BACKUP_CHUNK}"], 3
+                )
     print(json.dumps(out), flush=True)
 
 

@@ -55,7 +55,7 @@ correctly rounded FP32 result).
 Speculative clipping's backup (``fused_backup = True``, ``slidekit.interfaces.FusedBackupOptimizer``):
 ``step(..., backup_out={"master": ..., "exp_avg": ..., "exp_avg_sq": ...})`` also writes the
 values master and moments hold before the update there. The kernel does it in the update's pass,
-tile by tile (512 elements, L1-resident) right before updating the tile, with streaming stores where
+tile by tile (128 elements, L1-resident) right before updating the tile, with streaming stores where
 the build has AVX-512 or AVX (``csrc/backup_copy.h``): 12 more bytes written per parameter, 40 in
 all, where the engine's former copy added 24 of traffic and its cold reads. The torch path and
 tensors on a GPU copy first, then update. The backup is the old bytes and the update the same bits

@@ -2,7 +2,7 @@
 
 For layer_adam and adamw_8bit, fused C++ kernels and torch paths: after every step the backup holds
 the master and state as they were before it, bit for bit, and the update is bit for bit the update
-without a backup. Sizes around the vector widths (16 lanes, 64-element task edges), the 512-element
+without a backup. Sizes around the vector widths (16 lanes, 64-element task edges), the 128-element
 backup tile and the 256-element quantization block; slices at odd offsets of larger buffers (so
 neither the sources nor the backups are aligned, nor aligned alike); one and two threads; BF16 and
 FP32 gradients; with and without the BF16 copy; groups with different weight decays. The kernels'
@@ -31,9 +31,9 @@ from slidekit_optim.adamw_8bit import AdamW8bit
 from slidekit_optim.kernel_build import kernel_status
 from slidekit_optim.layer_adam import LayerAdam
 
-#: Around 16 lanes, 64-element task edges, the 512-element tile and 256-element blocks, and large
+#: Around 16 lanes, 64-element task edges, the 128-element tile and 256-element blocks, and large
 #: enough (100_003 > 2 x 32 Ki) that two threads each take a task.
-SIZES = (1, 15, 17, 63, 255, 257, 513, 4099, 100_003)
+SIZES = (1, 15, 17, 63, 129, 255, 257, 513, 4099, 100_003)
 #: (source offset, backup offset) in elements of the buffers the views are cut from.
 OFFSETS = ((0, 0), (3, 5), (1, 0))
 STEPS = 3
