@@ -40,21 +40,24 @@ What an optimizer is held to, beyond the ``UnitOptimizer`` docstring:
   in pieces;
 * ``check_device_update`` (``device_update = True``, on a CUDA machine):
   ``step`` runs on CUDA tensors and gives bit for bit what it gives on the
-  CPU, so results never depend on where the engine kept a unit.
+  CPU, so results never depend on where the engine kept a unit;
+* ``check_fused_backup`` (``fused_backup = True``, optional): ``step`` with
+  ``backup_out`` leaves there the master and state as they were before the
+  step, bit for bit, and updates them bit for bit as without it.
 """
 
 from __future__ import annotations
 
 import unittest
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from slidekit.capabilities import GRANULE
 from slidekit.capabilities import check_optimizer as check_capabilities
 from slidekit.engine.state import slice_groups
-from slidekit.interfaces import ParamGroupRange, UnitOptimizer
+from slidekit.interfaces import FusedBackupOptimizer, ParamGroupRange, UnitOptimizer
 from slidekit.testing.conformance import Conformance, NotApplicable, run_checks
 
 __all__ = [
@@ -65,6 +68,7 @@ __all__ = [
     "OptimizerFactory",
     "check_declarations",
     "check_device_update",
+    "check_fused_backup",
     "check_linear_state",
     "check_optimizer",
     "check_step",
@@ -235,11 +239,38 @@ def check_device_update(make: OptimizerFactory) -> None:
         _assert_bits(s_dev[k], s_cpu[k], f"{what}: state {k!r}")
 
 
+def check_fused_backup(make: OptimizerFactory) -> None:
+    """With ``fused_backup = True``: ``backup_out`` receives the old master and state exactly, and the
+    update is the same bits as without it."""
+    opt = make()
+    name = _name(opt)
+    if getattr(opt, "fused_backup", False) is not True:
+        raise NotApplicable(f"{name} does not declare fused_backup = True: the engine copies its backups")
+    plain, backed = make(), cast(FusedBackupOptimizer, make())
+    init, grads = _unit(3)
+    pm, bm = init.clone(), init.clone()
+    ps, bs = _zero_state(plain, NUMEL), _zero_state(backed, NUMEL)
+    p_low, b_low = torch.empty(NUMEL, dtype=torch.bfloat16), torch.empty(NUMEL, dtype=torch.bfloat16)
+    backup = {"master": torch.full_like(bm, 7.0), **{k: torch.full_like(t, 7) for k, t in bs.items()}}
+    what = f"{name} (fused_backup = True)"
+    for count, grad in enumerate(grads, 1):
+        before = {"master": bm.clone(), **{k: t.clone() for k, t in bs.items()}}
+        plain.step(pm, grad, ps, lr=LR, count=count, groups=GROUPS, lowp_out=p_low)
+        backed.step(bm, grad, bs, lr=LR, count=count, groups=GROUPS, lowp_out=b_low, backup_out=backup)
+        for k, t in before.items():
+            _assert_bits(backup[k], t, f"{what}, step {count}: backup_out[{k!r}] against the value before")
+        _assert_bits(bm, pm, f"{what}, step {count}: master against a step without backup_out")
+        _assert_bits(b_low, p_low, f"{what}, step {count}: lowp_out against a step without backup_out")
+        for k in ps:
+            _assert_bits(bs[k], ps[k], f"{what}, step {count}: state {k!r} against a step without backup_out")
+
+
 CHECKS: tuple[Callable[[OptimizerFactory], None], ...] = (
     check_declarations,
     check_step,
     check_linear_state,
     check_device_update,
+    check_fused_backup,
 )
 
 

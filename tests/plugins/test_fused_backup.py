@@ -234,3 +234,22 @@ def test_the_capability_is_optional_and_a_bool():
     with pytest.raises(PluginError, match=r"fused_backup = 'yes'.*not a bool"):
         check_optimizer(plain, who="optimizer 'plain'")
     assert LayerAdam.fused_backup is True and AdamW8bit.fused_backup is True
+
+
+def test_the_conformance_kit_holds_a_fused_backup_to_its_word():
+    from slidekit.testing import optimizers as kit
+
+    kit.check_fused_backup(lambda: LayerAdam(OptimizerHyper(weight_decay=0.1), impl="torch"))
+
+    class Late(LayerAdam):
+        """Takes the backup after the update: the new values, not the old ones."""
+
+        def step(self, master, grad, state, *, backup_out=None, **kw):
+            super().step(master, grad, state, **kw)
+            if backup_out is not None:
+                backup_out["master"].copy_(master)
+                for k, t in state.items():
+                    backup_out[k].copy_(t)
+
+    with pytest.raises(AssertionError, match=r"backup_out\['master'\] against the value before"):
+        kit.check_fused_backup(lambda: Late(OptimizerHyper(weight_decay=0.1), impl="torch"))
