@@ -600,10 +600,10 @@ def _requested_step(out: str) -> float:
 
 
 def test_plan_predicts_the_clipped_step_the_engine_runs(capsys):
-    """On the H200's rates the backups copy at their measured 35 GB/s, so for the 3B shape at batch 32
-    "auto" defers, ``slidekit plan`` says so and predicts the deferring step (as the engine's builder
-    decides, through the same ``overlap_layout``), and both predictions are within 15% of the H200's
-    measured steps."""
+    """On the H200's rates the backups copy at their measured 35 GB/s (priced at the 95 GB/s triad, the
+    speculating step came out 36% short of the measured one): for the 3B shape at batch 32 "auto"
+    defers, ``slidekit plan`` says so and predicts the deferring step (the engine's builder decides
+    through the same ``overlap_layout``), and both predictions are within 15% of the measured steps."""
     auto = _plan_3b_b32(capsys)
     assert "note: optim.clip_overlap='auto': the step-time model predicts" in auto and "clipped steps defer" in auto
     assert "clip backup" not in auto.split("fastest placement")[0]
