@@ -37,8 +37,8 @@ namespace slidekit {
 
 // Elements per tile of a fused backup: each array's tile stays in L1 between the copy and the
 // update (128 elements: 512 B, 8 cache lines, of each FP32 array). On the 2-core Zen 4 test machine
-// (docs/benchmarks/NOTES.md section 23) tiles of 64 and 128 cost least; 32 more (the per-tile call),
-// 256, 512 and 2048 clearly more.
+// (docs/benchmarks/NOTES.md section 23) tiles of 64 and 128 cost least, 32 and 256 as much or more,
+// 512 and 2048 clearly more; plain stores instead of streaming ones cost ~2.5x as much again.
 constexpr int64_t kBackupTile = 128;
 
 // How the build stores backups: the streaming store's width in bytes, 0 where it copies with memcpy.
