@@ -160,15 +160,9 @@ def check_optimizer(optimizer: Any, *, who: str) -> None:
                 f"{who} built {type(optimizer).__name__}, which has no {method}() method: an optimizer "
                 "factory must return a UnitOptimizer (slidekit.interfaces)"
             )
-    for attr in CAPABILITIES:
-        if not hasattr(optimizer, attr):
+    for attr in (*CAPABILITIES, *OPTIONAL_CAPABILITIES):
+        if attr in CAPABILITIES and not hasattr(optimizer, attr):
             raise PluginError(f"{who} does not declare {attr}: {_FIXES[attr]}")
-        value = getattr(optimizer, attr)
-        if not isinstance(value, bool):
-            raise PluginError(
-                f"{who} declares {attr} = {value!r} ({type(value).__name__}), which is not a bool: {_FIXES[attr]}"
-            )
-    for attr in OPTIONAL_CAPABILITIES:
         value = getattr(optimizer, attr, False)
         if not isinstance(value, bool):
             raise PluginError(

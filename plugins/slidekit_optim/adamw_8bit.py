@@ -238,7 +238,9 @@ class AdamW8bit:
         backup = (
             None
             if backup_out is None
-            else check_backup_out("adamw_8bit", backup_out, master, layout, {"grad": grad, "lowp_out": lowp_out})
+            else check_backup_out(
+                "adamw_8bit", backup_out, master, layout, {"grad": grad, "lowp_out": lowp_out}
+            )
         )
         n = master.numel()
         grad = grad.reshape(-1)  # a view when contiguous

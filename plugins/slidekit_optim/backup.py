@@ -25,7 +25,9 @@ from torch import Tensor
 __all__ = ["check_backup_out", "copy_backup", "overlapping"]
 
 
-def overlapping(tensors: Mapping[str, Tensor | None], among: set[str] | None = None) -> tuple[str, str] | None:
+def overlapping(
+    tensors: Mapping[str, Tensor | None], among: set[str] | None = None
+) -> tuple[str, str] | None:
     """Two names of ``tensors`` whose bytes overlap, one of them in ``among`` (None: any), or None.
     None and empty tensors overlap nothing."""
     spans = [

@@ -15,8 +15,9 @@ a fine-tune do not clip, so this module bets that the step will not:
   backup's slices as ``backup_out``: one call per piece. For any other, right
   before each chunk of ``BACKUP_CHUNK`` parameters is updated, the optimizer
   thread copies that chunk's master and state into the backup, so the bytes
-  the update then reads are hot in cache (``update_backed``). The gradient stays in the unit's own buffer (``HostStore.unit_grad``), as the
-  deferred path keeps it;
+  the update then reads are hot in cache (``update_backed``). The gradient
+  stays in the unit's own buffer (``HostStore.unit_grad``), as the deferred
+  path keeps it;
 * at the end of the step, when the global norm is known: with scale exactly
   1.0 and a finite norm the bet was right and the speculated units are done;
   the others (streamed state, units the bet stopped for) get their deferred
@@ -43,9 +44,8 @@ The trade-off (``OptimConfig.clip_overlap``): "speculate" holds a backup of
 adamw_8bit) for every backed-up unit, in host RAM, and costs writing those
 bytes per update, in the update's pass with ``fused_backup``, else a copy
 (``benchmarks/clip_backup.py`` measures both, docs/benchmarks/NOTES.md 15 and
-23); a step that
-clips pays a restore and the whole deferred update at its end, more than the
-deferred path. "defer" is the deferred path. "auto" speculates where the
+23); a step that clips pays a restore and the whole deferred update at its
+end, more than the deferred path. "defer" is the deferred path. "auto" speculates where the
 planner found host RAM for the backups and, on a GPU with known rates, where
 the step-time model predicts a speculating step faster than a deferring one
 (``slidekit.planning.clip_overlap.overlap_layout``), and not on the step right

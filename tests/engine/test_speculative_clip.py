@@ -324,7 +324,9 @@ class _Counted:
     def step(self, master, grad, state, *, lr, count, groups, lowp_out=None, **backup_out):
         assert set(backup_out) <= ({"backup_out"} if hasattr(self, "fused_backup") else set())
         self.calls += 1
-        self.inner.step(master, grad, state, lr=lr, count=count, groups=groups, lowp_out=lowp_out, **backup_out)
+        self.inner.step(
+            master, grad, state, lr=lr, count=count, groups=groups, lowp_out=lowp_out, **backup_out
+        )
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "copy"])

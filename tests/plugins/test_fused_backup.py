@@ -90,7 +90,8 @@ def check_case(
     backup = {"master": _view(n, torch.float32, dst, fill=7.0)}
     backup |= {k: _view(t.numel(), t.dtype, dst, fill=7) for k, t in bs.items()}
     gen, groups = torch.Generator().manual_seed(2), _groups(n)
-    what = f"{type(backed_opt).__name__} n={n} offsets={offsets} grad={grad_dtype} lowp={lowp} threads={threads}"
+    what = f"{type(backed_opt).__name__} n={n} offsets={offsets} grad={grad_dtype} lowp={lowp}"
+    what += f" threads={threads}"
     for count in range(1, STEPS + 1):
         grad = (torch.randn(n, generator=gen) * 10 ** torch.empty(n).uniform_(-6, 1, generator=gen)).to(
             grad_dtype
@@ -98,9 +99,8 @@ def check_case(
         before = {"master": bm.clone(), **{k: t.clone() for k, t in bs.items()}}
         lr = 1e-3 / count
         plain_opt.step(pm, grad, ps, lr=lr, count=count, groups=groups, lowp_out=p_low if lowp else None)
-        backed_opt.step(
-            bm, grad, bs, lr=lr, count=count, groups=groups, lowp_out=b_low if lowp else None, backup_out=backup
-        )
+        b_out = b_low if lowp else None
+        backed_opt.step(bm, grad, bs, lr=lr, count=count, groups=groups, lowp_out=b_out, backup_out=backup)
         for k, t in before.items():
             assert _same_bits(backup[k], t), f"{what}, step {count}: the backup of {k} is not the old value"
         assert _same_bits(bm, pm), f"{what}, step {count}: the master differs from the update without backup"
@@ -159,7 +159,8 @@ def test_other_isa_builds(kernels, capability):
     """The kernels built without vector ISA flags (memcpy) and for AVX2 (32-byte streaming stores): the
     same checks, in a child process under that capability, at two threads."""
     code = (
-        f"import sys, torch; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_fused_backup as t; "
+        f"import sys, torch; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        "import test_fused_backup as t; "
         "from slidekit_optim.layer_adam import LayerAdam; from slidekit.interfaces import OptimizerHyper; "
         "print(torch.backends.cpu.get_cpu_capability()); "
         "print(LayerAdam(OptimizerHyper(), impl='cpp')._kernel.backup_stream_bytes()); "
@@ -210,7 +211,8 @@ def test_bad_backup_buffers_are_refused_before_any_write(kernels, optimizer, imp
 
     refused({k: t for k, t in good.items() if k != state_name}, ValueError, rf"lacks \['{state_name}'\]")
     refused({**good, "momentum": torch.empty(1000)}, ValueError, r"unknown \['momentum'\]")
-    refused({**good, "master": torch.empty(1000, dtype=torch.float64)}, TypeError, r"backup_out\['master'\].*float32")
+    wide = torch.empty(1000, dtype=torch.float64)
+    refused({**good, "master": wide}, TypeError, r"backup_out\['master'\].*float32")
     refused({**good, "master": torch.empty(999)}, ValueError, r"backup_out\['master'\].*1000 elements")
     refused({**good, "master": torch.empty(2000)[::2]}, ValueError, r"backup_out\['master'\].*not contiguous")
     refused({**good, "master": master}, ValueError, r"backup_out\['master'\] and master overlap")
