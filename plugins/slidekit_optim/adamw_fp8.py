@@ -185,13 +185,16 @@ class AdamWFp8:
         grad = grad.reshape(-1)  # a view when contiguous
         segments = _segments(groups, n, lr)
         scalars = _scalars(self.hyper, lr, count)
-        direct = lowp_out is not None and lowp_out.dtype == torch.bfloat16 and lowp_out.is_contiguous()
+        # The kernel writes a contiguous BF16 copy in its pass; anything else is cast after the update.
+        direct = None
+        if lowp_out is not None and lowp_out.dtype == torch.bfloat16 and lowp_out.is_contiguous():
+            direct = lowp_out.view(-1)
         if self._kernel is not None:
-            self._step_kernel(master, grad, state, segments, scalars, lowp_out.view(-1) if direct else None)
+            self._step_kernel(master, grad, state, segments, scalars, direct)
         else:
             self._step_torch(master, grad, state, segments, scalars)
-            direct = False  # the torch path casts the whole unit once, below
-        if lowp_out is not None and not direct:  # another dtype or layout: cast after the update
+            direct = None  # the torch path casts the whole unit once, below
+        if lowp_out is not None and direct is None:
             lowp_out.copy_(master.view(lowp_out.shape))
 
     def _step_kernel(
