@@ -5,9 +5,10 @@
 
 Every installed optimizer driver runs through the plugin registry, as the
 engine uses it (BF16 gradient in, BF16 upload copy out, weight decay 0.1);
-``layer_adam`` and ``adamw_8bit`` run twice, once per implementation
-(``impl="cpp"``, the fused kernel, built first if needed, which is what the
-engine gets, and ``impl="torch"``, the pure-torch reference and fallback).
+``layer_adam``, ``adamw_8bit`` and ``adamw_fp8`` run twice, once per
+implementation (``impl="cpp"``, the fused kernel, built first if needed, which
+is what the engine gets, and ``impl="torch"``, the pure-torch reference and
+fallback).
 The baseline is ``torch.optim.AdamW(fused=True)`` on the same unit: the BF16
 gradient copied into a preallocated FP32 buffer (the fused kernel wants FP32
 gradients like its parameters), the step, then a separate BF16 copy.
@@ -18,8 +19,9 @@ then --repeat rounds time one update of every contender in turn, so a change
 of background load hits them all alike. Prints one JSON line:
 ``<contender>_gparams_s`` (G parameters per second, median over the rounds),
 ``layer_adam_cpp_over_baseline``, ``<driver>_cpp_over_torch`` (each fused
-kernel against its own torch path) and ``adamw_8bit_cpp_over_layer_adam_cpp``
-(the two fused kernels, measured in the same rounds).
+kernel against its own torch path), ``adamw_8bit_cpp_over_layer_adam_cpp``,
+``adamw_fp8_cpp_over_layer_adam_cpp`` and ``adamw_fp8_cpp_over_adamw_8bit_cpp``
+(the fused kernels against each other, measured in the same rounds).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from slidekit.interfaces import OptimizerHyper, ParamGroupRange
 Step = Callable[[], None]
 
 #: Drivers with a fused C++ kernel and a pure-torch path, switched by ``impl``: both are measured.
-_TWO_PATHS = ("layer_adam", "adamw_8bit")
+_TWO_PATHS = ("layer_adam", "adamw_8bit", "adamw_fp8")
 
 
 def _driver_step(opt, grad: torch.Tensor, groups: list[ParamGroupRange]) -> Step:
@@ -127,9 +129,9 @@ def main() -> None:
     for name in _TWO_PATHS:
         if f"{name}_cpp" in rates:
             out[f"{name}_cpp_over_torch"] = round(rates[f"{name}_cpp"] / rates[f"{name}_torch"], 2)
-    if "adamw_8bit_cpp" in rates and "layer_adam_cpp" in rates:
-        ratio = rates["adamw_8bit_cpp"] / rates["layer_adam_cpp"]
-        out["adamw_8bit_cpp_over_layer_adam_cpp"] = round(ratio, 2)
+    for a, b in (("adamw_8bit", "layer_adam"), ("adamw_fp8", "layer_adam"), ("adamw_fp8", "adamw_8bit")):
+        if f"{a}_cpp" in rates and f"{b}_cpp" in rates:
+            out[f"{a}_cpp_over_{b}_cpp"] = round(rates[f"{a}_cpp"] / rates[f"{b}_cpp"], 2)
     print(json.dumps(out), flush=True)
 
 

@@ -118,8 +118,10 @@ class EngineBuilding:
         ec = self.config.engine
         if self.device.type == "cuda" and ec.resident_fraction() and not planner.device_updates:
             raise ConfigError(
-                f"optimizer {optimizer.name!r} updates on the CPU only, so no unit can be resident on the "
-                "GPU; set engine.gpu_resident='none' or use layer_adam"
+                f"optimizer {optimizer.name!r} updates on the CPU only (device_update = False), so no unit "
+                f"can be resident on the GPU (engine.gpu_resident={ec.gpu_resident!r}); set "
+                "engine.gpu_resident='none' (CLI: --gpu-resident none), or use an optimizer that updates "
+                "on the GPU too (layer_adam, adamw_8bit)"
             )
         layout = planner.layout(Placement.of(ec), self.machine())
         layout, note = overlap_layout(planner, layout, self.machine(), self.config.optim.clip_overlap)

@@ -25,6 +25,7 @@ from slidekit.resolve import build_optimizer, resolve
 from slidekit.testing import optimizers as kit
 from slidekit.testing.conformance import NotApplicable
 from slidekit_optim.adamw_8bit import AdamW8bit
+from slidekit_optim.adamw_fp8 import AdamWFp8
 from slidekit_optim.layer_adam import LayerAdam
 
 WHO = "optimizer 'fake' (plugin 'fakes')"
@@ -75,13 +76,17 @@ def _blocks(n: int, block: int) -> int:
 
 
 @pytest.mark.parametrize(
-    "make",
-    [lambda: LayerAdam(OptimizerHyper(), impl="torch"), lambda: AdamW8bit(OptimizerHyper(), impl="torch")],
-    ids=["layer_adam", "adamw_8bit"],
+    "make, device_update",
+    [
+        (lambda: LayerAdam(OptimizerHyper(), impl="torch"), True),
+        (lambda: AdamW8bit(OptimizerHyper(), impl="torch"), True),
+        (lambda: AdamWFp8(OptimizerHyper(), impl="torch"), False),  # host only
+    ],
+    ids=["layer_adam", "adamw_8bit", "adamw_fp8"],
 )
-def test_the_bundled_optimizers_declare_both_and_their_layouts_agree(make):
+def test_the_bundled_optimizers_declare_both_and_their_layouts_agree(make, device_update):
     opt = make()
-    assert opt.device_update is True and opt.linear_state is True
+    assert opt.device_update is device_update and opt.linear_state is True
     assert layout_nonlinearity(opt) is None
     check_optimizer(opt, who=WHO)
 

@@ -192,9 +192,12 @@ def test_toml_values_of_the_wrong_type_are_one_clear_line(tmp_path, capsys):
 def test_plugins_lists_every_driver(capsys):
     assert main(["plugins"]) == 0
     out = capsys.readouterr().out
-    for name in ("ram", "layer_adam", "torch_ref", "llama", "qwen2", "qwen3", "mistral"):
+    drivers = ("ram", "layer_adam", "adamw_8bit", "adamw_fp8", "torch_ref", "llama", "qwen2", "qwen3")
+    for name in (*drivers, "mistral"):
         assert name in out
     assert "available" in out
+    fp8 = next(line for line in out.splitlines() if " adamw_fp8 " in line)
+    assert fp8.split()[:4] == ["optimizer", "adamw_fp8", "adamw_fp8", "available"], fp8
 
 
 @pytest.mark.slow
@@ -208,8 +211,12 @@ def test_build_compiles_the_optimizer_kernels_and_reports():
     header, *rows, _ = (re.split(r"\s{2,}", ln.strip()) for ln in lines)
     assert header == ["FAMILY", "NAME", "STATUS", "SECONDS", "WHERE / WHY"]
     by_name = {row[1]: row for row in rows}
-    assert set(by_name) == {"layer_adam", "adamw_8bit"}, proc.stdout
-    for name, source in (("layer_adam", "fused_adam.cpp"), ("adamw_8bit", "adamw8.cpp")):
+    assert set(by_name) == {"layer_adam", "adamw_8bit", "adamw_fp8"}, proc.stdout
+    for name, source in (
+        ("layer_adam", "fused_adam.cpp"),
+        ("adamw_8bit", "adamw8.cpp"),
+        ("adamw_fp8", "adamwfp8.cpp"),
+    ):
         family, _, status, seconds, where = by_name[name]
         library, detail = where.split(" (", 1)
         assert family == "optimizer" and status in ("built", "up to date"), by_name[name]

@@ -431,7 +431,7 @@ def test_profiles_say_where_every_figure_comes_from():
     for name, gpu in PROFILES.items():
         assert profile(name) is gpu and profile(name.upper()) is gpu
         assert set(gpu.rates.sources) == set(fields), name
-        assert {"layer_adam", "adamw_8bit"} <= set(gpu.rates.updates)
+        assert {"layer_adam", "adamw_8bit", "adamw_fp8"} <= set(gpu.rates.updates)
         assert 0 < gpu.device_free < gpu.device_total
     h200, rtx = PROFILES["h200"].rates, PROFILES["rtx4090"].rates
     assert all(s.startswith("measured") for s in h200.sources.values())
@@ -445,6 +445,19 @@ def test_profiles_say_where_every_figure_comes_from():
     assert rtx.layer_tflops < h200.layer_tflops and rtx.h2d_gbps < h200.h2d_gbps
     with pytest.raises(ConfigError, match=r"unknown GPU profile .b300.*h200, rtx4090"):
         profile("b300")
+
+
+def test_adamw_fp8s_rates_are_the_h200_hosts_measured_and_the_workstations_scaled_by_its_triad():
+    h200, rtx = PROFILES["h200"].rates.updates["adamw_fp8"], PROFILES["rtx4090"].rates.updates["adamw_fp8"]
+    assert h200.host_params_per_s == 5.687e9
+    assert h200.source.startswith(
+        "measured: host 5.687 G params/s (benchmarks/fp8_codec.py rate, 16 threads, "
+        "docs/benchmarks/raw/2026-12-02-s10/fp8_rate.json)"
+    )
+    assert rtx.host_params_per_s == pytest.approx(5.687e9 * 65 / 95, rel=2e-3)
+    assert rtx.source.startswith("assumed") and "x 65 / 95 GB/s of triad" in rtx.source
+    for rate in (h200, rtx):  # host only: the device figure is documented as never used
+        assert "not applicable, host only" in rate.source and rate.device_bytes_per_param == 16.0
 
 
 def test_a_probed_gpu_gets_its_profiles_rates():

@@ -106,7 +106,7 @@ from slidekit.hookspecs import hookimpl
 from slidekit.interfaces import Availability, OptimizerDescriptor, OptimizerHyper, ParamGroupRange
 from slidekit_optim.backup import check_backup_out, copy_backup
 from slidekit_optim.kernel_build import CSRC, kernel_status, load_or_fallback, prepare_kernel
-from slidekit_optim.layer_adam import _IMPLS, Impl, _scalars, _Segment, _segments, _StepScalars
+from slidekit_optim.layer_adam import Impl, _check_hyper, _scalars, _Segment, _segments, _StepScalars
 from slidekit_optim.quant8 import (
     BLOCK_SIZE,
     QuantMap,
@@ -186,17 +186,8 @@ class AdamW8bit:
         impl: Impl = "auto",
         kernel_source: Path | str | None = None,
     ) -> None:
-        b1, b2 = hyper.betas
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"betas must lie in [0, 1), got {hyper.betas}")
-        if hyper.eps <= 0:
-            raise ValueError(f"eps must be > 0, got {hyper.eps}")
-        if hyper.threads is not None and hyper.threads < 1:
-            raise ValueError(f"threads must be >= 1 or None (torch's setting), got {hyper.threads}")
-        if chunk <= 0 or chunk % BLOCK_SIZE:
-            raise ValueError(f"chunk must be a positive multiple of the block size {BLOCK_SIZE}, got {chunk}")
-        if impl not in _IMPLS:
-            raise ValueError(f"impl must be one of {', '.join(_IMPLS)}; got {impl!r}")
+        _check_hyper(hyper, impl)
+        _check_chunk(chunk)
         self.hyper = hyper
         self.chunk = chunk
         self.m_map: QuantMap = dynamic_map(signed=True)
@@ -233,7 +224,17 @@ class AdamW8bit:
         source) receives the values before it (``fused_backup``)."""
         if count < 1:
             raise ValueError(f"count is the 1-based update number, got {count}")
-        self._check(master, grad, state, lowp_out)
+        _check_unit(
+            "adamw_8bit",
+            self.state_layout(master.numel()),
+            master,
+            grad,
+            state,
+            lowp_out,
+            devices=("cpu", "cuda"),  # ROCm GPUs are "cuda" devices to torch
+            where="on the CPU or a CUDA/ROCm GPU",
+            device_fix="keep the unit on the host or on the GPU",
+        )
         layout = {k: state[k] for k in self.state_layout(0)}
         backup = (
             None
@@ -367,44 +368,57 @@ class AdamW8bit:
         quantize_blockwise(m, m_map, codes=m_codes, absmax=m_absmax, work=work)
         quantize_blockwise(v, v_map, codes=v_codes, absmax=v_absmax, work=work)
 
-    def _check(
-        self, master: Tensor, grad: Tensor, state: Mapping[str, Tensor], lowp_out: Tensor | None
-    ) -> None:
-        """Shapes, dtypes and devices, so a wrong buffer fails here instead of corrupting state."""
-        n = master.numel()
-        if master.dtype != torch.float32 or master.dim() != 1 or not master.is_contiguous():
+
+def _check_chunk(chunk: int) -> None:
+    if chunk <= 0 or chunk % BLOCK_SIZE:
+        raise ValueError(f"chunk must be a positive multiple of the block size {BLOCK_SIZE}, got {chunk}")
+
+
+def _check_unit(
+    owner: str,
+    layout: Mapping[str, tuple[torch.dtype, int]],
+    master: Tensor,
+    grad: Tensor,
+    state: Mapping[str, Tensor],
+    lowp_out: Tensor | None,
+    *,
+    devices: tuple[str, ...],
+    where: str,
+    device_fix: str,
+) -> None:
+    """Shapes, dtypes and devices of one ``step``'s tensors, so a wrong buffer fails here instead of
+    corrupting state: ``owner`` names the optimizer, ``layout`` is its ``state_layout(n)``, ``devices``
+    the device types it updates on, ``where`` says so in words and ``device_fix`` what to do instead."""
+    n = master.numel()
+    if master.dtype != torch.float32 or master.dim() != 1 or not master.is_contiguous():
+        raise ValueError(
+            f"{owner}: master must be a contiguous 1-D FP32 tensor, got {master.dtype} {tuple(master.shape)}"
+        )
+    if grad.numel() != n or grad.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"{owner}: grad must hold {n} FP32 or BF16 elements, got {grad.numel()} {grad.dtype}"
+        )
+    if lowp_out is not None and lowp_out.numel() != n:
+        raise ValueError(f"{owner}: lowp_out must hold {n} elements, got {lowp_out.numel()}")
+    missing = [k for k in layout if k not in state]
+    if missing:
+        raise ValueError(f"{owner} state lacks {missing}; allocate it from state_layout(): {sorted(layout)}")
+    for name, (dtype, numel) in layout.items():
+        t = state[name]
+        if t.dtype != dtype or t.numel() != numel or not t.is_contiguous():
             raise ValueError(
-                f"master must be a contiguous 1-D FP32 tensor, got {master.dtype} {tuple(master.shape)}"
+                f"{owner}: state {name!r} must be a contiguous {dtype} tensor of {numel} elements, "
+                f"got {t.dtype} with {t.numel()}; allocate it from state_layout({n})"
             )
-        if grad.numel() != n or grad.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"grad must hold {n} FP32 or BF16 elements, got {grad.numel()} {grad.dtype}")
-        if lowp_out is not None and lowp_out.numel() != n:
-            raise ValueError(f"lowp_out must hold {n} elements, got {lowp_out.numel()}")
-        layout = self.state_layout(n)
-        missing = [k for k in layout if k not in state]
-        if missing:
-            raise ValueError(
-                f"adamw_8bit state lacks {missing}; allocate it from state_layout(): {sorted(layout)}"
-            )
-        for name, (dtype, numel) in layout.items():
-            t = state[name]
-            if t.dtype != dtype or t.numel() != numel or not t.is_contiguous():
-                raise ValueError(
-                    f"state {name!r} must be a contiguous {dtype} tensor of {numel} elements, "
-                    f"got {t.dtype} with {t.numel()}"
-                )
-        device = master.device
-        if device.type not in ("cpu", "cuda"):  # ROCm GPUs are "cuda" devices to torch
-            raise ValueError(
-                f"adamw_8bit updates on the CPU or a CUDA/ROCm GPU, got master on {device}; "
-                "keep the unit on the host or on the GPU"
-            )
-        tensors = {"master": master, "grad": grad, "lowp_out": lowp_out, **state}
-        elsewhere = [f"{k} on {t.device}" for k, t in tensors.items() if t is not None and t.device != device]
-        if elsewhere:
-            raise ValueError(
-                f"adamw_8bit: every tensor must be on the master's device {device}, got {', '.join(elsewhere)}"
-            )
+    device = master.device
+    if device.type not in devices:
+        raise ValueError(f"{owner} updates {where}, got master on {device}; {device_fix}")
+    tensors = {"master": master, "grad": grad, "lowp_out": lowp_out, **state}
+    elsewhere = [f"{k} on {t.device}" for k, t in tensors.items() if t is not None and t.device != device]
+    if elsewhere:
+        raise ValueError(
+            f"{owner}: every tensor must be on the master's device {device}, got {', '.join(elsewhere)}"
+        )
 
 
 @functools.cache

@@ -44,8 +44,9 @@ where v's own range would flush a third of them to 0 (NOTES section 21).
 ``reference_step`` is the pure-torch statement of the fused AdamW step of
 ``csrc/adamwfp8.cpp`` (m in E4M3, r = sqrt(v) in UE4M4 with keep_nonzero, the
 update in ``layer_adam``'s FP32 operation order): the two agree bit for bit.
-That kernel is a feasibility measurement (docs/benchmarks/NOTES.md section
-20, ``benchmarks/fp8_codec.py``); no optimizer driver uses either yet.
+It is the ``"torch"`` path of the ``adamw_fp8`` optimizer (``adamw_fp8.py``,
+run there in chunks of whole blocks), whose ``"cpp"`` path is that kernel
+(measured in docs/benchmarks/NOTES.md section 21, ``benchmarks/fp8_codec.py``).
 
 Test: ``pytest tests/plugins/test_fp8_codec.py``.
 """

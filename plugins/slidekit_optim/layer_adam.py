@@ -147,6 +147,20 @@ def _scalars(hyper: OptimizerHyper, lr: float, count: int) -> _StepScalars:
     )
 
 
+def _check_hyper(hyper: OptimizerHyper, impl: str) -> None:
+    """What every bundled AdamW (layer_adam, adamw_8bit, adamw_fp8) refuses at construction, naming
+    the bad value and the valid range."""
+    b1, b2 = hyper.betas
+    if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+        raise ValueError(f"betas must lie in [0, 1), got {hyper.betas}")
+    if hyper.eps <= 0:
+        raise ValueError(f"eps must be > 0, got {hyper.eps}")
+    if hyper.threads is not None and hyper.threads < 1:
+        raise ValueError(f"threads must be >= 1 or None (torch's setting), got {hyper.threads}")
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(_IMPLS)}; got {impl!r}")
+
+
 #: A range of the unit and its decay factor (1 - lr * wd), None where it does not decay.
 _Segment = tuple[int, int, float | None]
 
@@ -264,15 +278,7 @@ class LayerAdam:
     def __init__(
         self, hyper: OptimizerHyper, *, impl: Impl = "auto", kernel_source: Path | str | None = None
     ) -> None:
-        b1, b2 = hyper.betas
-        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ValueError(f"betas must lie in [0, 1), got {hyper.betas}")
-        if hyper.eps <= 0:
-            raise ValueError(f"eps must be > 0, got {hyper.eps}")
-        if hyper.threads is not None and hyper.threads < 1:
-            raise ValueError(f"threads must be >= 1 or None (torch's setting), got {hyper.threads}")
-        if impl not in _IMPLS:
-            raise ValueError(f"impl must be one of {', '.join(_IMPLS)}; got {impl!r}")
+        _check_hyper(hyper, impl)
         self.hyper = hyper
         self.requested_impl: Impl = impl
         self._source = Path(kernel_source) if kernel_source is not None else KERNEL_SOURCE

@@ -49,6 +49,16 @@ _SUITES = "raw/2026-12-01-s6/suite-qwen2.5-3b.jsonl and raw/2026-12-01-s7/suite-
 #: more over 3.086 G parameters at 24 B/param (master and moments read and written) is 35.4 GB/s.
 _H200_BACKUP_GBPS = 35.4
 _LEVERS = "raw/2026-12-02-s10/levers-3b/suite-levers-qwen2.5-3b.jsonl"
+#: adamw_fp8 on the H200 host: the fused kernel, 233M unit, 16 threads, median of 5 (NOTES section 21).
+_FP8_HOST = 5.687e9
+#: adamw_fp8 updates on the host only, so the planner never prices a device update for it (no unit is
+#: resident with it); UpdateRate needs a figure: 16 B/param, the bytes its fused pass moves per parameter
+#: (gradient 2, master 8, codes 4, BF16 copy 2), what a device pass of the same arithmetic would move.
+_FP8_DEVICE_BYTES = 16.0
+_FP8_NO_DEVICE = (
+    "not applicable, host only (device_update = False: no unit is resident with it); 16 B/param is the "
+    "bytes its fused pass moves (gradient 2, master 8, codes 4, BF16 copy 2), never used"
+)
 
 H200_RATES = Rates(
     name="h200 (measured)",
@@ -79,6 +89,14 @@ H200_RATES = Rates(
                 f"measured: host 2.352 G params/s ({_H200_PAGE}/2026-11-29-session2.md); device: "
                 "derived, not measured: 16 B/param its fused Triton pass moves (gradient 2, master 8, "
                 "codes 4, BF16 weights 2) at the measured device bandwidth"
+            ),
+        ),
+        "adamw_fp8": UpdateRate(
+            host_params_per_s=_FP8_HOST,
+            device_bytes_per_param=_FP8_DEVICE_BYTES,
+            source=(
+                "measured: host 5.687 G params/s (benchmarks/fp8_codec.py rate, 16 threads, "
+                f"{_H200_PAGE}/raw/2026-12-02-s10/fp8_rate.json); device: {_FP8_NO_DEVICE}"
             ),
         ),
     },
@@ -170,6 +188,15 @@ def _rtx4090_rates() -> Rates:
                 source=(
                     f"{host}: adamw_8bit is bound by compute on 16 cores (2.352 G params/s on the H200 "
                     "host, 38 GB/s of memory), assumed the same; device 16 B/param"
+                ),
+            ),
+            "adamw_fp8": UpdateRate(
+                host_params_per_s=round(_FP8_HOST * _WORKSTATION_TRIAD / 95.0, -7),
+                device_bytes_per_param=_FP8_DEVICE_BYTES,
+                source=(
+                    f"{host}: adamw_fp8 is bound by host memory (on the H200 host its 16 B/param at "
+                    "5.687 G params/s move 91 GB/s, 96 % of the triad), so the H200 host's 5.687 G params/s "
+                    f"x {_WORKSTATION_TRIAD:g} / 95 GB/s of triad; device: {_FP8_NO_DEVICE}"
                 ),
             ),
         },

@@ -77,6 +77,7 @@ def _train(model_dir, tmp_path, batches, *, whole_units: bool, monkeypatch, **en
             "mistral",
             {"optimizer": "adamw_8bit", "state_offload_tier": "posix", "state_offload_fraction": 0.5},
         ),
+        ("llama", {"optimizer": "adamw_fp8", "state_tier": "posix", "state_chunk": GRANULE}),  # host only
     ],
 )
 def test_pieces_change_nothing(tmp_path, monkeypatch, family, engine):

@@ -12,6 +12,7 @@ import pytest
 from slidekit.interfaces import OptimizerHyper
 from slidekit.testing.optimizers import CHECKS
 from slidekit_optim.adamw_8bit import AdamW8bit
+from slidekit_optim.adamw_fp8 import AdamWFp8
 from slidekit_optim.layer_adam import LayerAdam
 
 HYPER = OptimizerHyper(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -21,6 +22,8 @@ OPTIMIZERS = {
     "layer_adam-torch": lambda: LayerAdam(HYPER, impl="torch"),
     "adamw_8bit-auto": lambda: AdamW8bit(HYPER),
     "adamw_8bit-torch": lambda: AdamW8bit(HYPER, impl="torch", chunk=1024),  # chunks inside the pieces
+    "adamw_fp8-auto": lambda: AdamWFp8(HYPER),  # host only: check_device_update does not apply
+    "adamw_fp8-torch": lambda: AdamWFp8(HYPER, impl="torch", chunk=1024),
 }
 
 

@@ -31,8 +31,8 @@
 // inline functions of fp8_codec.h and adam_common.h, for GCC to vectorize (-O3, -fno-math-errno,
 // -fno-trapping-math). Both give the same bits.
 //
-// Status: a feasibility kernel (docs/benchmarks/NOTES.md section 20), measured by
-// benchmarks/fp8_codec.py; no optimizer driver calls it yet.
+// The kernel of the adamw_fp8 optimizer (slidekit_optim/adamw_fp8.py, impl="cpp"); measured by
+// benchmarks/fp8_codec.py (docs/benchmarks/NOTES.md section 21).
 //
 // The file is compiled with -ffp-contract=off and calls no fma: each element's result is the same
 // whatever the vector width, the split into threads, or which elements fall into a scalar remainder.
