@@ -315,7 +315,7 @@ int64_t adamw8_step_(
     check_vector(*lowp_out, "lowp_out", at::kBFloat16, n);
   }
   const bool backup = backup_master.has_value();
-  TORCH_CHECK(
+  SLIDEKIT_CHECK(
       backup == backup_m_codes.has_value() && backup == backup_m_absmax.has_value() &&
           backup == backup_v_codes.has_value() && backup == backup_v_absmax.has_value(),
       kKernel, ": give all five backup buffers (master, both moments' codes and absmax) or none");
@@ -335,7 +335,7 @@ int64_t adamw8_step_(
   if (n == 0) {
     return 0;
   }
-  TORCH_CHECK(
+  SLIDEKIT_CHECK(
       !seg_stop.empty() && seg_stop.size() == seg_decay.size() && seg_stop.back() == n &&
           seg_stop.front() > 0 && std::is_sorted(seg_stop.begin(), seg_stop.end()),
       "adamw8_step: the decay segments must tile [0, ", n, ") in order");

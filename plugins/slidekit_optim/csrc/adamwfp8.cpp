@@ -259,7 +259,7 @@ int64_t adamwfp8_step_(
   if (n == 0) {
     return 0;
   }
-  TORCH_CHECK(
+  SLIDEKIT_CHECK(
       !seg_stop.empty() && seg_stop.size() == seg_decay.size() && seg_stop.back() == n &&
           seg_stop.front() > 0 && std::is_sorted(seg_stop.begin(), seg_stop.end()),
       kKernel, ": the decay segments must tile [0, ", n, ") in order");

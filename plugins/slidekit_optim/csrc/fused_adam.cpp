@@ -92,7 +92,7 @@ int64_t fused_adamw_(
     slidekit::check_vector(*lowp_out, kKernel, "lowp_out", at::kBFloat16, n);
   }
   const bool backup = backup_master.has_value();
-  TORCH_CHECK(
+  SLIDEKIT_CHECK(
       backup == backup_exp_avg.has_value() && backup == backup_exp_avg_sq.has_value(), kKernel,
       ": give backup_master, backup_exp_avg and backup_exp_avg_sq together, or none of them");
   if (backup) {

@@ -36,7 +36,7 @@ struct PackedTable {
 // The table of a QuantMap.packed tensor, its header checked against its size (else a RuntimeError
 // naming `kernel` and `name`), so no lookup can leave it.
 inline PackedTable read_packed(const at::Tensor& packed, const char* kernel, const char* name) {
-  TORCH_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kInt && packed.is_contiguous() &&
+  SLIDEKIT_CHECK(packed.device().is_cpu() && packed.scalar_type() == at::kInt && packed.is_contiguous() &&
                   packed.dim() == 1 && packed.numel() > kPackedHeader,
               kernel, ": ", name, " must be a QuantMap's packed table (a contiguous CPU int32 vector), got ",
               packed.scalar_type(), " with ", packed.numel(), " elements on ", packed.device());
@@ -45,7 +45,7 @@ inline PackedTable read_packed(const at::Tensor& packed, const char* kernel, con
   const bool laid_out = t.base[0] == kPackedHeader && t.top[0] >= 2 && t.top[1] >= 2 &&
                         t.base[1] == t.base[0] + t.top[0] + 1 &&
                         packed.numel() == int64_t{t.base[1]} + t.top[1] + 1;
-  TORCH_CHECK(laid_out, kernel, ": ", name, "'s header [", e[0], ", ", e[1], ", ", e[2], ", ", e[3], ", ",
+  SLIDEKIT_CHECK(laid_out, kernel, ": ", name, "'s header [", e[0], ", ", e[1], ", ", e[2], ", ", e[3], ", ",
               e[4], ", ", e[5], "] does not match its ", packed.numel(),
               " elements; build the map with quant8.QuantMap.build");
   return t;
