@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fp8_inputs import _groups, _inputs
 
 from slidekit import Plugins
 from slidekit.capabilities import GRANULE
@@ -49,29 +50,6 @@ def _kernel_tools_missing() -> str | None:
 NO_KERNEL = _kernel_tools_missing()
 needs_kernel = pytest.mark.skipif(NO_KERNEL is not None, reason=str(NO_KERNEL))
 IMPLS = [pytest.param("cpp", marks=needs_kernel), "torch"]
-
-
-def _groups(n: int) -> list[ParamGroupRange]:
-    """Decays 0.1 and 0.01, listed out of order, and (n >= 10) a tail in no group; ends off the grid."""
-    if n < 4:
-        return [ParamGroupRange(start=0, stop=n, weight_decay=0.1)]
-    a, b, c = int(n * 0.3), int(n * 0.55), n if n < 10 else int(n * 0.9)
-    return [
-        ParamGroupRange(start=b, stop=c, weight_decay=0.01),
-        ParamGroupRange(start=0, stop=a, weight_decay=0.1),
-        ParamGroupRange(start=a, stop=b, weight_decay=0.0),
-    ]
-
-
-def _inputs(n: int, steps: int, dtype: torch.dtype, seed: int = 0):
-    """Magnitudes log-uniform over 1e-8..1e2, 5 % exact zeros, and (n > 2 blocks) block 1 always zero."""
-    gen = torch.Generator().manual_seed(seed)
-    init = torch.randn(n, generator=gen)
-    scale = 10 ** torch.empty(n).uniform_(-8, 2, generator=gen)
-    scale[torch.rand(n, generator=gen) < 0.05] = 0.0
-    if n > 2 * BLOCK_SIZE:
-        scale[BLOCK_SIZE : 2 * BLOCK_SIZE] = 0.0
-    return init, [(torch.randn(n, generator=gen) * scale).to(dtype) for _ in range(steps)]
 
 
 def _state(opt: AdamWFp8, n: int) -> dict[str, torch.Tensor]:

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from fp8_inputs import _groups, _inputs
 
-from slidekit.interfaces import OptimizerHyper, ParamGroupRange
+from slidekit.interfaces import OptimizerHyper
 from slidekit_optim.fp8 import E4M3, STATE_KEYS, UE4M4, decode, encode, reference_step
 from slidekit_optim.kernel_build import CSRC, kernel_status, load_kernel
 from slidekit_optim.layer_adam import _scalars, _segments
@@ -106,29 +107,6 @@ def test_kernel_codec_equals_torch_codec(kernel, fmt):
     got = torch.empty(y.numel(), dtype=torch.uint8)
     kernel.encode_(y, got, unsigned)
     assert torch.equal(got, encode(y, fmt, keep_nonzero=unsigned))
-
-
-def _groups(n: int) -> list[ParamGroupRange]:
-    """Decays 0.1 and 0.01, listed out of order, and (n >= 10) a tail in no group; ends off the grid."""
-    if n < 4:
-        return [ParamGroupRange(start=0, stop=n, weight_decay=0.1)]
-    a, b, c = int(n * 0.3), int(n * 0.55), n if n < 10 else int(n * 0.9)
-    return [
-        ParamGroupRange(start=b, stop=c, weight_decay=0.01),
-        ParamGroupRange(start=0, stop=a, weight_decay=0.1),
-        ParamGroupRange(start=a, stop=b, weight_decay=0.0),
-    ]
-
-
-def _inputs(n: int, steps: int, dtype: torch.dtype, seed: int = 0):
-    """Magnitudes log-uniform over 1e-8..1e2, 5 % exact zeros, and (n > 2 blocks) block 1 always zero."""
-    gen = torch.Generator().manual_seed(seed)
-    init = torch.randn(n, generator=gen)
-    scale = 10 ** torch.empty(n).uniform_(-8, 2, generator=gen)
-    scale[torch.rand(n, generator=gen) < 0.05] = 0.0
-    if n > 2 * BLOCK_SIZE:
-        scale[BLOCK_SIZE : 2 * BLOCK_SIZE] = 0.0
-    return init, [(torch.randn(n, generator=gen) * scale).to(dtype) for _ in range(steps)]
 
 
 def _fresh(init: torch.Tensor, lowp: bool) -> dict[str, torch.Tensor]:
