@@ -3,7 +3,10 @@
 Each call runs in a child process: on the H200 machine's image (torch 2.11) a failing argument check
 of ``csrc/adamwfp8.cpp`` once killed the pytest worker with SIGSEGV instead of raising (the GPU gate
 of 2026-12-02), which took the rest of that worker's tests down with it. A child that dies reports
-its signal here. The checks throw ``std::runtime_error`` (``SLIDEKIT_CHECK`` in ``csrc/adam_common.h``).
+its signal here. The checks throw ``std::runtime_error`` (``SLIDEKIT_CHECK`` in ``csrc/adam_common.h``);
+on the next gate (0df7faf) the three cases whose message streamed an integer still crashed there, so
+the messages are now built without an iostream. The cases cover every kind of piece a message has:
+text, integers, dtypes and devices.
 
 Test: ``pytest tests/plugins/test_kernel_errors.py``.
 """
@@ -25,6 +28,12 @@ CASES = {
         "fused_adam.cpp",
         "k.fused_adamw_(z(n), z(n), z(n - 1), z(n), None, False, 1.0, 0.1, 0.95, 0.05, 1.0, 1e-8, -1e-3, 0)",
         "exp_avg has 299 elements, expected 300",
+    ),
+    "fused_adam: exp_avg off the CPU": (
+        "fused_adam.cpp",
+        "k.fused_adamw_(z(n), z(n), torch.zeros(n, device='meta'), z(n), None, False, 1.0, 0.1, 0.95, 0.05, 1.0,"
+        " 1e-8, -1e-3, 0)",
+        "exp_avg must be on the CPU, got meta",
     ),
     "fused_adam: a backup without its moments": (
         "fused_adam.cpp",

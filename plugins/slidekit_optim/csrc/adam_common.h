@@ -18,14 +18,16 @@
 // * pick_update: adam_update for a gradient dtype, with or without decay and BF16 output, behind one
 //   function pointer type, so a kernel picks once per call and its loops stay branch-free;
 // * SLIDEKIT_CHECK, check_vector / check_grad: the argument checks, with messages naming the kernel
-//   and argument, thrown as std::runtime_error (Python sees a RuntimeError), not as TORCH_CHECK's
-//   c10::Error. Why: on the H200 machine's image (torch 2.11) a failing TORCH_CHECK in
-//   adamwfp8.cpp's argument checks killed the process with SIGSEGV instead of raising (the GPU gate
-//   of 2026-12-02, tests/plugins/test_fp8_codec.py; the same check raises on the CPU machines). The
-//   suspect, not confirmed: a c10::Error is built by torch's code (its message and a stack trace,
-//   fetched through hooks the torch build installs) while the kernels run with the GIL released; a
-//   std::runtime_error thrown here involves none of that. Whether this avoids the crash there is to
-//   be verified: tests/plugins/test_kernel_errors.py calls each kernel's checks in a child process,
+//   and argument, thrown as std::runtime_error (Python sees a RuntimeError). The message is built
+//   by appending to a std::string (slidekit::message: integers through std::to_string, dtypes
+//   through c10::toString), never through an iostream. Why: on the H200 machine's image (torch
+//   2.11, its g++) a failing check killed the process with SIGSEGV instead of raising, first with
+//   TORCH_CHECK (the GPU gate on 0df1ca2), then with std::runtime_error(c10::str(...)) (the gate on
+//   0df7faf): the checks whose message streamed an integer crashed, the ones streaming only text
+//   and dtypes raised (tests/plugins/test_kernel_errors.py, 3 of 5 cases). Streaming an integer
+//   goes through the stream locale's num_put facet; the crash is consistent with that path being
+//   broken in extensions built there, not confirmed further. The same checks raise on the CPU
+//   machines. tests/plugins/test_kernel_errors.py calls each kernel's checks in a child process,
 //   so a crash is reported as one, with its signal.
 //
 // Every including file is compiled with -ffp-contract=off and calls no fma, so no multiply and add
@@ -39,19 +41,50 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <c10/util/StringUtil.h>
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
 
 #include <cmath>
 #include <cstdint>
-#include <stdexcept>
 #include <cstring>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
 
-// `cond`, else a std::runtime_error whose message is the arguments streamed together (c10::str).
-#define SLIDEKIT_CHECK(cond, ...)                             \
-  do {                                                        \
-    if (!(cond)) {                                            \
-      throw std::runtime_error(::c10::str(__VA_ARGS__));      \
-    }                                                         \
+namespace slidekit {
+
+// The pieces of a check's message, appended to a std::string without an iostream (see above).
+inline void append_piece(std::string& s, const char* p) { s += p; }
+inline void append_piece(std::string& s, const std::string& p) { s += p; }
+inline void append_piece(std::string& s, at::ScalarType t) { s += c10::toString(t); }
+inline void append_piece(std::string& s, const c10::Device& d) {
+  s += c10::DeviceTypeName(d.type(), /*lower_case=*/true);
+  if (d.has_index()) {
+    s += ':';
+    s += std::to_string(static_cast<int>(d.index()));
+  }
+}
+template <typename T, std::enable_if_t<std::is_integral_v<T> && !std::is_same_v<T, bool>, int> = 0>
+inline void append_piece(std::string& s, T v) {
+  s += std::to_string(v);
+}
+
+// The arguments' text, concatenated: strings, integers, dtypes and devices.
+template <typename... Args>
+std::string message(const Args&... args) {
+  std::string s;
+  (append_piece(s, args), ...);
+  return s;
+}
+
+}  // namespace slidekit
+
+// `cond`, else a std::runtime_error whose message is the arguments concatenated (slidekit::message).
+#define SLIDEKIT_CHECK(cond, ...)                                  \
+  do {                                                             \
+    if (!(cond)) {                                                 \
+      throw std::runtime_error(::slidekit::message(__VA_ARGS__));  \
+    }                                                              \
   } while (false)
 
 namespace slidekit {
