@@ -29,9 +29,22 @@ FINETUNE = ["-m", "slidekit", "finetune", "--device", "cpu", "--model", "demo", 
 FINETUNE += ["--batch-size", "2", "--seq-len", "64", "--lr", "1e-4"]
 
 
+#: One CPU thread in every process a test compares bit for bit: a CPU reduction (a weight's gradient,
+#: a norm) is split by the number of threads, and without this each rank takes CPUs // 2 and the
+#: single process all of them, which equal each other's sums only by luck (the H200 machine's gate on
+#: 2416426: 16 of the export's tensors differed; earlier gates there passed).
+ONE_THREAD = {"SLIDEKIT_CPU_THREADS": "1", "OMP_NUM_THREADS": "1"}
+
+
 def _finetune(args: list[str], cwd) -> str:
     proc = subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=300, cwd=cwd, check=False
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=cwd,
+        check=False,
+        env={**os.environ, **ONE_THREAD},
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-4000:]}"
     return proc.stdout
