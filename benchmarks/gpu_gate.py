@@ -7,7 +7,10 @@ on the GPU machine before its issue is resolved:
     python benchmarks/gpu_gate.py --check                            # does the record cover this tree?
 
 A gate run does two things, and writes ``docs/benchmarks/GPU-VERIFIED.json``
-(atomically, also into ``$OUT`` when set) with what it found:
+(atomically, also into ``$OUT`` when set) with what it found, first before
+the suite and again before each run (``ok`` false, ``why`` naming what has
+not run yet), so a gate killed from outside still leaves what it had found;
+``--deadline S`` fits the whole gate into S seconds (a device call's limit):
 
 1. the WHOLE test suite (``pytest tests``: the GPU-only files and the tests
    that take a CUDA branch where there is one), with pass, fail, error and skip
@@ -374,9 +377,14 @@ def write_record(record: dict[str, Any], paths: Sequence[Path]) -> None:
         write_text_atomically(path, text)
 
 
-def verdict(tests: dict[str, Any] | None, runs: Sequence[dict[str, Any]]) -> tuple[bool, str]:
-    """(ok, why): ok only when the suite ran with no failure or error and every run trained."""
-    problems = []
+def verdict(
+    tests: dict[str, Any] | None, runs: Sequence[dict[str, Any]], pending: str | None = None
+) -> tuple[bool, str]:
+    """(ok, why): ok only when the suite ran with no failure or error and every run trained.
+
+    ``pending``: what of the gate has not run yet (the record written while it runs says so).
+    """
+    problems = [f"incomplete: {pending}"] if pending else []
     if tests is None:
         problems.append("the test suite was not run")
     elif tests.get("timed_out"):
@@ -401,9 +409,11 @@ def gate(args: argparse.Namespace) -> int:
             "gpu_gate: no CUDA device here; the gate verifies the GPU path (--allow-cpu only tests the script)"
         )
         return 2
+    t0 = time.perf_counter()
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     commit = args.commit or _git_head(ROOT)
     started = dt.datetime.now(dt.UTC)
+    modes = args.modes.split(",")
     record: dict[str, Any] = {
         "commit": commit,
         "source_digest": source_digest(),
@@ -411,33 +421,39 @@ def gate(args: argparse.Namespace) -> int:
         "machine": machine(),
         "command": " ".join(["python", "benchmarks/gpu_gate.py", *args.argv]),
     }
-    tests = None
+    paths = [args.record] + ([out / "GPU-VERIFIED.json"] if out else [])
+    tests: dict[str, Any] | None = None
+    runs: list[dict[str, Any]] = []
+
+    def save(pending: str | None) -> tuple[bool, str]:
+        """Write the record as it stands; ``pending`` names what has not run yet (then it fails)."""
+        ok, why = verdict(tests, runs, pending)
+        seconds = round((dt.datetime.now(dt.UTC) - started).total_seconds())
+        record.update(ok=ok, why=why, tests=tests, runs=runs, seconds=seconds)
+        write_record(record, paths)
+        return ok, why
+
+    def left() -> float:
+        return math.inf if args.deadline is None else args.deadline - (time.perf_counter() - t0)
+
     if not args.skip_tests:
         log = (out or Path(tempfile.gettempdir())) / "gpu-gate-tests.log"
-        print(f"gpu_gate: the whole test suite (log {log})", flush=True)
-        tests = run_suite(
-            args.tests_timeout, log, shlex.split(args.pytest_args), pytest_workers(args.workers)
-        )
+        # Under --deadline the suite leaves each run its --run-timeout.
+        budget = min(args.tests_timeout, left() - len(modes) * args.run_timeout)
+        print(f"gpu_gate: the whole test suite, at most {budget:.0f} s (log {log})", flush=True)
+        save("the test suite is running")  # a gate killed from outside leaves this much
+        tests = run_suite(budget, log, shlex.split(args.pytest_args), pytest_workers(args.workers))
         print(
             f"gpu_gate: tests {json.dumps({k: v for k, v in tests.items() if k != 'failures'})}", flush=True
         )
         for name in tests.get("failures", []):
             print(f"gpu_gate:   FAILED {name}", flush=True)
-    runs = []
-    for mode in args.modes.split(","):
-        run = run_mode(args, mode, args.run_timeout)
+    for i, mode in enumerate(modes):
+        save(f"the runs {', '.join(modes[i:])} had not finished")
+        run = run_mode(args, mode, max(1.0, min(args.run_timeout, left())))
         print(f"gpu_gate: run {json.dumps(run)}", flush=True)
         runs.append(run)
-    ok, why = verdict(tests, runs)
-    record.update(
-        ok=ok,
-        why=why,
-        tests=tests,
-        runs=runs,
-        seconds=round((dt.datetime.now(dt.UTC) - started).total_seconds()),
-    )
-    paths = [args.record] + ([out / "GPU-VERIFIED.json"] if out else [])
-    write_record(record, paths)
+    ok, why = save(None)
     print(
         f"gpu_gate: {'PASSED' if ok else 'FAILED'} ({why}); record {', '.join(map(str, paths))}", flush=True
     )
@@ -463,6 +479,13 @@ def parser() -> argparse.ArgumentParser:
         "--tests-timeout", type=float, default=480.0, help="seconds for the suite (default: %(default)s)"
     )
     p.add_argument("--run-timeout", type=float, default=240.0, help="seconds per run (default: %(default)s)")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds the whole gate may take: the suite's timeout shrinks to leave every run its"
+        " --run-timeout (default: none)",
+    )
     p.add_argument(
         "--skip-tests", action="store_true", help="runs only (the record then says the gate failed)"
     )

@@ -137,6 +137,46 @@ def test_the_suite_reports_its_counts_and_an_overrun_still_names_its_failures(tm
     assert not gate.verdict(result, [{"gpu_resident": "all", "status": "ok"}])[0]
 
 
+def test_the_record_is_written_before_each_phase_and_a_deadline_leaves_the_runs_their_time(
+    tmp_path: Path, monkeypatch
+):
+    """A gate killed from outside (a device call's limit) leaves the record of what it had found."""
+    monkeypatch.delenv("OUT", raising=False)
+    record = tmp_path / "GPU-VERIFIED.json"
+    seen: list[tuple[str, float, str]] = []
+
+    def suite(timeout, log, extra=(), workers=1, paths=("tests",)):
+        seen.append(("suite", timeout, json.loads(record.read_text())["why"]))
+        return {"passed": 3, "failed": 0, "errors": 0, "skipped": 0, "exit_code": 0, "seconds": 1.0}
+
+    def run(args, mode, timeout):
+        written = json.loads(record.read_text())
+        assert not written["ok"] and written["tests"]["passed"] == 3
+        seen.append((mode, timeout, written["why"]))
+        return {"gpu_resident": mode, "status": "ok"}
+
+    monkeypatch.setattr(gate, "run_suite", suite)
+    monkeypatch.setattr(gate, "run_mode", run)
+    argv = ["--allow-cpu", "--record", str(record), "--commit", "abc", "--modes", "all,none"]
+    argv += ["--deadline", "500", "--run-timeout", "60", "--tests-timeout", "480"]
+    assert gate.main(argv) == 0
+    (_, suite_s, before_suite), (_, all_s, before_all), (_, none_s, before_none) = seen
+    assert 370 < suite_s <= 380  # 500 s less two runs of 60
+    assert before_suite.startswith("incomplete: the test suite is running")
+    assert before_all.startswith("incomplete: the runs all, none had not finished")
+    assert before_none == "incomplete: the runs none had not finished"
+    assert all_s == none_s == 60
+    final = json.loads(record.read_text())
+    assert final["ok"] and final["why"] == "all passed" and [r["gpu_resident"] for r in final["runs"]] == [
+        "all",
+        "none",
+    ]
+    # Without a deadline the suite gets its own timeout.
+    seen.clear()
+    assert gate.main([*argv[:-6], "--tests-timeout", "480"]) == 0
+    assert seen[0][1] == 480
+
+
 @pytest.mark.slow
 def test_one_run_per_mode_through_the_child_process_path(tmp_path: Path, monkeypatch):
     """The gate's runs on the tiny preset, on the CPU: whole-step timing, peaks and the record."""
