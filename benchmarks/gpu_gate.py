@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import hashlib
 import json
 import math
 import os
@@ -57,12 +56,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the checkout's slidekit, where this script runs from it uninstalled
+from slidekit.tools import source_digest as _digest  # noqa: E402  (after the path it needs)
+
+SOURCE_DIRS = _digest.SOURCE_DIRS
 RECORD = ROOT / "docs" / "benchmarks" / "GPU-VERIFIED.json"
-#: The directories whose every source file the record's digest covers.
-SOURCE_DIRS = ("slidekit", "plugins")
-#: What a source digest leaves out: build products and caches, never code.
-IGNORED_PARTS = {"__pycache__", ".pytest_cache", "build", ".mypy_cache", ".ruff_cache"}
-IGNORED_SUFFIXES = {".pyc", ".pyo", ".so", ".o"}
 #: residency modes of the real-shape runs: engine.gpu_resident values.
 MODES = ("all", "auto", "0.5", "none")
 
@@ -71,25 +69,13 @@ MODES = ("all", "auto", "0.5", "none")
 
 
 def source_files(root: Path = ROOT) -> list[Path]:
-    """Every source file under slidekit/ and plugins/, sorted (caches and build products left out)."""
-    out = []
-    for top in SOURCE_DIRS:
-        for path in (root / top).rglob("*"):
-            rel = path.relative_to(root)
-            ignored = IGNORED_PARTS & set(rel.parts) or any(p.endswith(".egg-info") for p in rel.parts)
-            if path.is_file() and not ignored and path.suffix not in IGNORED_SUFFIXES:
-                out.append(path)
-    return sorted(out, key=lambda p: p.relative_to(root).as_posix())
+    """Every source file under slidekit/ and plugins/, sorted (``slidekit.tools.source_digest``)."""
+    return _digest.source_files(root)
 
 
 def source_digest(root: Path = ROOT) -> str:
     """sha256 over the relative path and bytes of every source file under slidekit/ and plugins/."""
-    h = hashlib.sha256()
-    for path in source_files(root):
-        rel = path.relative_to(root).as_posix().encode()
-        data = path.read_bytes()
-        h.update(len(rel).to_bytes(8, "little") + rel + len(data).to_bytes(8, "little") + data)
-    return h.hexdigest()
+    return _digest.source_digest(root)
 
 
 def commit_digest(commit: str, root: Path = ROOT) -> str:

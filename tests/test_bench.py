@@ -21,13 +21,18 @@ import json
 import math
 import re
 import sys
-import textwrap
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from bench_helpers import assert_figures_of_its_steps, fake_machine, table_row
+from bench_helpers import (
+    FAKE_RECORD,
+    assert_figures_of_its_steps,
+    clock_of_predictions,
+    fake_machine,
+    fake_systems,
+    table_row,
+)
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -143,114 +148,11 @@ def test_tiny_on_cpu_slidekit_against_the_alternatives(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------- a whole suite on stand-ins
 
-_FAKE_RECORD = '''
-import argparse, json, os, sys, time
-p = argparse.ArgumentParser()
-for flag in ("--model", "--batch", "--seq", "--steps", "--warmup", "--seed", "--device", "--clip", "--resident",
-             "--optimizer", "--kernels", "--activations", "--window", "--state-tier", "--offload-ratio"):
-    p.add_argument(flag)
-p.add_argument("--gradient-checkpointing", action="store_true")
-args, _ = p.parse_known_args()
-batches = [int(b) for b in args.batch.split(",")]
-clip = 0.9 if args.clip else 1.0
-
-def repeat(key):
-    """0 on this kind of run's first start, 1 on its second (a file beside the script counts)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "count-" + key)
-    n = int(open(path).read()) if os.path.exists(path) else 0
-    open(path, "w").write(str(n + 1))
-    return n
-
-def ok(system, batch, tokens, **extra):
-    steps = int(args.steps)
-    step = batch * int(args.seq) / tokens
-    tokens = round(tokens, 1)  # as real records round it
-    record = {"system": system, "status": "ok", "batch": batch, "tokens_per_s": tokens, "model_tflops": 1.0,
-              "step_seconds": [step] * steps, "period_s": step * steps, "mean_step_s": step, "params": 1000,
-              "peak_gpu_gib": None, "peak_host_rss_gib": 0.1, "setup_s": 1.0, **extra}
-    print(json.dumps(record), flush=True)
-'''
-
-
-def _fake(directory: Path, name: str, body: str) -> None:
-    (directory / name).write_text(_FAKE_RECORD + textwrap.dedent(body))
-
-
-def _fake_systems(directory: Path) -> None:
-    _fake(
-        directory,
-        "slidekit.py",
-        """
-        base = {"all": 1000, "none": 800, "0.5": 900}[args.resident]
-        k = repeat(args.resident + str(args.clip))
-        for b in batches:
-            ok("slidekit", b, base * b * (1 + 0.1 * k) * clip, resident_units="x/6", t_fwd_s=0.001, t_bwd_s=0.002,
-               t_d2h_s=0.0, t_update_s=0.0, eta=None, gpu_busy=0.9, gpu_busy_bwd=0.95)
-        """,
-    )
-    _fake(
-        directory,
-        "liger.py",
-        """
-        for b in batches:
-            if args.gradient_checkpointing:
-                ok("liger_gc", b, 600 * b)
-            elif b == 3:
-                reason = "does not fit in GPU memory: tried to allocate 4.00 GiB with 1.00 GiB free of 80.00 GiB"
-                print(json.dumps({"system": "liger", "status": "unavailable", "batch": b, "reason": reason}))
-            else:
-                ok("liger", b, 700 * b)
-        """,
-    )
-    _fake(directory, "no_offload.py", "for b in batches:\n    ok('no_offload', b, 500 * b)\n")
-    _fake(
-        directory,
-        "deepspeed_offload.py",
-        """
-        if args.offload_ratio:
-            for b in batches:
-                ok("deepspeed_partial", b, 500 * b)
-        else:
-            ok("deepspeed", batches[0], 300 * batches[0])
-            print("RuntimeError: boom", file=sys.stderr)
-            sys.exit(3)
-        """,
-    )
-    # Host memory grows until the watchdog kills the process (900 MiB at most, then it waits to be killed).
-    _fake(
-        directory,
-        "torchao_offload.py",
-        """
-        blocks = []
-        while len(blocks) < 112:
-            blocks.append(bytearray(b"x" * (8 << 20)))
-            time.sleep(0.01)
-        time.sleep(120)
-        open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "torchao-ended"), "w").close()
-        """,
-    )
-
-
-def _clock_of_predictions(monkeypatch, speed: float = 1.0) -> Callable[[], float]:
-    """A budget clock on which every run takes ``speed`` x its predicted seconds (and nothing else takes time)."""
-    from slidekit.tools.bench import runner
-
-    now = [0.0]
-    real = runner._one_run
-
-    def one_run(run, cmd, limit, base, *rest):
-        real(run, cmd, limit, base, *rest)
-        now[0] += speed * base["predicted_s"]
-
-    monkeypatch.setattr(runner, "_one_run", one_run)
-    return lambda: now[0]
-
-
 @pytest.mark.skipif(sys.platform != "linux", reason="the watchdog reads /proc")
 def test_a_suite_on_stand_ins_repeats_recipes_budget_watchdog_and_table(tmp_path, capsys, monkeypatch):
     scripts, out = tmp_path / "scripts", tmp_path / "out"
     scripts.mkdir()
-    _fake_systems(scripts)
+    fake_systems(scripts)
     argv = ["bench", "--model", "tiny", "--batch", "2,3", "--seq", "16", "--steps", "4", "--warmup", "1"]
     argv += ["--resident", "all,none,0.5", "--clip", "none,1.0", "--repeats", "2", "--commit", "c0ffee"]
     argv += ["--baselines", "liger_gc,liger,none,torchao,deepspeed,deepspeed_partial"]
@@ -263,7 +165,7 @@ def test_a_suite_on_stand_ins_repeats_recipes_budget_watchdog_and_table(tmp_path
     budget = sum(p.predicted_s for p in plan.runs if p.run.importance <= 4.2 + 1e-9) + 2.0
     assert min(p.predicted_s for p in plan.runs if p.run.importance > 4.2 + 1e-9) > 2.0
     args = build_parser().parse_args([*argv, "--time-budget", str(budget)])
-    rows = bench(args, watchdog=fake_machine(), clock=_clock_of_predictions(monkeypatch))
+    rows = bench(args, watchdog=fake_machine(), clock=clock_of_predictions(monkeypatch))
 
     assert rows == _rows(out / "suite-tiny.jsonl")
     by = {(r["label"], r["max_grad_norm"], r["repeat"], r["batch"]): r for r in rows}
@@ -338,7 +240,7 @@ def test_a_suite_ahead_of_its_plan_takes_up_what_the_plan_left_out(tmp_path, mon
     the suite is ahead when it comes to the third, which fits in what is left, and runs."""
     scripts, out = tmp_path / "scripts", tmp_path / "out"
     scripts.mkdir()
-    _fake_systems(scripts)
+    fake_systems(scripts)
     argv = ["bench", "--model", "tiny", "--batch", "2", "--seq", "16", "--steps", "2", "--warmup", "1"]
     argv += ["--resident", "all,none,0.5", "--baselines", "", "--repeats", "1", "--commit", "c0ffee"]
     argv += ["--baselines-dir", str(scripts), "--out", str(out), "--no-prebuild"]
@@ -355,7 +257,7 @@ def test_a_suite_ahead_of_its_plan_takes_up_what_the_plan_left_out(tmp_path, mon
         True,
         False,
     ]
-    rows = bench(args, watchdog=None, clock=_clock_of_predictions(monkeypatch, speed))
+    rows = bench(args, watchdog=None, clock=clock_of_predictions(monkeypatch, speed))
     by = {r["label"]: r for r in rows}
     assert by["slidekit (resident all)"]["status"] == by["slidekit (resident none)"]["status"] == "ok"
     third = by["slidekit (resident 0.5)"]
@@ -381,7 +283,7 @@ def test_a_missing_replacement_script_is_that_run_s_reason(tmp_path):
         "torchao",
     ]
     argv += ["--baselines-dir", str(tmp_path), "--ram-floor-gib", "0"]
-    (tmp_path / "slidekit.py").write_text(_FAKE_RECORD + "for b in batches:\n    ok('slidekit', b, 100.0)\n")
+    (tmp_path / "slidekit.py").write_text(FAKE_RECORD + "for b in batches:\n    ok('slidekit', b, 100.0)\n")
     rows = bench(build_parser().parse_args(argv), watchdog=None)
     assert [(r["label"], r["status"]) for r in rows] == [
         ("slidekit (resident all)", "ok"),
@@ -539,6 +441,7 @@ def test_bench_options_are_pinned():
         "--prebuild",
         "--no-prebuild",
         "--ram-floor-gib",
+        "--continue",
         "--commit",
         "--out",
         "--logs",

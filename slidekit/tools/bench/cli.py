@@ -4,6 +4,7 @@
     slidekit bench --suite qwen2.5-7b --plan-only                 # the time plan, nothing run
     slidekit bench --model tiny --device cpu --batch 2 --seq 64 --steps 2 --baselines none --out /tmp/b
     slidekit bench --table results/suite-qwen2.5-3b.jsonl         # the markdown again, from the records
+    slidekit bench --suite qwen2.5-7b --out r2/ --continue r1/suite-qwen2.5-7b.jsonl   # the rest, next call
     slidekit bench --model qwen2.5-3b --batch 32 --resident none --baselines '' --clip none,1.0 \
         --clip-overlap defer,speculate                             # the levers, crossed like --resident
 
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from slidekit.errors import ConfigError
+from slidekit.tools.bench.continuing import check_continuable, continue_header, load_earlier, measured_runs
 from slidekit.tools.bench.costs import costs_from_records
 from slidekit.tools.bench.records import FLOPS_FORMULA, versions
 from slidekit.tools.bench.runner import Recorder, run_suite
@@ -35,6 +37,7 @@ from slidekit.tools.bench.summary import suite_markdown
 from slidekit.tools.bench.timeplan import Plan, format_plan, make_plan
 from slidekit.tools.children import MemoryWatchdog
 from slidekit.tools.presets import PRESETS, preset
+from slidekit.tools.source_digest import REPO_ROOT, source_digest
 
 __all__ = ["add_arguments", "bench", "build_suite", "run_command"]
 
@@ -101,6 +104,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=3.0,
         help="kill a run when MemAvailable falls under this (0: off)",
+    )
+    p.add_argument(
+        "--continue",
+        dest="continue_from",
+        default=None,
+        metavar="FILE.jsonl",
+        help="run what an earlier call's records of the same suite and code lack, into one file of both",
     )
     p.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     p.add_argument(
@@ -228,7 +238,8 @@ def _commit(given: str | None) -> str:
     return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
-def _plan(args: argparse.Namespace, the_suite: Suite) -> Plan:
+def _plan(args: argparse.Namespace, the_suite: Suite, done: frozenset[str] = frozenset()) -> Plan:
+    """The time plan of the suite's runs, less those named in ``done`` (measured by an earlier call)."""
     table = None
     if args.costs:
         table = costs_from_records(
@@ -236,7 +247,8 @@ def _plan(args: argparse.Namespace, the_suite: Suite) -> Plan:
         )
     prebuild = args.prebuild if args.prebuild is not None else bool(args.suite)
     budget = args.time_budget if args.time_budget and args.time_budget > 0 else None
-    return make_plan(the_suite, expand(the_suite), budget_s=budget, prebuild=prebuild, table=table)
+    runs = [r for r in expand(the_suite) if r.name not in done]
+    return make_plan(the_suite, runs, budget_s=budget, prebuild=prebuild, table=table)
 
 
 def bench(
@@ -248,7 +260,9 @@ def bench(
     """Run what ``args`` asks for; the rows (also in ``--out``). ``watchdog`` replaces the one of
     ``--ram-floor-gib`` and ``clock`` the budget's clock (tests watch a fake machine and stop time)."""
     the_suite = build_suite(args)
-    plan = _plan(args, the_suite)
+    earlier = load_earlier(Path(args.continue_from)) if args.continue_from else None
+    done = frozenset(measured_runs(expand(the_suite), earlier.rows) if earlier else ())
+    plan = _plan(args, the_suite, done)
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -258,6 +272,7 @@ def bench(
         Path(args.logs).mkdir(parents=True, exist_ok=True)
     identity: dict[str, Any] = {
         "commit": _commit(args.commit),
+        "source_digest": source_digest() if (REPO_ROOT / "plugins").is_dir() else None,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "versions": versions(),
     }
@@ -285,8 +300,17 @@ def bench(
     ]
     if watchdog is None and args.ram_floor_gib > 0:
         watchdog = MemoryWatchdog(floor_bytes=int(args.ram_floor_gib * _GIB))
+    kept: list[dict[str, Any]] = []
+    if earlier is not None:
+        check_continuable(earlier, header)
+        kept = [r for r in earlier.rows if r.get("run_name") in done]  # a cut-off run's rows go
+        header = continue_header(earlier, header)
+        print(
+            f"bench: continuing {earlier.path}: {len(done)} runs measured there, {len(plan.runs)} to plan",
+            file=sys.stderr,
+        )
     records = out / f"suite-{the_suite.name}.jsonl" if out else None
-    recorder = Recorder(records, header)
+    recorder = Recorder(records, header, rows=kept)
     rows = run_suite(args, plan, recorder, identity=identity, watchdog=watchdog, clock=clock)
     text = suite_markdown(recorder.header, rows, records_name=f"suite-{the_suite.name}.jsonl")
     print(text)
@@ -309,7 +333,10 @@ def run_command(args: argparse.Namespace) -> int:
     if args.table:
         return _table(args.table)
     if args.plan_only:
-        print(format_plan(_plan(args, build_suite(args))))
+        the_suite = build_suite(args)
+        earlier = load_earlier(Path(args.continue_from)) if args.continue_from else None
+        done = frozenset(measured_runs(expand(the_suite), earlier.rows) if earlier else ())
+        print(format_plan(_plan(args, the_suite, done)))
         return 0
     rows = bench(args)
     return 0 if any(r.get("status") == "ok" for r in rows) else 1

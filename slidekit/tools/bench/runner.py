@@ -81,12 +81,14 @@ _BUILD_SLACK = 3.0
 class Recorder:
     """The suite's rows: each printed as a progress line and appended to the JSONL as it comes."""
 
-    def __init__(self, path: Path | None, header: dict[str, Any]) -> None:
+    def __init__(
+        self, path: Path | None, header: dict[str, Any], rows: Sequence[dict[str, Any]] = ()
+    ) -> None:
+        """``rows``: an earlier call's, which the file holds first (``slidekit bench --continue``)."""
         self.path = path
         self.header = header
-        self.rows: list[dict[str, Any]] = []
-        if path is not None:
-            path.write_text(json.dumps(header) + "\n")
+        self.rows: list[dict[str, Any]] = list(rows)
+        self.rewrite()
 
     def add(self, row: dict[str, Any]) -> None:
         print(_progress_line(row), file=sys.stderr, flush=True)

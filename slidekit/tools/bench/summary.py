@@ -25,7 +25,7 @@ pipeline figures, and the time plan against what each run took. Test: ``pytest t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
@@ -331,6 +331,23 @@ def dp_table(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _calls_line(header: Mapping[str, Any]) -> str:
+    """Which commit and how many ``slidekit bench`` calls measured the suite (``--continue`` adds calls)."""
+    calls = header.get("calls") or []
+    if len(calls) < 2:
+        return f"Commit `{header.get('commit')}`, {header.get('date')}, one `slidekit bench` call"
+    commits = list(dict.fromkeys(str(c.get("commit")) for c in calls))
+    dates = f"{calls[0].get('date')} to {calls[-1].get('date')}"
+    digest = str(header.get("source_digest"))[:12]
+    if len(commits) == 1:
+        return f"Commit `{commits[0]}`, {len(calls)} `slidekit bench` calls ({dates})"
+    named = ", ".join(f"`{c}`" for c in commits)
+    return (
+        f"Commits {named} (the same slidekit/ and plugins/, source digest {digest}), "
+        f"{len(calls)} `slidekit bench` calls ({dates})"
+    )
+
+
 def suite_markdown(header: dict[str, Any], rows: Sequence[dict[str, Any]], *, records_name: str) -> str:
     """The suite's page (module docstring). ``header``: the suite's first JSONL record."""
     runs = [r for r in rows if r.get("record", "run") == "run"]
@@ -345,7 +362,7 @@ def suite_markdown(header: dict[str, Any], rows: Sequence[dict[str, Any]], *, re
     lines = [
         f"## Suite {header.get('name')}: {header.get('model')}{size}, seq {s.get('seq')}",
         "",
-        f"Commit `{header.get('commit')}`, {header.get('date')}, one `slidekit bench` call; measured on "
+        f"{_calls_line(header)}; measured on "
         f"{', '.join(gpus) or 'nothing (no run measured)'}; {versions}. Raw records: "
         f"[{records_name}]({records_name}).",
         "",

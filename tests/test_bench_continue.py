@@ -1,0 +1,157 @@
+"""`slidekit bench --continue`: a suite measured over several calls, one file, one code.
+
+A first call on a budget measures the most important runs and leaves the rest "not run"; a second
+call with ``--continue`` runs exactly those (a run cut off midway again, whole), and the file holds
+every run once, the header listing both calls. Another suite's records, or records of other code
+(another source digest), are refused with what to do. The systems are the stand-in scripts of
+``bench_helpers.fake_systems``; the budget clock takes each run's predicted time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from bench_helpers import clock_of_predictions, fake_systems
+
+from slidekit.errors import ConfigError
+from slidekit.tools.bench import bench
+from slidekit.tools.bench import cli as bench_cli
+from slidekit.tools.bench.cli import build_suite
+from slidekit.tools.bench.suites import expand
+from slidekit.tools.bench.timeplan import make_plan
+from slidekit.tools.source_digest import source_digest
+
+
+def _argv(scripts: Path, out: Path, *extra: str) -> list[str]:
+    argv = ["bench", "--model", "tiny", "--batch", "2,3", "--seq", "16", "--steps", "2", "--warmup", "1"]
+    argv += ["--resident", "all,none", "--baselines", "liger_gc,none", "--repeats", "2", "--no-prebuild"]
+    return [*argv, "--baselines-dir", str(scripts), "--out", str(out), *extra]
+
+
+def _parse(argv: list[str]):
+    from slidekit.cli import build_parser
+
+    return build_parser().parse_args(argv)
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def scripts(tmp_path: Path) -> Path:
+    directory = tmp_path / "scripts"
+    directory.mkdir()
+    fake_systems(directory)
+    return directory
+
+
+def test_a_second_call_runs_what_the_first_left_and_the_file_holds_both(tmp_path, scripts, monkeypatch):
+    first, second = tmp_path / "call1", tmp_path / "call2"
+    the_suite = build_suite(_parse(_argv(scripts, first)))
+    runs = make_plan(the_suite, expand(the_suite), budget_s=None, prebuild=False).runs
+    budget = sum(p.predicted_s for p in runs[:3]) + 0.5  # the first three runs, most important first
+    clock = clock_of_predictions(monkeypatch)
+    bench(_parse(_argv(scripts, first, "--time-budget", str(budget), "--commit", "aaa")), clock=clock)
+    rows1 = [r for r in _lines(first / "suite-tiny.jsonl") if r.get("record") == "run"]
+    measured = {r["run_name"] for r in rows1 if r["status"] != "not run"}
+    left = {r["run_name"] for r in rows1 if r["status"] == "not run"}
+    assert measured == {p.run.name for p in runs[:3]} and left == {p.run.name for p in runs[3:]}
+
+    # A cut-off call: the last measured run kept one of its two batches' rows.
+    cut = runs[2].run.name
+    lines = _lines(first / "suite-tiny.jsonl")
+    dropped = next(i for i, r in enumerate(lines) if r.get("run_name") == cut and r.get("batch") == 3)
+    (first / "suite-tiny.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines[:dropped] + lines[dropped + 1 :]))
+
+    started: list[str] = []
+    real = bench_cli.run_suite
+
+    def run_suite(args, plan, recorder, **kw):
+        started.extend(p.run.name for p in plan.runs)
+        return real(args, plan, recorder, **kw)
+
+    monkeypatch.setattr(bench_cli, "run_suite", run_suite)
+    rows = bench(
+        _parse(_argv(scripts, second, "--continue", str(first / "suite-tiny.jsonl"), "--commit", "bbb")),
+        clock=clock,
+    )
+    assert set(started) == left | {cut}  # the cut-off run again, whole; nothing measured twice
+    records = _lines(second / "suite-tiny.jsonl")
+    header, body = records[0], records[1:]
+    assert body == rows
+    keys = [(r["run_name"], r["batch"]) for r in body]
+    assert len(keys) == len(set(keys)) == len(expand(the_suite)) * 2  # every run and batch once
+    assert all(r["status"] == "ok" for r in body)
+    assert {r["commit"] for r in body if r["run_name"] in measured - {cut}} == {"aaa"}
+    assert {r["commit"] for r in body if r["run_name"] in left | {cut}} == {"bbb"}
+    assert [c["commit"] for c in header["calls"]] == ["aaa", "bbb"]
+    assert header["source_digest"] == source_digest()
+    text = (second / "suite-tiny.md").read_text()
+    assert "Commits `aaa`, `bbb` (the same slidekit/ and plugins/, source digest" in text
+    assert "2 `slidekit bench` calls" in text
+
+    # A third call finds nothing left: it plans no run and keeps every row.
+    started.clear()
+    third = tmp_path / "call3"
+    bench(_parse(_argv(scripts, third, "--continue", str(second / "suite-tiny.jsonl"))), clock=clock)
+    assert started == [] and [r for r in _lines(third / "suite-tiny.jsonl")[1:]] == body
+    assert len(_lines(third / "suite-tiny.jsonl")[0]["calls"]) == 3
+
+
+def _header_file(tmp_path: Path, scripts: Path, **change) -> Path:
+    """A suite file with a header like this tree's first call would write, ``change`` applied."""
+    args = _parse(_argv(scripts, tmp_path / "x"))
+    the_suite = build_suite(args)
+    header = {"record": "suite", "name": the_suite.name, "model": the_suite.model, "source_digest": source_digest()}
+    header["suite"] = {"seq": 16, "steps": 2, "warmup": 1, "batches": [2, 3], "clips": [None], "repeats": 2}
+    header["suite"]["partial"] = the_suite.partial
+    for key, value in change.items():
+        if key in header["suite"]:
+            header["suite"][key] = value
+        elif value is None:
+            header.pop(key)
+        else:
+            header[key] = value
+    path = tmp_path / "earlier.jsonl"
+    path.write_text(json.dumps(header) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({}, None),
+        ({"steps": 3}, "another suite (steps 3 there, 2 here)"),
+        ({"name": "qwen2.5-3b"}, "another suite (name 'qwen2.5-3b' there, 'tiny' here"),
+        ({"source_digest": "f" * 64}, "measured other code (source digest ffffffffffff there"),
+        ({"source_digest": None}, "carry no source digest"),
+    ],
+)
+def test_only_the_same_suite_and_code_continue(tmp_path, scripts, monkeypatch, change, message):
+    earlier = _header_file(tmp_path, scripts, **change)
+    monkeypatch.setattr(bench_cli, "run_suite", lambda *a, **k: [])  # nothing needs to run
+    args = _parse(_argv(scripts, tmp_path / "out", "--continue", str(earlier)))
+    if message is None:
+        bench(args)
+        return
+    with pytest.raises(ConfigError, match="--continue") as raised:
+        bench(args)
+    assert message in str(raised.value)
+    assert not (tmp_path / "out" / "suite-tiny.jsonl").exists()  # refused before anything is written
+
+
+def test_a_file_that_is_no_suite_is_refused_saying_what_it_lacks(tmp_path, scripts):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(ConfigError, match="no such file"):
+        bench(_parse(_argv(scripts, tmp_path / "out", "--continue", str(missing))))
+    rows_only = tmp_path / "rows.jsonl"
+    rows_only.write_text(json.dumps({"record": "run", "run_name": "x", "batch": 2}) + "\n")
+    with pytest.raises(ConfigError, match="no suite header line"):
+        bench(_parse(_argv(scripts, tmp_path / "out", "--continue", str(rows_only))))
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("{not json\n")
+    with pytest.raises(ConfigError, match="line 1 is not JSON"):
+        bench(_parse(_argv(scripts, tmp_path / "out", "--continue", str(broken))))
