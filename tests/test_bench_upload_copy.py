@@ -1,4 +1,5 @@
-"""The bench child's ``--upload-copy`` (``engine.upload_copy``): passed to the run, said in its record.
+"""The bench child's ``--upload-copy`` (``engine.upload_copy``): passed to the run, said in its record;
+its ``--repeat-batch`` and ``--lr``, with which the largest-model runs show a falling loss.
 
 On the CPU the compute dtype is FP32 ("auto"), which refuses upload copies: that record is the
 ConfigError's reason and the next run (off) still measures. On the GPU "auto" is BF16 and both run
@@ -8,6 +9,7 @@ ConfigError's reason and the next run (off) still measures. On the GPU "auto" is
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import pytest
@@ -35,3 +37,22 @@ def test_the_record_says_it(tmp_path):
     on, off = (json.loads(line) for line in out.read_text().splitlines())
     assert on["status"] == "unavailable" and "engine.compute_dtype='bfloat16'" in on["reason"]
     assert off["status"] == "ok" and off["upload_copy"] == "off"
+
+
+def test_a_repeated_batch_is_the_same_tokens_every_step_and_its_loss_falls(tmp_path):
+    """``--repeat-batch``: the largest-model runs show training on one batch (issue 17 allows it)."""
+    from slidekit.tools.bench.records import synthetic_tokens
+
+    fresh, repeated = synthetic_tokens(50, 2, 8, 3), synthetic_tokens(50, 2, 8, 3, repeat=True)
+    first = [next(fresh) for _ in range(3)]
+    again = [next(repeated) for _ in range(3)]
+    assert all(a[0].equal(first[0][0]) and a[1].equal(first[0][1]) for a in again)
+    assert not first[1][0].equal(first[0][0])  # without it, every step draws new rows
+    out = tmp_path / "records.jsonl"
+    argv = ["--model", "tiny", "--device", "cpu", "--batch", "2", "--seq", "32", "--steps", "6", "--warmup", "1"]
+    argv += ["--resident", "none", "--repeat-batch", "--lr", "3e-3", "--out", str(out)]
+    assert main(argv) == 0
+    (record,) = (json.loads(line) for line in out.read_text().splitlines())
+    assert record["repeat_batch"] is True and record["lr"] == 3e-3
+    losses = record["losses"]
+    assert all(b < a for a, b in itertools.pairwise(losses)), losses

@@ -60,15 +60,22 @@ _GIB = float(2**30)
 
 
 def synthetic_tokens(
-    vocab: int, batch: int, seq: int, seed: int = 0
+    vocab: int, batch: int, seq: int, seed: int = 0, *, repeat: bool = False
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless uniform-random (inputs, labels), each (batch, seq), labels = inputs shifted by one token."""
+    """Endless uniform-random (inputs, labels), each (batch, seq), labels = inputs shifted by one token.
+
+    ``repeat``: the first batch every step, so the loss falls as the model memorizes it (on fresh
+    uniform tokens it cannot fall below ln(vocab)); the largest-model runs show training that way.
+    """
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     while True:
         ids = torch.randint(0, vocab, (batch, seq + 1), generator=gen)  # (B, T + 1)
-        yield ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+        pair = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+        yield pair
+        while repeat:
+            yield pair[0].clone(), pair[1].clone()  # a step may keep or overwrite what it was given
 
 
 def peak_rss_gib() -> float:

@@ -68,7 +68,7 @@ def _config(args: argparse.Namespace, model_dir: str) -> Any:
         model=ModelConfig(source=model_dir, random_init=True),
         data=DataConfig(seq_len=args.seq, batch_size=args.batch),
         optim=OptimConfig(
-            lr=1e-5, name=args.optimizer, max_grad_norm=args.clip, clip_overlap=args.clip_overlap
+            lr=getattr(args, "lr", 1e-5), name=args.optimizer, max_grad_norm=args.clip, clip_overlap=args.clip_overlap
         ),
         engine=EngineConfig(
             device=args.device,
@@ -130,7 +130,8 @@ def measure_slidekit(args: argparse.Namespace, parallel: DataParallel | None = N
         spec, device = trainer.spec, trainer.device
         resident = f"{len(trainer.engine.window.resident)}/{len(spec.units)}"
         kept = sum(trainer.engine.keeps)  # layers keeping their activations (engine.recompute "auto")
-        stream = (Batch(x, y) for x, y in synthetic_tokens(spec.vocab_size, args.batch, args.seq, args.seed))
+        tokens = synthetic_tokens(spec.vocab_size, args.batch, args.seq, args.seed, repeat=args.repeat_batch)
+        stream = (Batch(x, y) for x, y in tokens)
         data = rank_batches(stream, parallel)  # fit takes the batches it is given: rank r's share
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -154,6 +155,9 @@ def measure_slidekit(args: argparse.Namespace, parallel: DataParallel | None = N
         "kept_layers": kept,
         "clip_overlap": trainer.config.optim.clip_overlap,
         "upload_copy": trainer.config.engine.upload_copy,
+        "resident_weights": trainer.config.engine.resident_weights,
+        "repeat_batch": args.repeat_batch,
+        "lr": trainer.config.optim.lr,
         "clip_speculated": metrics.per_step("clip_speculated", args.steps),
         "clip_rollback": metrics.per_step("clip_rollback", args.steps),
         "activations": args.activations,
@@ -228,6 +232,12 @@ def slidekit_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic tokens")
     p.add_argument("--clip", type=float, default=None, help="optim.max_grad_norm (default: no clipping)")
+    p.add_argument("--lr", type=float, default=1e-5, help="optim.lr, constant (default: %(default)s)")
+    p.add_argument(
+        "--repeat-batch",
+        action="store_true",
+        help="train on one batch every step (the loss then falls: the largest-model runs)",
+    )
     engine_arguments(p, resident_help="engine.gpu_resident: auto, none, all or a fraction")
     p.add_argument("--out", type=Path, default=None, help="append the JSON lines to this file")
     p.add_argument("--trace", default=None, help="Chrome trace of the steps (open in Perfetto)")
