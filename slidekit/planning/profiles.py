@@ -51,6 +51,8 @@ _H200_BACKUP_GBPS = 35.4
 _LEVERS = "raw/2026-12-02-s10/levers-3b/suite-levers-qwen2.5-3b.jsonl"
 #: adamw_fp8 on the H200 host: the fused kernel, 233M unit, 16 threads, median of 5 (NOTES section 21).
 _FP8_HOST = 5.687e9
+#: adamw_8bit's host kernel on the H200 host, measured in the same rounds (raw/2026-12-02-s10/fp8_rate.json).
+_8BIT_HOST = 3.663e9
 #: adamw_fp8 updates on the host only, so the planner never prices a device update for it (no unit is
 #: resident with it); UpdateRate needs a figure: 16 B/param, the bytes its fused pass moves per parameter
 #: (gradient 2, master 8, codes 4, BF16 copy 2), what a device pass of the same arithmetic would move.
@@ -83,10 +85,12 @@ H200_RATES = Rates(
             ),
         ),
         "adamw_8bit": UpdateRate(
-            host_params_per_s=2.352e9,
+            host_params_per_s=_8BIT_HOST,
             device_bytes_per_param=16.0,
             source=(
-                f"measured: host 2.352 G params/s ({_H200_PAGE}/2026-11-29-session2.md); device: "
+                "measured: host 3.663 G params/s (benchmarks/fp8_codec.py rate, 16 threads, 233M unit, "
+                f"beside adamw_fp8: {_H200_PAGE}/raw/2026-12-02-s10/fp8_rate.json; it replaces session 2's 2.352, "
+                "an older measurement below it); device: "
                 "derived, not measured: 16 B/param its fused Triton pass moves (gradient 2, master 8, "
                 "codes 4, BF16 weights 2) at the measured device bandwidth"
             ),
@@ -183,11 +187,11 @@ def _rtx4090_rates() -> Rates:
                 ),
             ),
             "adamw_8bit": UpdateRate(
-                host_params_per_s=2.352e9,
+                host_params_per_s=_8BIT_HOST,
                 device_bytes_per_param=16.0,
                 source=(
-                    f"{host}: adamw_8bit is bound by compute on 16 cores (2.352 G params/s on the H200 "
-                    "host, 38 GB/s of memory), assumed the same; device 16 B/param"
+                    f"{host}: adamw_8bit is bound by compute on 16 cores (3.663 G params/s on the H200 "
+                    "host, 59 GB/s of memory, 62 % of its triad), assumed the same; device 16 B/param"
                 ),
             ),
             "adamw_fp8": UpdateRate(
