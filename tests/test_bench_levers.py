@@ -177,8 +177,8 @@ def test_levers_scale_their_kind_s_cost():
     f = LEVER_FACTOR[("recompute", "auto")]
     assert kept.steps == {8: pytest.approx(f), 32: pytest.approx(4 * f)} and kept.setup_s == 4.0
     assert cost_of("m", "slidekit:all+recompute=all", table).steps == {8: 1.0, 32: 4.0}
-    # Nothing resident keeps nothing; clip_overlap sets the clipping factor, not the step.
-    assert cost_of("m", "slidekit:none+recompute=auto", table).steps == {32: 2.0}
+    # Sliding layers keep too; clip_overlap sets the clipping factor, not the step.
+    assert cost_of("m", "slidekit:none+recompute=auto", table).steps == {32: pytest.approx(2 * f)}
     assert cost_of("m", "slidekit:none+clip_overlap=defer", table).steps == {32: 2.0}
     # What --costs measured under the exact key wins over the estimate.
     table[("m", "slidekit:all+recompute=auto")] = Cost(

@@ -23,7 +23,7 @@ from slidekit.testing.models import save_tiny_model
 
 def test_components_follow_the_formulas():
     spec = tiny_spec("qwen2")  # tied embeddings: one more cache unit
-    p = planner(spec, batch=2, seq=16, accum=3)
+    p = planner(spec, batch=2, seq=16, accum=3, recompute="all")  # every layer saves its boundary
     numels = [u.numel for u in spec.units]
     est = p.estimate(Placement(gpu_resident="none"), cuda_machine(80))
     assert est.device["window"] == 2 * (3 + 1) * max(numels) * 2
@@ -65,7 +65,7 @@ def test_resident_units_move_master_and_state_to_the_device_and_shrink_the_windo
 
 def test_auto_residency_keeps_the_fewest_host_units_the_spare_memory_allows_spread_out():
     spec = tiny_spec("llama", num_hidden_layers=8, vocab_size=512)
-    p = planner(spec)
+    p = planner(spec, recompute="all")  # the spare memory goes to residency alone
     none = p.estimate(Placement(gpu_resident="none"), cuda_machine(80))
     units = len(spec.units)
     per_unit = [p.resident_cost(u) for u in range(units)]
@@ -127,8 +127,9 @@ def test_recommendation_is_the_fastest_placement_that_fits():
     base = Placement(gpu_resident="none")
     roomy = p.recommend(base, cuda_machine(80))
     assert roomy is not None and roomy.placement.gpu_resident == "all"
-    # A device too small for the activations (and an optimizer that cannot update there): activations to RAM.
-    p = planner(spec, batch=8, seq=64, device_updates=False)
+    # A device too small for the activations (and an optimizer that cannot update there): activations to RAM
+    # (every layer recomputing: kept graphs would need more of the device, not less).
+    p = planner(spec, batch=8, seq=64, device_updates=False, recompute="all")
     sliding = p.estimate(Placement(gpu_resident="none"), cuda_machine(80))
     acts = sliding.device["activations"]
     tight = sliding.device_bytes * 1.05 + (512 << 20) - acts / 2

@@ -228,8 +228,8 @@ class EngineConfig:
     loss_chunk: int | None = None  # tokens per chunk of the fused linear + cross-entropy; None = auto
     timeout_s: float = 600.0  # a run that makes no progress for this long fails (PipelineStalled), not hangs
     recompute: str = "auto"  # decoder layers recomputed in the backward instead of keeping their activations:
-    # "auto" (resident layers keep what the GPU's memory left holds, the last first), "all" (every layer
-    # recomputes), "none" (every layer keeps; needs every layer resident). See slidekit.planning.keeping
+    # "auto" (layers, resident or sliding, keep what the GPU's memory left holds, the last first), "all"
+    # (every layer recomputes), "none" (every layer keeps). See slidekit.planning.keeping
     resident_weights: str = "keep"  # what a unit on the device (gpu_resident) holds besides its FP32 master
     # and state: "keep" a compute-dtype copy of its weights and gradients for good (today's behaviour),
     # "slide" them through the window (cast there from the master on the device per visit: 4 + state B/param

@@ -8,18 +8,28 @@ and the backward pass reads the next one back while the current layer
 recomputes. Either way a layer's activations inside the layer
 are not kept: the backward pass recomputes them from the boundary.
 
-A resident layer that *keeps* its activations (``UnitPlace.keeps``,
+A layer that *keeps* its activations (``UnitPlace.keeps``,
 ``slidekit.planning.keeping``) saves no boundary activation: its forward
 runs with autograd on and ``KeptGraphs`` holds, per micro-batch, its input
 (a leaf that requires grad) and its output, whose graph its backward then
 back-propagates through without recomputing.
+
+A keeping layer that slides (its weights in a cache unit that another unit
+takes before its backward) must not let its graph hold the cache unit's
+weights: ``KeptGraphs.saving_weights`` packs every tensor autograd saves
+inside that cache unit's weight buffer as a reference (offset, shape,
+stride), and ``KeptGraphs.bound`` reads them at the backward from the cache
+unit the backward loaded the layer into, the same values, and points the
+forward's weight leaves' gradients at that cache unit's gradient buffer.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator, Mapping
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -133,15 +143,29 @@ class TierActivations(ActivationStore):
         self._regions.clear()
 
 
+@dataclass(frozen=True, slots=True)
+class _WeightRef:
+    """A saved tensor that lay in a sliding unit's cache-unit weights: where, relative to the buffer."""
+
+    unit: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
 class KeptGraphs:
     """The autograd graphs of the layers that keep their activations, per (unit, micro-batch), for one step.
 
     ``keep`` takes the layer's input (the leaf its graph starts from) and its output; ``take`` hands
-    them to the backward pass and lets go of them. ``clear`` drops whatever a failed step left.
+    them to the backward pass and lets go of them. ``clear`` drops whatever a failed step left. A
+    sliding layer's forward runs under ``saving_weights`` and its backward under ``bound`` (module
+    docstring).
     """
 
     def __init__(self) -> None:
         self._graphs: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._leaves: dict[int, Mapping[str, torch.Tensor]] = {}  # a sliding unit's forward weight leaves
+        self._weights: dict[int, torch.Tensor] = {}  # a sliding unit's weights, during its backward
 
     def keep(self, key: Hashable, x: torch.Tensor, y: torch.Tensor) -> None:
         assert x.requires_grad and x.is_leaf and y.grad_fn is not None, f"{key}: no graph to keep"
@@ -150,8 +174,51 @@ class KeptGraphs:
     def take(self, key: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
         return self._graphs.pop(key)
 
+    def saving_weights(
+        self, unit: int, params: torch.Tensor, leaves: Mapping[str, torch.Tensor]
+    ) -> AbstractContextManager[None]:
+        """For ``unit``'s forward from a cache unit whose weights are ``params`` (its weight leaves
+        ``leaves``): what autograd saves inside ``params`` is kept as a reference, not the tensor."""
+        self._leaves[unit] = leaves
+        storage, base, device = params.untyped_storage().data_ptr(), int(params.storage_offset()), params.device
+
+        def pack(t: torch.Tensor) -> torch.Tensor | _WeightRef:
+            if t.device == device and t.untyped_storage().data_ptr() == storage:
+                return _WeightRef(unit, int(t.storage_offset()) - base, tuple(t.shape), tuple(t.stride()))
+            return t
+
+        def unpack(saved: torch.Tensor | _WeightRef) -> torch.Tensor:
+            if isinstance(saved, _WeightRef):
+                src = self._weights[saved.unit]  # KeyError: a graph used outside its ``bound``
+                return src.as_strided(saved.shape, saved.stride, src.storage_offset() + saved.offset)
+            return saved
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    @contextmanager
+    def bound(self, unit: int, params: torch.Tensor, leaves: Mapping[str, torch.Tensor]) -> Iterator[None]:
+        """``unit``'s backward from the cache unit whose weights are ``params`` and weight leaves ``leaves``:
+        its graphs read their weights there and accumulate their weight gradients into ``leaves``'
+        gradient buffers. A layer that did not slide (no ``saving_weights``) is left as it is."""
+        forward = self._leaves.pop(unit, None)
+        if forward is None:
+            yield
+            return
+        own = {name: leaf.grad for name, leaf in forward.items()}
+        self._weights[unit] = params
+        for name, leaf in forward.items():
+            leaf.grad = leaves[name].grad
+        try:
+            yield
+        finally:  # the forward cache unit's leaves go back to their own buffers (its next user's)
+            for name, leaf in forward.items():
+                leaf.grad = own[name]
+            self._weights.pop(unit, None)
+
     def __len__(self) -> int:
         return len(self._graphs)
 
     def clear(self) -> None:
         self._graphs.clear()
+        self._leaves.clear()
+        self._weights.clear()

@@ -7,10 +7,13 @@ One step, for a model of L layers (units 0..L+1)::
     backward  layer L..1          (recompute from the saved input, backprop)
               embed               (scatter-add of the input gradient)
 
-A resident layer that keeps its activations (``UnitPlace.keeps``, chosen by
-the planner: ``slidekit.planning.keeping``) runs its forward with autograd
-on instead and saves no input; its backward back-propagates through the kept
-graph: the same operations in the same order as a recompute, one forward fewer.
+A layer that keeps its activations (``UnitPlace.keeps``, chosen by the
+planner: ``slidekit.planning.keeping``) runs its forward with autograd on
+instead and saves no input; its backward back-propagates through the kept
+graph: the same operations in the same order as a recompute, one forward
+fewer. A sliding one's graph holds references to its weights, not the cache
+unit's tensors (``KeptGraphs``), read at the backward from the cache unit it
+is loaded into then.
 
 While the device computes visit k, the upload thread loads the parameters
 of the next visits into free cache units. After a unit's backward, the
@@ -30,6 +33,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,7 +135,7 @@ class Engine(Uploads, Speculation):
         self._reduced: dict[int, Any] = {}  # data-parallel: unit -> event after its reduced shard's copy
         self.clip_overlap = "auto"
         self._clipped_last = False  # the last step clipped or was not finite ("auto" then defers the next)
-        check_keeps(layout.units)  # only resident layers: a sliding one's cache unit is reused before its backward
+        check_keeps(layout.units)  # decoder layers only
         self.keeps = tuple(u.keeps for u in layout.units)
         self.kept = KeptGraphs()  # the graphs of the layers that keep their activations, this step
         self.sync_resident()
@@ -278,7 +282,15 @@ class Engine(Uploads, Speculation):
         # A keeping layer binds the weights its backward accumulates into: the leaves whose .grad is the
         # cache unit's gradient buffer (Slot.weights), as a recompute would bind them.
         w = slot.weights(unit, trainable=keeps)
-        with torch.set_grad_enabled(keeps), self.timeline.device("fwd", visit.unit, self.streams.compute):
+        # A sliding keeper's cache unit goes to another unit before its backward: its graph keeps
+        # references to the weights, read at the backward from the cache unit it is loaded into then.
+        sliding = keeps and not slot.resident
+        saving = self.kept.saving_weights(visit.unit, slot.params, w) if sliding else nullcontext()
+        with (
+            torch.set_grad_enabled(keeps),
+            saving,
+            self.timeline.device("fwd", visit.unit, self.streams.compute),
+        ):
             if unit.kind == UnitKind.EMBED:
                 self.kept.clear()  # the step's first visit: nothing a failed step left is used again
                 c.x = [embed_forward(w, ids).to(self.dtype) for ids in c.ids]
@@ -349,14 +361,16 @@ class Engine(Uploads, Speculation):
         """Back-propagate through a keeping layer's graphs, micro-batch by micro-batch, as ``_backward``
         does through its recomputed ones: the weight gradients add up in the cache unit's buffer."""
         micro = len(c.dx)
-        for mb in range(micro):
-            if mb + 1 == micro and visit.unit > 1:  # the layer below may recompute: its input, on its way
-                self.acts.prefetch((visit.unit - 1, 0))
-            x, y = self.kept.take((visit.unit, mb))
-            with torch.enable_grad(), self.timeline.device("bwd", visit.unit, self.streams.compute):
-                torch.autograd.backward(y, c.dx[mb])
-            assert x.grad is not None
-            c.dx[mb] = x.grad
+        leaves = slot.weights(self.spec.units[visit.unit], trainable=True)  # .grad: this slot's buffer
+        with self.kept.bound(visit.unit, slot.params, leaves):
+            for mb in range(micro):
+                if mb + 1 == micro and visit.unit > 1:  # the layer below may recompute: its input, on its way
+                    self.acts.prefetch((visit.unit - 1, 0))
+                x, y = self.kept.take((visit.unit, mb))
+                with torch.enable_grad(), self.timeline.device("bwd", visit.unit, self.streams.compute):
+                    torch.autograd.backward(y, c.dx[mb])
+                assert x.grad is not None
+                c.dx[mb] = x.grad
         self._finish_unit(visit.unit, slot, c)
 
     def _embed_backward(self, k: int, visit: Visit, c: StepState) -> None:

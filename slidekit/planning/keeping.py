@@ -4,19 +4,20 @@ A layer that *keeps* runs its forward with autograd on and holds the graph
 (its output, per micro-batch) until its backward, which then back-propagates
 through it without recomputing the forward: about 6N instead of 8N FLOPs per
 token for a model of N parameters when every layer keeps. It saves no boundary
-activation. Only resident layers with weights of their own may keep: a sliding
-layer's cache unit (or that of a resident layer whose weights slide,
-``slidekit.planning.weights``) can be taken by another unit before the layer's
-backward, and its graph would then read overwritten weights (``check_keeps``
-refuses such a layout).
+activation. Any decoder layer may keep, resident or sliding: a sliding layer's
+graph holds references to its weights rather than its cache unit's tensors
+(another unit takes the cache unit before the layer's backward), and its
+backward reads them from the cache unit it is loaded into then
+(``slidekit.engine.activations.KeptGraphs``). Forced offload leaves the
+device almost empty, so its layers keep what a resident run keeps.
 
 ``engine.recompute``:
 
-    "auto"  keep as many resident layers as the device memory left after the residency plan
-            holds (``plan_keeps``), the last layers of the forward first (the first of the
-            backward: their graphs are the first let go); on the CPU nothing is kept
+    "auto"  keep as many layers as the device memory left after the residency plan holds
+            (``plan_keeps``), the last layers of the forward first (the first of the backward:
+            their graphs are the first let go); on the CPU nothing is kept
     "all"   recompute every layer: no layer keeps (the engine's behaviour before keeping)
-    "none"  every layer keeps; refused when a layer slides
+    "none"  every layer keeps
 
 Pure: no devices. Test: ``pytest tests/engine/test_keep_activations.py``.
 """
@@ -40,16 +41,11 @@ class _Place(Protocol):  # what check_keeps reads of a ``UnitPlace`` (read-only:
     @property
     def kind(self) -> str: ...
     @property
-    def resident(self) -> bool: ...
-    @property
     def keeps(self) -> bool: ...
-    @property
-    def weights_slide(self) -> bool: ...
 
 
 def plan_keeps(
     kinds: Sequence[str],
-    resident: Sequence[bool],
     *,
     recompute: str,
     per_layer: int,
@@ -58,10 +54,10 @@ def plan_keeps(
 ) -> list[bool]:
     """Per unit: whether it keeps its activations.
 
-    ``kinds``/``resident``: per unit (``resident``: on the device with weights of its own); ``per_layer``: device bytes one keeping layer adds (its graphs
-    over a step's micro-batches, less the boundary activations it no longer saves); ``fixed``: bytes
-    each run of consecutive keeping layers adds (its last layer's output, held until its backward);
-    ``budget``: device bytes left for it (None: the CPU, where "auto" keeps nothing).
+    ``kinds``: per unit; ``per_layer``: device bytes one keeping layer adds (its graphs over a step's
+    micro-batches, less the boundary activations it no longer saves); ``fixed``: bytes each run of
+    consecutive keeping layers adds (its last layer's output, held until its backward); ``budget``:
+    device bytes left for it (None: the CPU, where "auto" keeps nothing).
     """
     if recompute not in RECOMPUTE:
         raise ConfigError(f"engine.recompute must be one of {list(RECOMPUTE)}, got {recompute!r}")
@@ -70,31 +66,19 @@ def plan_keeps(
     if recompute == "all":
         return out
     if recompute == "none":
-        sliding = [i for i in layers if not resident[i]]
-        if sliding:
-            raise ConfigError(
-                f"engine.recompute='none' keeps every layer's activations, but layers {_span(sliding)} slide "
-                "through the window (only resident layers may keep: a sliding layer's cache unit is reused "
-                "before its backward); set engine.recompute='auto', or engine.gpu_resident='all' with "
-                "engine.resident_weights='keep'"
-            )
         for i in layers:
             out[i] = True
         return out
     if budget is None:
         return out
     room = budget
-    # The last layers of the forward first (the first of the backward), resident ones only; each run
-    # of consecutive keeping layers also holds its last output until its backward (``fixed``).
-    above = False  # the layer above the one considered keeps
-    for i in reversed(layers):
-        if not resident[i]:
-            above = False
-            continue
-        need = per_layer + (0 if above else fixed)
+    # The last layers of the forward first (the first of the backward); each run of consecutive
+    # keeping layers also holds its last output until its backward (``fixed``).
+    for n, i in enumerate(reversed(layers)):
+        need = per_layer + (0 if n else fixed)
         if room < need:
             break
-        out[i], above = True, True
+        out[i] = True
         room -= need
     return out
 
@@ -105,15 +89,13 @@ def kept_runs(keeps: Sequence[bool]) -> int:
 
 
 def check_keeps(units: Sequence[_Place]) -> None:
-    """Refuse a layout in which a unit that is not a resident decoder layer keeps its activations."""
-    bad = [u.index for u in units if u.keeps and (u.kind != "layer" or not u.resident or u.weights_slide)]
+    """Refuse a layout in which a unit that is not a decoder layer keeps its activations."""
+    bad = [u.index for u in units if u.keeps and u.kind != "layer"]
     if bad:
         raise ConfigError(
-            f"units {_span(bad)} are to keep their activations, but only resident decoder layers with weights of "
-            "their own may (a sliding unit's cache unit, or that of a unit whose weights slide, is reused before "
-            "its backward, and its graph would read overwritten weights); keep those units resident "
-            "(engine.gpu_resident) with their weights (engine.resident_weights='keep'), or let them recompute "
-            "(engine.recompute='auto' or 'all')"
+            f"units {_span(bad)} are to keep their activations, but only decoder layers may (the embedding's "
+            "backward needs no activation, the head computes its loss and gradients in one visit); let them "
+            "recompute (engine.recompute='auto' or 'all')"
         )
 
 

@@ -177,7 +177,7 @@ class UnitPlace:
     def padded(self) -> int:
         """Elements of the unit's buffers on the compute device: ``world`` equal pieces (one process: the unit)."""
         return self.shard.padded
-    keeps: bool = False  # a resident layer that keeps its activations: no recompute (slidekit.planning.keeping)
+    keeps: bool = False  # a layer that keeps its activations: no recompute (slidekit.planning.keeping)
     # A resident unit without weights of its own on the device: they are cast into a window cache unit from
     # its device master for each visit, and it is updated from that cache unit (slidekit.planning.weights).
     weights_slide: bool = False
@@ -370,7 +370,7 @@ def build_layout(
     on the offload tier (``Planner.layout`` chooses both). ``accelerator``: the compute device is not the
     CPU (uploads then cross a bus, through the staging buffer when they are cast). ``world``, ``rank``:
     the data-parallel rank whose layout this is (its shards, ``slidekit.planning.shards``). ``keeps``: the
-    resident layers that keep their activations (``slidekit.planning.keeping``; None: none). ``weights_slide``:
+    layers that keep their activations (``slidekit.planning.keeping``; None: none). ``weights_slide``:
     the resident units whose weights slide through the window (``slidekit.planning.weights``; None: none)."""
     from slidekit.planning.keeping import check_keeps
     from slidekit.planning.placement import plan_memory

@@ -323,9 +323,9 @@ class Planner(Recommendations):
     def keeps(
         self, placement: Placement, machine: Machine, resident: Sequence[bool], slide: Sequence[bool] = ()
     ) -> list[bool]:
-        """Layers that keep their activations (``slidekit.planning.keeping``): for "auto", as many resident
-        layers (with weights of their own: not ``slide``) as the device memory left beyond the layout
-        without any (and the reserve) holds."""
+        """Layers that keep their activations (``slidekit.planning.keeping``): for "auto", as many layers,
+        resident or sliding, as the device memory left beyond the layout without any (and the reserve)
+        holds."""
         kinds = [str(u.kind) for u in self.spec.units]
         budget = None
         w, s = self.workload, self.itemsize
@@ -338,10 +338,8 @@ class Planner(Recommendations):
         tier = placement.activation_tier
         on_device = tier == "device" or self.medium(tier) == "device"
         graphs = w.grad_accum * kept_bytes(self.spec, w.tokens, s, fused_kernels=self.fused_kernels)
-        own = [r and not (slide and slide[i]) for i, r in enumerate(resident)]
         return plan_keeps(
             kinds,
-            own,
             recompute=self.recompute,
             per_layer=graphs - (boundary if on_device else 0),  # it saves no boundary activation
             fixed=boundary,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import re
 import subprocess
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from slidekit import Batch, EngineConfig, ModelConfig, OptimConfig, TrainConfig, Trainer
-from slidekit.errors import ConfigError
+from slidekit.errors import ConfigError, NonFiniteError
 from slidekit.models.decoder import RopeTables, layer_forward
 from slidekit.planning import GIB, Machine, Placement, Planner, Workload
 from slidekit.planning.estimate import DEVICE_HEADROOM, DEVICE_SLACK, kept_bytes
@@ -53,11 +54,14 @@ def _steps(seed: int, lengths: list[tuple[int, int]]) -> list[Batch]:
     return out
 
 
-def _config(model_dir, recompute: str, dtype: str, optimizer: str, clip: float | None) -> TrainConfig:
+def _config(
+    model_dir, recompute: str, dtype: str, optimizer: str, clip: float | None, **engine: object
+) -> TrainConfig:
+    engine = {"gpu_resident": "all", **engine}
     return TrainConfig(
         model=ModelConfig(source=str(model_dir)),
         optim=OptimConfig(name=optimizer, lr=LR, weight_decay=WD, max_grad_norm=clip),
-        engine=EngineConfig(device="cpu", compute_dtype=dtype, gpu_resident="all", recompute=recompute),
+        engine=EngineConfig(device="cpu", compute_dtype=dtype, recompute=recompute, **engine),  # type: ignore[arg-type]
         steps=3,
         grad_accum=2,
     )
@@ -87,8 +91,8 @@ def _free_for(planner: Planner, keeping: int) -> int:
     return int(RESIDENT_RESERVE + DEVICE_SLACK + room * (1 + DEVICE_HEADROOM)) + 1
 
 
-def _run(model_dir, recompute: str, *, dtype="bfloat16", optimizer="layer_adam", clip=None, free=None):
-    cfg = _config(model_dir, recompute, dtype, optimizer, clip)
+def _run(model_dir, recompute: str, *, dtype="bfloat16", optimizer="layer_adam", clip=None, free=None, **engine):
+    cfg = _config(model_dir, recompute, dtype, optimizer, clip, **engine)
     machine = None if free is None else _machine(free)
     with Trainer(cfg, machine=machine) as t:
         keeps = [u.index for u in t.engine.layout.units if u.keeps]
@@ -125,6 +129,95 @@ def test_keeping_is_bitwise_the_recompute_path(family, optimizer, clip, tiny_mod
             assert state[name].equal(value), f"{recompute}: {name}"
     if clip is not None:
         assert max(base.grad_norms) > clip, "the test must actually clip"
+
+
+@pytest.mark.parametrize(
+    ("family", "optimizer", "clip", "engine"),
+    [
+        ("qwen2", "layer_adam", None, {"gpu_resident": "none", "window": 2}),  # tied, every layer slides
+        ("llama", "adamw_8bit", 0.5, {"gpu_resident": "0.5", "window": 2}),  # half slide, clipping
+        ("qwen3", "layer_adam", None, {"gpu_resident": "all", "resident_weights": "slide", "window": 2}),
+    ],
+    ids=["forced offload", "half resident, clipped", "resident, weights slide"],
+)
+def test_sliding_layers_that_keep_are_bitwise_the_recompute_path(family, optimizer, clip, engine, tiny_model, monkeypatch):
+    """Sliding layers that keep give the recompute's very bits, and their graphs read their weights
+    through the references: bound to a cache unit of NaN instead, the step refuses its non-finite
+    gradients. (That the
+    references survive the cache unit being overwritten is the next test's; the window here often
+    hands a layer's backward its forward's cache unit back.)"""
+    from slidekit.engine.activations import KeptGraphs
+
+    model_dir = tiny_model(family)
+    base_keeps, _, base, base_state, _ = _run(model_dir, "all", optimizer=optimizer, clip=clip, **engine)
+    assert base_keeps == []
+    keeps, _, other, state, _ = _run(model_dir, "none", optimizer=optimizer, clip=clip, **engine)
+    assert keeps == [1, 2, 3]
+    assert other.losses == base.losses
+    assert other.grad_norms == base.grad_norms
+    for name, value in base_state.items():
+        assert state[name].equal(value), name
+    if clip is not None:
+        assert max(base.grad_norms) > clip, "the test must actually clip"
+
+    bound = KeptGraphs.bound
+    sliding = []
+
+    def bound_to_nan(self, unit, params, leaves):
+        sliding.extend([unit] if unit in self._leaves else [])
+        return bound(self, unit, torch.full_like(params, float("nan")), leaves)
+
+    monkeypatch.setattr(KeptGraphs, "bound", bound_to_nan)
+    cfg = _config(model_dir, "none", "bfloat16", optimizer, None, **engine)
+    with Trainer(cfg) as t, pytest.raises(NonFiniteError, match="are not finite"):
+        t.fit(_steps(3, [(24, 40)]))
+    assert sliding
+
+
+def test_a_kept_graph_reads_its_weights_from_the_cache_unit_bound_at_its_backward():
+    """``KeptGraphs`` by hand: a graph built over one weight buffer, that buffer then overwritten, and
+    the backward bound to another holding the same weights: the input's and the weights' gradients
+    are a plain autograd run's, the weight gradients land in the bound buffer's gradients, and the
+    forward's leaves get their own gradient buffers back."""
+    from slidekit.engine.activations import KeptGraphs
+
+    torch.manual_seed(0)
+    rows, cols = 6, 8
+
+    def leaves_of(params: torch.Tensor, grads: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, (at, shape) in {"w": (0, (rows, cols)), "g": (rows * cols, (cols,))}.items():
+            n = math.prod(shape)
+            leaf = params[at : at + n].view(shape).detach().requires_grad_(True)
+            leaf.grad = grads[at : at + n].view(shape)
+            out[name] = leaf
+        return out
+
+    def layer(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.linear(x * w["g"], w["w"]).tanh() @ w["w"]  # w saved twice, transposed
+
+    numel = rows * cols + cols
+    weights = torch.randn(numel)
+    x0, dy = torch.randn(4, cols), torch.randn(4, cols)
+    ref_w = {k: v.detach().clone().requires_grad_(True) for k, v in leaves_of(weights.clone(), torch.zeros(numel)).items()}
+    ref_x = x0.clone().requires_grad_(True)
+    layer(ref_x, ref_w).backward(dy)
+
+    p1, g1 = weights.clone(), torch.zeros(numel)
+    p2, g2 = torch.zeros(numel), torch.zeros(numel)
+    forward = leaves_of(p1, g1)
+    kept = KeptGraphs()
+    x = x0.clone().requires_grad_(True)
+    with kept.saving_weights(5, p1, forward):
+        y = layer(x, forward)
+    p1.fill_(float("nan"))  # another unit takes the cache unit
+    p2.copy_(weights)  # the backward's cache unit holds the layer again
+    with kept.bound(5, p2, leaves_of(p2, g2)):
+        y.backward(dy)
+    assert x.grad is not None and x.grad.equal(ref_x.grad)
+    assert g2[: rows * cols].view(rows, cols).equal(ref_w["w"].grad) and g2[rows * cols :].equal(ref_w["g"].grad)
+    assert not g1.any()  # nothing went to the forward's cache unit
+    assert forward["w"].grad.data_ptr() == g1.data_ptr()  # its leaves' buffers are their own again
 
 
 def test_keeping_matches_transformers_and_adamw(tiny_model):
@@ -185,33 +278,30 @@ def test_all_keeps_none_and_none_keeps_every_layer():
     assert [u.keeps for u in layout.units] == [False, *[True] * 6, False]
 
 
-def test_only_resident_layers_keep():
-    """Units spread over the backward order stay on the host: "auto" keeps the resident layers from
-    the top down only; "none" refuses while a layer slides."""
+def test_sliding_layers_keep_too():
+    """Units spread over the backward order stay on the host: "auto" keeps the layers from the top down,
+    resident or sliding, while the budget lasts; "none" keeps every layer, sliding ones included."""
     p = _planner()
     resident = [True, True, False, True, True, False, True, True]
-    keeps = plan_keeps(["embed", *["layer"] * 6, "head"], resident, recompute="auto", per_layer=1, fixed=1,
-                       budget=100)  # fmt: skip
-    assert keeps == [False, True, False, True, True, False, True, False]
-    with pytest.raises(ConfigError, match=r"recompute='none'.*layers 2, 5 slide"):
-        _planner("none").layout(Placement(gpu_resident="all"), _gpu(80 * GIB), resident)
+    keeps = plan_keeps(["embed", *["layer"] * 6, "head"], recompute="auto", per_layer=2, fixed=1, budget=7)
+    assert keeps == [False, False, False, False, True, True, True, False]  # 1 + 3 x 2 of the 7
+    layout = _planner("none").layout(Placement(gpu_resident="all"), _gpu(80 * GIB), resident)
+    assert [u.keeps for u in layout.units] == [False, *[True] * 6, False]
     layout = p.layout(Placement(gpu_resident="all"), _gpu(80 * GIB), resident)
-    assert [u.keeps for u in layout.units] == keeps
+    assert [u.keeps for u in layout.units] == [False, *[True] * 6, False]  # 80 GiB hold every graph
+    offloaded = p.layout(Placement(gpu_resident="none"), _gpu(80 * GIB))
+    assert [u.keeps for u in offloaded.units] == [False, *[True] * 6, False]
 
 
-def test_a_sliding_unit_that_keeps_is_refused():
+def test_only_decoder_layers_keep():
     p = _planner()
     layout = p.layout(Placement(gpu_resident="none"), _gpu(80 * GIB))
-    assert not any(u.keeps for u in layout.units)
-    units = tuple(dataclasses.replace(u, keeps=u.index == 3) for u in layout.units)
-    with pytest.raises(ConfigError, match=r"units 3 are to keep their activations, but only resident"):
-        check_keeps(units)  # what build_layout and the engine's constructor call
-    keeps = tuple(i == 3 for i in range(8))
-    with pytest.raises(ConfigError, match="only resident decoder layers"):
-        p._layout(Placement(gpu_resident="none"), [False] * 8, keeps)
-    head = tuple(i == 7 for i in range(8))  # nor may the head (its one visit computes loss and gradients)
-    with pytest.raises(ConfigError, match="units 7 are to keep"):
-        p._layout(Placement(gpu_resident="all"), [True] * 8, head)
+    head = tuple(dataclasses.replace(u, keeps=u.index == 7) for u in layout.units)
+    with pytest.raises(ConfigError, match=r"units 7 are to keep their activations, but only decoder layers"):
+        check_keeps(head)  # what build_layout and the engine's constructor call
+    embed = tuple(i == 0 for i in range(8))  # nor may the embedding
+    with pytest.raises(ConfigError, match="units 0 are to keep"):
+        p._layout(Placement(gpu_resident="all"), [True] * 8, embed)
 
 
 def test_recompute_is_validated():

@@ -70,9 +70,9 @@ OOM_BATCH_S = 5.0  # a batch that runs out of GPU memory: the steps until it doe
 CLIP_FACTOR = {"slidekit": 1.10, "slidekit:all": 1.02, "torchao": 1.15, "deepspeed": 1.05}
 CLIP_FACTOR |= {"deepspeed_partial": 1.05}
 #: A lever's step factor (estimates, NOTES.md 16), applied to the kind without it. recompute "all" is
-#: how every measured step ran; "auto" keeps the activations of the resident layers that fit: NOTES 16
-#: predicts 1.27x at 3B batch 8 and 1.19x at batch 32, and a plan counts on the smaller gain (1 / 1.19).
-#: "none" keeps every layer (as "auto" where all fit). A mode with nothing resident keeps nothing.
+#: how every measured step ran; "auto" keeps the activations of the layers that fit: NOTES 16 predicts
+#: 1.27x at 3B batch 8 and 1.19x at batch 32, and a plan counts on the smaller gain (1 / 1.19). "none"
+#: keeps every layer (as "auto" where all fit). Sliding layers keep too (forced offload included).
 LEVER_FACTOR = {("recompute", "all"): 1.0, ("recompute", "auto"): 0.84, ("recompute", "none"): 0.84}
 #: Step time with max_grad_norm over without, per ``clip_overlap`` (estimates, NOTES.md 15; default:
 #: ``CLIP_FACTOR``). "defer": the deferred path measured -32% at 3B batch 32 on the H200 (1 / 0.68).
@@ -245,8 +245,6 @@ def _with_levers(model: str, key: str, table: Mapping[tuple[str, str], Cost]) ->
     factor, why = 1.0, []
     for name, value in levers.items():
         f = LEVER_FACTOR.get((name, value), 1.0)
-        if name == "recompute" and kind.startswith("slidekit:none"):
-            f = 1.0  # nothing resident: no layer keeps its activations
         if f != 1.0:
             factor *= f
             why.append(f"{name} {value} x {f:g}")

@@ -277,7 +277,7 @@ def engine_arguments(p: argparse.ArgumentParser, *, resident_help: str, crossed:
     p.add_argument(
         "--recompute",
         default="auto",
-        help=f"engine.recompute, {listed}auto (resident layers keep their activations where memory allows), "
+        help=f"engine.recompute, {listed}auto (layers keep their activations where memory allows), "
         "all or none",
     )
     p.add_argument(
