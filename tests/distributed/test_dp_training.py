@@ -46,6 +46,11 @@ CASES = {  # family, ranks, job settings, bitwise
     "2 ranks, tied, all resident, every layer keeping, accumulation": (
         "qwen2", 2, {"gpu_resident": "all", "micro": 2, "engine": {"recompute": "none"}}, False,
     ),
+    # Every layer slides through a window of two and keeps its activations: its graph reads the weights
+    # gathered into the cache unit of its backward (slidekit.engine.activations.KeptGraphs).
+    "2 ranks, nothing resident, every sliding layer keeping, window 2, bitwise": (
+        "llama", 2, {"gpu_resident": "none", "window": 2, "engine": {"recompute": "none"}}, True,
+    ),
     # Master and state on the device, weights cast into the window per visit and gathered (slidekit.planning.weights).
     "2 ranks, all resident with sliding weights, adamw_8bit, bitwise": (
         "llama", 2, {"gpu_resident": "all", "optimizer": "adamw_8bit", "engine": {"resident_weights": "slide"}},
