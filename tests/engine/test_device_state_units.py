@@ -285,15 +285,17 @@ def test_the_step_time_model_prices_the_casts():
 # ---------------------------------------------------------------------------- refusals
 
 
-def test_a_unit_whose_weights_slide_never_keeps_its_activations():
+def test_a_unit_whose_weights_slide_keeps_its_activations_like_any_layer():
+    """Its cache unit is reused before its backward, so its graph reads the weights through references
+    (``KeptGraphs``; bitwise the recompute path in tests/engine/test_keep_activations.py)."""
     p = _planner()
     layout = p.layout(Placement(gpu_resident="all", resident_weights="slide"), _gpu(80 * GIB))
-    assert all(u.weights_slide for u in layout.units) and not any(u.keeps for u in layout.units)
-    units = tuple(dataclasses.replace(u, keeps=u.index == 3) for u in layout.units)
-    with pytest.raises(ConfigError, match=r"units 3 are to keep .* weights of their own"):
-        check_keeps(units)
-    kept = p.layout(Placement(gpu_resident="all"), _gpu(80 * GIB))
-    assert any(u.keeps for u in kept.units)  # with their weights kept, the same room keeps activations
+    assert all(u.weights_slide for u in layout.units)
+    assert [u.index for u in layout.units if u.keeps] == [u.index for u in layout.units if u.kind == "layer"]
+    check_keeps(layout.units)  # allowed
+    head = tuple(dataclasses.replace(u, keeps=u.kind == "head") for u in layout.units)
+    with pytest.raises(ConfigError, match=r"are to keep their activations, but only decoder layers"):
+        check_keeps(head)
 
 
 def test_a_data_parallel_rank_counts_its_shards():
