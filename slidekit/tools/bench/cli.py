@@ -26,7 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from slidekit.errors import ConfigError
-from slidekit.tools.bench.continuing import check_continuable, continue_header, load_earlier, measured_runs
+from slidekit.tools.bench.continuing import (
+    Earlier,
+    check_continuable,
+    continue_header,
+    load_earlier,
+    measured_runs,
+)
 from slidekit.tools.bench.costs import costs_from_records
 from slidekit.tools.bench.records import FLOPS_FORMULA, versions
 from slidekit.tools.bench.runner import Recorder, run_suite
@@ -238,6 +244,12 @@ def _commit(given: str | None) -> str:
     return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+def _continued(args: argparse.Namespace, the_suite: Suite) -> tuple[Earlier | None, frozenset[str]]:
+    """``--continue``'s earlier records (None without it) and the names of the runs they measured."""
+    earlier = load_earlier(Path(args.continue_from)) if args.continue_from else None
+    return earlier, frozenset(measured_runs(expand(the_suite), earlier.rows) if earlier else ())
+
+
 def _plan(args: argparse.Namespace, the_suite: Suite, done: frozenset[str] = frozenset()) -> Plan:
     """The time plan of the suite's runs, less those named in ``done`` (measured by an earlier call)."""
     table = None
@@ -260,8 +272,7 @@ def bench(
     """Run what ``args`` asks for; the rows (also in ``--out``). ``watchdog`` replaces the one of
     ``--ram-floor-gib`` and ``clock`` the budget's clock (tests watch a fake machine and stop time)."""
     the_suite = build_suite(args)
-    earlier = load_earlier(Path(args.continue_from)) if args.continue_from else None
-    done = frozenset(measured_runs(expand(the_suite), earlier.rows) if earlier else ())
+    earlier, done = _continued(args, the_suite)
     plan = _plan(args, the_suite, done)
     out = Path(args.out) if args.out else None
     if out is not None:
@@ -334,8 +345,7 @@ def run_command(args: argparse.Namespace) -> int:
         return _table(args.table)
     if args.plan_only:
         the_suite = build_suite(args)
-        earlier = load_earlier(Path(args.continue_from)) if args.continue_from else None
-        done = frozenset(measured_runs(expand(the_suite), earlier.rows) if earlier else ())
+        _, done = _continued(args, the_suite)
         print(format_plan(_plan(args, the_suite, done)))
         return 0
     rows = bench(args)
