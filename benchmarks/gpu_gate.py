@@ -8,9 +8,10 @@ on the GPU machine before its issue is resolved:
 
 A gate run does two things, and writes ``docs/benchmarks/GPU-VERIFIED.json``
 (atomically, also into ``$OUT`` when set) with what it found, first before
-the suite and again before each run (``ok`` false, ``why`` naming what has
+each run and again before the suite (``ok`` false, ``why`` naming what has
 not run yet), so a gate killed from outside still leaves what it had found;
 ``--deadline S`` fits the whole gate into S seconds (a device call's limit):
+the runs go first, each at most ``--run-timeout``, and the suite gets the rest.
 
 1. the WHOLE test suite (``pytest tests``: the GPU-only files and the tests
    that take a CUDA branch where there is one), with pass, fail, error and skip
@@ -422,10 +423,16 @@ def gate(args: argparse.Namespace) -> int:
     def left() -> float:
         return math.inf if args.deadline is None else args.deadline - (time.perf_counter() - t0)
 
+    # The runs go first: each takes what it takes (at most --run-timeout), and the suite, whose length
+    # varies most, gets what is left of --deadline instead of a share reserved for runs up front.
+    for i, mode in enumerate(modes):
+        save(f"the runs {', '.join(modes[i:])} had not finished")
+        run = run_mode(args, mode, max(1.0, min(args.run_timeout, left())))
+        print(f"gpu_gate: run {json.dumps(run)}", flush=True)
+        runs.append(run)
     if not args.skip_tests:
         log = (out or Path(tempfile.gettempdir())) / "gpu-gate-tests.log"
-        # Under --deadline the suite leaves each run its --run-timeout.
-        budget = min(args.tests_timeout, left() - len(modes) * args.run_timeout)
+        budget = max(1.0, min(args.tests_timeout, left()))
         print(f"gpu_gate: the whole test suite, at most {budget:.0f} s (log {log})", flush=True)
         save("the test suite is running")  # a gate killed from outside leaves this much
         tests = run_suite(budget, log, shlex.split(args.pytest_args), pytest_workers(args.workers))
@@ -434,11 +441,6 @@ def gate(args: argparse.Namespace) -> int:
         )
         for name in tests.get("failures", []):
             print(f"gpu_gate:   FAILED {name}", flush=True)
-    for i, mode in enumerate(modes):
-        save(f"the runs {', '.join(modes[i:])} had not finished")
-        run = run_mode(args, mode, max(1.0, min(args.run_timeout, left())))
-        print(f"gpu_gate: run {json.dumps(run)}", flush=True)
-        runs.append(run)
     ok, why = save(None)
     print(
         f"gpu_gate: {'PASSED' if ok else 'FAILED'} ({why}); record {', '.join(map(str, paths))}", flush=True
@@ -469,8 +471,8 @@ def parser() -> argparse.ArgumentParser:
         "--deadline",
         type=float,
         default=None,
-        help="seconds the whole gate may take: the suite's timeout shrinks to leave every run its"
-        " --run-timeout (default: none)",
+        help="seconds the whole gate may take: the runs go first, the suite gets what is left"
+        " (default: none)",
     )
     p.add_argument(
         "--skip-tests", action="store_true", help="runs only (the record then says the gate failed)"

@@ -137,22 +137,25 @@ def test_the_suite_reports_its_counts_and_an_overrun_still_names_its_failures(tm
     assert not gate.verdict(result, [{"gpu_resident": "all", "status": "ok"}])[0]
 
 
-def test_the_record_is_written_before_each_phase_and_a_deadline_leaves_the_runs_their_time(
+def test_the_record_is_written_before_each_phase_and_the_suite_gets_what_the_runs_leave(
     tmp_path: Path, monkeypatch
 ):
     """A gate killed from outside (a device call's limit) leaves the record of what it had found."""
     monkeypatch.delenv("OUT", raising=False)
     record = tmp_path / "GPU-VERIFIED.json"
     seen: list[tuple[str, float, str]] = []
+    clock = [0.0]
+    monkeypatch.setattr(gate.time, "perf_counter", lambda: clock[0])
 
     def suite(timeout, log, extra=(), workers=1, paths=("tests",)):
-        seen.append(("suite", timeout, json.loads(record.read_text())["why"]))
+        written = json.loads(record.read_text())
+        assert not written["ok"] and [r["gpu_resident"] for r in written["runs"]] == ["all", "none"]
+        seen.append(("suite", timeout, written["why"]))
         return {"passed": 3, "failed": 0, "errors": 0, "skipped": 0, "exit_code": 0, "seconds": 1.0}
 
     def run(args, mode, timeout):
-        written = json.loads(record.read_text())
-        assert not written["ok"] and written["tests"]["passed"] == 3
-        seen.append((mode, timeout, written["why"]))
+        seen.append((mode, timeout, json.loads(record.read_text())["why"]))
+        clock[0] += 45.0  # each run takes 45 s of the deadline
         return {"gpu_resident": mode, "status": "ok"}
 
     monkeypatch.setattr(gate, "run_suite", suite)
@@ -160,21 +163,31 @@ def test_the_record_is_written_before_each_phase_and_a_deadline_leaves_the_runs_
     argv = ["--allow-cpu", "--record", str(record), "--commit", "abc", "--modes", "all,none"]
     argv += ["--deadline", "500", "--run-timeout", "60", "--tests-timeout", "480"]
     assert gate.main(argv) == 0
-    (_, suite_s, before_suite), (_, all_s, before_all), (_, none_s, before_none) = seen
-    assert 370 < suite_s <= 380  # 500 s less two runs of 60
-    assert before_suite.startswith("incomplete: the test suite is running")
-    assert before_all.startswith("incomplete: the runs all, none had not finished")
-    assert before_none == "incomplete: the runs none had not finished"
+    (_, all_s, before_all), (_, none_s, before_none), (_, suite_s, before_suite) = seen
     assert all_s == none_s == 60
+    assert before_all.startswith("incomplete: the runs all, none had not finished")
+    assert before_none.startswith("incomplete: the runs none had not finished")
+    assert suite_s == 410  # 500 s less the two runs' 90 s, not less two whole run timeouts
+    assert before_suite.startswith("incomplete: the test suite is running")
     final = json.loads(record.read_text())
-    assert final["ok"] and final["why"] == "all passed" and [r["gpu_resident"] for r in final["runs"]] == [
-        "all",
-        "none",
-    ]
+    assert (
+        final["ok"]
+        and final["why"] == "all passed"
+        and [r["gpu_resident"] for r in final["runs"]]
+        == [
+            "all",
+            "none",
+        ]
+    )
+    # A deadline nearly spent leaves the last run what remains.
+    seen.clear()
+    clock[0] = 0.0
+    assert gate.main([*argv[:-6], "--deadline", "80", "--run-timeout", "60", "--tests-timeout", "480"]) == 0
+    assert [t for _, t, _ in seen] == [60, 35, 1.0]
     # Without a deadline the suite gets its own timeout.
     seen.clear()
     assert gate.main([*argv[:-6], "--tests-timeout", "480"]) == 0
-    assert seen[0][1] == 480
+    assert seen[-1][:2] == ("suite", 480)
 
 
 @pytest.mark.slow
