@@ -92,6 +92,34 @@ case "${1:-tests}" in
     python3 -m slidekit.cli plugins 2>&1 | tee "$OUT/plugins.txt" | grep -i -E "gds|triton" | head -6
     python3 benchmarks/host_bandwidth.py --gib 1 --repeat 5 | tee "$OUT/host_bandwidth.json"
     ;;
+  largest)  # issue 17's runs, one argument each, in order: "MODEL BATCH [EXTRA...]", MODEL a preset or
+    # BASE@LAYERSL (a published shape cut to another depth: benchmarks/largest_model.py), EXTRA more bench
+    # options (they are `slidekit plan`'s too). Per run: the planner's view of this machine and the run's
+    # stderr (log-TAG.txt), its record (run-TAG.jsonl), its trace (trace-TAG.json.gz); at most 2 runs.
+    shift; DEADLINE=${DEADLINE:-570}
+    timeout 200 slidekit build adamw_8bit > "$OUT/build.log" 2>&1; echo "build rc $? at ${SECONDS}s"
+    for spec in "$@"; do
+      set -- $spec; MODEL=$1; BATCH=$2; shift 2
+      TAG=$(echo "$MODEL-b$BATCH" | tr '@' '-'); CFG=/tmp/cfg-$TAG; LOG="$OUT/log-$TAG.txt"
+      if [[ $MODEL == *@*L ]]; then
+        L=${MODEL#*@}; RUN=(python3 benchmarks/largest_model.py --base "${MODEL%@*}" --layers "${L%L}")
+        "${RUN[@]}" --write-config "$CFG" > /dev/null; RUN+=(--)
+      else
+        RUN=(python3 -m slidekit.tools.bench --model "$MODEL")
+        python3 -c "import sys; from pathlib import Path; from slidekit.tools.presets import write_config as w; w(sys.argv[1], Path(sys.argv[2]), 1024)" "$MODEL" "$CFG"
+      fi
+      { echo "commit ${COMMIT:-unknown}; $(free -g | sed -n 2p); $(df -h /var/tmp | tail -1)"
+        python3 -m slidekit.cli plan --model "$CFG" --random-init --optimizer adamw_8bit --resident-weights auto \
+          --batch-size "$BATCH" --seq-len 1024 --offload-dir /var/tmp/sk-off "$@"; } > "$LOG" 2>&1
+      grep -E "predicted step|verdict" "$LOG" | head -3
+      LEFT=$((DEADLINE - SECONDS)); [ "$LEFT" -lt 60 ] && { echo "$TAG: not run, ${LEFT}s left"; continue; }
+      timeout "$LEFT" "${RUN[@]}" --batch "$BATCH" --seq 1024 --optimizer adamw_8bit --resident auto \
+        --resident-weights auto --offload-dir /var/tmp/sk-off --steps 20 --warmup 2 --repeat-batch --lr 1e-4 \
+        --trace "/tmp/trace-$TAG.json" "$@" > "$OUT/run-$TAG.jsonl" 2>> "$LOG"; echo "$TAG: rc $? at ${SECONDS}s"
+      gzip -c "/tmp/trace-$TAG.json" > "$OUT/trace-$TAG.json.gz" 2>/dev/null
+      cut -c1-700 "$OUT/run-$TAG.jsonl"; tail -3 "$LOG" | cut -c1-300; rm -rf /var/tmp/sk-off
+    done
+    ;;
   suite)  # one suite of `slidekit bench` (issue 15): bash benchmarks/run_h200.sh suite NAME COMMIT
     # NAME: a preset of slidekit.tools.bench.suite_presets.SUITES; it builds its kernels itself, then runs what
     # its time plan keeps within what is left of the call (docs/benchmarking.md has the bare command).
