@@ -96,7 +96,7 @@ case "${1:-tests}" in
     # BASE@LAYERSL (a published shape cut to another depth: benchmarks/largest_model.py), EXTRA more bench
     # options (they are `slidekit plan`'s too). Per run: the planner's view of this machine and the run's
     # stderr (log-TAG.txt), its record (run-TAG.jsonl), its trace (trace-TAG.json.gz); at most 2 runs.
-    shift; DEADLINE=${DEADLINE:-570}
+    shift; DEADLINE=${DEADLINE:-570}  # WARMUP: untimed steps first (default 2)
     timeout 200 slidekit build adamw_8bit > "$OUT/build.log" 2>&1; echo "build rc $? at ${SECONDS}s"
     for spec in "$@"; do
       set -- $spec; MODEL=$1; BATCH=$2; shift 2
@@ -114,7 +114,7 @@ case "${1:-tests}" in
       grep -E "predicted step|verdict" "$LOG" | head -3
       LEFT=$((DEADLINE - SECONDS)); [ "$LEFT" -lt 60 ] && { echo "$TAG: not run, ${LEFT}s left"; continue; }
       timeout "$LEFT" "${RUN[@]}" --batch "$BATCH" --seq 1024 --optimizer adamw_8bit --resident auto \
-        --resident-weights auto --offload-dir /var/tmp/sk-off --steps 20 --warmup 2 --repeat-batch --lr 1e-4 \
+        --resident-weights auto --offload-dir /var/tmp/sk-off --steps 20 --warmup "${WARMUP:-2}" --repeat-batch --lr 1e-4 \
         --trace "/tmp/trace-$TAG.json" "$@" > "$OUT/run-$TAG.jsonl" 2>> "$LOG"; echo "$TAG: rc $? at ${SECONDS}s"
       gzip -c "/tmp/trace-$TAG.json" > "$OUT/trace-$TAG.json.gz" 2>/dev/null
       cut -c1-700 "$OUT/run-$TAG.jsonl"; tail -3 "$LOG" | cut -c1-300; rm -rf /var/tmp/sk-off
