@@ -100,7 +100,7 @@ case "${1:-tests}" in
     timeout 200 slidekit build adamw_8bit > "$OUT/build.log" 2>&1; echo "build rc $? at ${SECONDS}s"
     for spec in "$@"; do
       set -- $spec; MODEL=$1; BATCH=$2; shift 2
-      TAG=$(echo "$MODEL-b$BATCH" | tr '@' '-'); CFG=/tmp/cfg-$TAG; LOG="$OUT/log-$TAG.txt"
+      TAG=$(echo "$MODEL-b$BATCH" | tr '@' '-'); CFG=/tmp/cfg-$TAG; LOG="$OUT/log-$TAG.txt"; mkdir -p /var/tmp/sk-off
       if [[ $MODEL == *@*L ]]; then
         L=${MODEL#*@}; RUN=(python3 benchmarks/largest_model.py --base "${MODEL%@*}" --layers "${L%L}")
         "${RUN[@]}" --write-config "$CFG" > /dev/null; RUN+=(--)
