@@ -96,7 +96,7 @@ case "${1:-tests}" in
     # BASE@LAYERSL (a published shape cut to another depth: benchmarks/largest_model.py), EXTRA more bench
     # options (they are `slidekit plan`'s too). Per run: the planner's view of this machine and the run's
     # stderr (log-TAG.txt), its record (run-TAG.jsonl), its trace (trace-TAG.json.gz); at most 2 runs.
-    shift; DEADLINE=${DEADLINE:-570}  # WARMUP: untimed steps first (default 2)
+    shift; DEADLINE=${DEADLINE:-550}  # WARMUP: untimed steps first (default 2); keep DEADLINE well under the call's 600 s
     timeout 200 slidekit build adamw_8bit > "$OUT/build.log" 2>&1; echo "build rc $? at ${SECONDS}s"
     for spec in "$@"; do
       set -- $spec; MODEL=$1; BATCH=$2; shift 2
