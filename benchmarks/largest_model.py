@@ -34,6 +34,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
+from slidekit.telemetry import host_rss_bytes
 from slidekit.tools.presets import PRESETS, preset
 
 
@@ -47,18 +48,6 @@ def register(base: str, layers: int) -> str:
     return name
 
 
-def _rss_gib() -> float:
-    """This process's resident set, GiB (0.0 where /proc is missing)."""
-    try:
-        with open("/proc/self/statm", encoding="ascii") as f:
-            pages = int(f.read().split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    import os
-
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
-
-
 class Progress:
     """What a cut-off run leaves behind: a line every ``every`` seconds (elapsed, RSS) and one per step."""
 
@@ -69,7 +58,7 @@ class Progress:
 
     def line(self, text: str) -> None:
         print(
-            f"[{time.perf_counter() - self.t0:7.1f} s, rss {_rss_gib():6.1f} GiB] {text}",
+            f"[{time.perf_counter() - self.t0:7.1f} s, rss {host_rss_bytes() / 2**30:6.1f} GiB] {text}",
             file=self.out,
             flush=True,
         )

@@ -82,19 +82,8 @@ def test_progress_reports_the_ticks_and_every_step():
 def test_a_cut_tiny_model_trains_and_reports_each_step_on_stderr(tmp_path):
     out = tmp_path / "records.jsonl"
     args = ["--base", "tiny", "--layers", "2", "--progress", "60", "--", "--batch", "2", "--seq", "32"]
-    args += [
-        "--steps",
-        "3",
-        "--warmup",
-        "1",
-        "--repeat-batch",
-        "--lr",
-        "1e-3",
-        "--device",
-        "cpu",
-        "--out",
-        str(out),
-    ]
+    args += ["--steps", "3", "--warmup", "1", "--repeat-batch", "--lr", "1e-3", "--device", "cpu"]
+    args += ["--out", str(out)]
     done = subprocess.run(
         [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300, cwd=ROOT
     )
