@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TextIO
 
 from slidekit.telemetry import host_rss_bytes
-from slidekit.tools.presets import PRESETS, preset
+from slidekit.tools.presets import PRESETS, preset, write_config
 
 
 def register(base: str, layers: int) -> str:
@@ -117,8 +117,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv[:cut])
     name = register(args.base, args.layers)
     if args.write_config is not None:
-        from slidekit.tools.presets import write_config
-
         write_config(name, args.write_config, args.seq)
         print(f"{name}: {args.write_config / 'config.json'}")
         return 0

@@ -101,15 +101,14 @@ case "${1:-tests}" in
     for spec in "$@"; do
       set -- $spec; MODEL=$1; BATCH=$2; shift 2
       TAG=$(echo "$MODEL-b$BATCH" | tr '@' '-'); CFG=/tmp/cfg-$TAG; LOG="$OUT/log-$TAG.txt"; mkdir -p /var/tmp/sk-off
-      if [[ $MODEL == *@*L ]]; then
+      if [[ $MODEL == *@*L ]]; then  # a cut shape: plan its written config.json
         L=${MODEL#*@}; RUN=(python3 benchmarks/largest_model.py --base "${MODEL%@*}" --layers "${L%L}")
-        "${RUN[@]}" --write-config "$CFG" > /dev/null; RUN+=(--)
+        "${RUN[@]}" --write-config "$CFG" > /dev/null; RUN+=(--); SHAPE=(--model "$CFG" --random-init)
       else
-        RUN=(python3 -m slidekit.tools.bench --model "$MODEL")
-        python3 -c "import sys; from pathlib import Path; from slidekit.tools.presets import write_config as w; w(sys.argv[1], Path(sys.argv[2]), 1024)" "$MODEL" "$CFG"
+        RUN=(python3 -m slidekit.tools.bench --model "$MODEL"); SHAPE=(--preset "$MODEL")
       fi
       { echo "commit ${COMMIT:-unknown}; $(free -g | sed -n 2p); $(df -h /var/tmp | tail -1)"
-        python3 -m slidekit.cli plan --model "$CFG" --random-init --optimizer adamw_8bit --resident-weights auto \
+        python3 -m slidekit.cli plan "${SHAPE[@]}" --optimizer adamw_8bit --resident-weights auto \
           --batch-size "$BATCH" --seq-len 1024 --offload-dir /var/tmp/sk-off "$@"; } > "$LOG" 2>&1
       grep -E "predicted step|verdict" "$LOG" | head -3
       LEFT=$((DEADLINE - SECONDS)); [ "$LEFT" -lt 60 ] && { echo "$TAG: not run, ${LEFT}s left"; continue; }

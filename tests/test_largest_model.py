@@ -12,6 +12,7 @@ import io
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,10 +59,12 @@ def test_bad_shapes_are_refused_with_what_to_give():
 
 def test_write_config_gives_a_model_directory_the_planner_reads(tmp_path):
     out = tmp_path / "cut"
-    assert _script().main(["--base", "tiny", "--layers", "3", "--write-config", str(out)]) == 0
+    try:
+        assert _script().main(["--base", "tiny", "--layers", "3", "--write-config", str(out)]) == 0
+    finally:
+        PRESETS.pop("tiny@3L", None)
     config = json.loads((out / "config.json").read_text())
     assert config["num_hidden_layers"] == 3 and config["hidden_size"] == PRESETS["tiny"]["hidden_size"]
-    PRESETS.pop("tiny@3L", None)
 
 
 def test_progress_reports_the_ticks_and_every_step():
@@ -69,8 +72,6 @@ def test_progress_reports_the_ticks_and_every_step():
     out = io.StringIO()
     with module.Progress(0.01, out) as progress:
         progress.step(1, {"seconds": 0.5, "loss": 2.0})
-        import time
-
         time.sleep(0.05)
     lines = out.getvalue().splitlines()
     assert "start" in lines[0] and "end" in lines[-1]
