@@ -350,3 +350,27 @@ def test_an_auto_residency_plan_passes_the_fit_check(state_per_param, gpu):
         assert est.placement_fits(machine), (preset, gpu, est.shortfalls(machine))
         if gpu >= 139:  # the budget is used, not merely respected: most of the units stay resident
             assert sum(est.resident) > len(est.resident) // 3, (preset, gpu, sum(est.resident))
+
+
+def test_the_plan_counts_setups_host_copies_of_the_masters_on_the_gpu():
+    """Setup fills the masters of resident units through FP32 host copies, two at a time
+    (``slidekit.models.loading.LOAD_STAGING_UNITS``): host RAM the peak RSS shows (NOTES 25), so the
+    plan counts it; nothing for a plan with no unit on the GPU, or on the CPU (masters fill in place)."""
+    from planning_fixtures import cuda_machine, planner, tiny_spec
+
+    from slidekit.models.loading import LOAD_STAGING_UNITS
+    from slidekit.planning import Placement
+
+    spec = tiny_spec("llama", num_hidden_layers=6)
+    p = planner(spec)
+    resident = p.estimate(Placement(gpu_resident="all"), cuda_machine())
+    sizes = sorted((u.numel for u in spec.units), reverse=True)
+    assert resident.host["load staging"] == 4 * sum(sizes[:LOAD_STAGING_UNITS])
+    half = p.estimate(Placement(gpu_resident="0.5"), cuda_machine())
+    on_gpu = sorted((u.numel for u, r in zip(spec.units, half.resident, strict=True) if r), reverse=True)
+    assert half.host["load staging"] == 4 * sum(on_gpu[:LOAD_STAGING_UNITS])
+    assert "load staging" not in p.estimate(Placement(gpu_resident="none"), cuda_machine()).host
+    cpu = planner(spec, device_type="cpu")
+    assert "load staging" not in cpu.estimate(Placement(gpu_resident="all"), cuda_machine()).host
+    ranks = planner(spec, world=2, rank=0)
+    assert ranks.estimate(Placement(gpu_resident="none"), cuda_machine()).host["load staging"] == 4 * sizes[0]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
@@ -30,10 +31,12 @@ from slidekit.models.overrides import apply as apply_overrides
 
 __all__ = [
     "DEMO_MODEL",
+    "LOAD_STAGING_UNITS",
     "demo_dir",
     "fill_masters",
     "init_unit",
     "load_hf_config",
+    "load_staging_bytes",
     "load_unit_weights",
     "weight_files",
 ]
@@ -157,19 +160,44 @@ def init_unit(spec: ArchSpec, unit: UnitLayout, master: torch.Tensor, seed: int)
         # biases stay zero
 
 
+#: Units whose master lives on a device that ``fill_masters`` fills at once, each through an FP32 host
+#: copy of its own size: the host memory setup needs beyond the plan's steady state (the planner counts
+#: it: ``load_staging_bytes``). Units on the host fill their masters in place, 8 at a time.
+LOAD_STAGING_UNITS = 2
+
+
+def load_staging_bytes(device_units: Sequence[int], sharded_units: Sequence[int] = ()) -> int:
+    """Host bytes setup stages while filling masters: ``LOAD_STAGING_UNITS`` of the largest units whose
+    master is on a device (``device_units``, their parameter counts), FP32; with data-parallel shards
+    (``sharded_units``: every unit's whole parameter count), one whole unit at a time (``fill_shards``)."""
+    if sharded_units:
+        return 4 * max(sharded_units)
+    largest = sorted(device_units, reverse=True)[:LOAD_STAGING_UNITS]
+    return 4 * sum(largest)
+
+
 def fill_masters(spec: ArchSpec, masters: Sequence[torch.Tensor], files: Mapping[str, Any], seed: int) -> None:
     """Each unit's FP32 master from the weight ``files`` (``weight_files``), or initialised at random from
-    ``seed`` when there are none; masters on a device are filled through a host copy. One generator per
-    unit makes the result independent of the order, so units load in parallel."""
+    ``seed`` when there are none; masters on a device are filled through a host copy, at most
+    ``LOAD_STAGING_UNITS`` at once. One generator per unit makes the result independent of the order, so
+    units load in parallel."""
+    staging = threading.BoundedSemaphore(LOAD_STAGING_UNITS)
+
+    def fill(unit: UnitLayout, master: torch.Tensor) -> None:
+        if files:
+            load_unit_weights(unit, files, master)
+        else:
+            init_unit(spec, unit, master, seed)
 
     def load(unit: UnitLayout, master: torch.Tensor) -> None:
-        host = master if master.device.type == "cpu" else torch.empty_like(master, device="cpu")
-        if files:
-            load_unit_weights(unit, files, host)
-        else:
-            init_unit(spec, unit, host, seed)
-        if host is not master:  # a unit resident on the device
+        if master.device.type == "cpu":
+            fill(unit, master)
+            return
+        with staging:  # a unit resident on the device: through a host copy, freed before the next
+            host = torch.empty_like(master, device="cpu")
+            fill(unit, host)
             master.copy_(host)
+            del host
 
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="slidekit-load") as pool:
         list(pool.map(load, spec.units, masters))

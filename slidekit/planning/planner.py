@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from slidekit.config import resident_fraction, upload_copy_dtype_error
 from slidekit.errors import ConfigError
 from slidekit.models.base import ArchSpec
+from slidekit.models.loading import load_staging_bytes
 from slidekit.planning.estimate import (
     DEVICE_HEADROOM,
     DEVICE_SLACK,
@@ -401,6 +402,12 @@ class Planner(Recommendations):
                 device[k] = alloc["device"][k]
         device.update(self.flow_bytes(layout.placement.activation_tier, [u.keeps for u in layout.units]))
         host = dict(alloc["host"])
+        # setup's FP32 host copies of the masters that live on the device (slidekit.models.loading)
+        on_device = [u.numel for u in layout.units if u.resident] if self.device_type != "cpu" else []
+        whole = [u.numel for u in layout.units] if layout.world > 1 else []
+        staging = load_staging_bytes(on_device, whole)
+        if staging:
+            host["load staging"] = staging
         host["runtime"] = RUNTIME_HOST.get(self.device_type, RUNTIME_HOST["cuda"])
         run_dir, fix = run_dir_need(
             self.checkpoint_bytes(), self.checkpoint_keep, self.checkpoint_writes, machine.run_dir_checkpoints

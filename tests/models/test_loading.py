@@ -204,3 +204,48 @@ def test_planning_for_another_gpu_reads_the_model_as_a_run_does(tiny_model, tmp_
                 read(dataclasses.replace(config, engine=EngineConfig(device=device)), Plugins())
             messages.append(str(err.value))
         assert messages[0] == messages[1]
+
+
+def test_masters_on_a_device_are_staged_through_the_host_at_most_two_at_once(monkeypatch):
+    """Setup fills every unit's master; one on a device goes through an FP32 host copy of its own size.
+    Those copies are what the planner counts as "load staging": at most LOAD_STAGING_UNITS at once, while
+    units on the host still fill in parallel. Here "meta" stands for the device (the copy is a no-op)."""
+    import threading
+    import time
+
+    from planning_fixtures import tiny_spec
+
+    from slidekit.models import loading
+
+    spec = tiny_spec("llama", num_hidden_layers=12)
+    masters = [torch.empty(u.numel, device="meta" if u.index % 2 else "cpu") for u in spec.units]  # odd: "resident"
+    lock, live, peak = threading.Lock(), {"staged": 0, "host": 0}, {"staged": 0, "host": 0, "all": 0}
+    real = loading.init_unit
+
+    def init(spec_, unit, master, seed):
+        kind = "host" if master.data_ptr() == masters[unit.index].data_ptr() else "staged"
+        with lock:
+            live[kind] += 1
+            peak[kind] = max(peak[kind], live[kind])
+            peak["all"] = max(peak["all"], live["staged"] + live["host"])
+        time.sleep(0.05)
+        real(spec_, unit, master, seed)
+        with lock:
+            live[kind] -= 1
+
+    monkeypatch.setattr(loading, "init_unit", init)
+    monkeypatch.setattr(loading.os, "cpu_count", lambda: 8)
+    loading.fill_masters(spec, masters, {}, seed=3)
+    assert peak["staged"] == loading.LOAD_STAGING_UNITS == 2  # bounded, and reached
+    assert peak["all"] > loading.LOAD_STAGING_UNITS  # the host units did not wait for the staged ones
+    host = [m for m in masters if m.device.type == "cpu"]
+    assert all(torch.isfinite(m).all() and m.abs().sum() > 0 for m in host)
+
+
+def test_load_staging_bytes_counts_the_largest_device_units_or_one_whole_unit_per_rank():
+    from slidekit.models.loading import load_staging_bytes
+
+    assert load_staging_bytes([]) == 0
+    assert load_staging_bytes([5]) == 20
+    assert load_staging_bytes([3, 9, 7, 1]) == 4 * (9 + 7)  # the two largest
+    assert load_staging_bytes([3, 1], [2, 11, 4]) == 4 * 11  # data-parallel: one whole unit at a time
