@@ -77,6 +77,7 @@ SLIDEKIT_KEYS = {
     "gpu_busy",
     "lanes_s",
     "resident_units",
+    "device_state_units",
 }
 
 

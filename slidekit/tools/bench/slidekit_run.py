@@ -128,7 +128,9 @@ def measure_slidekit(args: argparse.Namespace, parallel: DataParallel | None = N
         trainer = Trainer(config, plugins=plugins, parallel=parallel)
         setup_s = time.perf_counter() - t0
         spec, device = trainer.spec, trainer.device
-        resident = f"{len(trainer.engine.window.resident)}/{len(spec.units)}"
+        engine = trainer.engine
+        resident = f"{len(engine.window.resident)}/{len(spec.units)}"  # units keeping their weights there too
+        device_state = f"{len(set(engine.window.resident) | engine.weights_slide)}/{len(spec.units)}"
         kept = sum(trainer.engine.keeps)  # layers keeping their activations (engine.recompute "auto")
         tokens = synthetic_tokens(spec.vocab_size, args.batch, args.seq, args.seed, repeat=args.repeat_batch)
         stream = (Batch(x, y) for x, y in tokens)
@@ -151,6 +153,7 @@ def measure_slidekit(args: argparse.Namespace, parallel: DataParallel | None = N
         **run_header("slidekit", args, device),
         "resident": args.resident,
         "resident_units": resident,
+        "device_state_units": device_state,  # units whose master and state live on the device (either way)
         "recompute": trainer.config.engine.recompute,
         "kept_layers": kept,
         "clip_overlap": trainer.config.optim.clip_overlap,
