@@ -119,6 +119,20 @@ case "${1:-tests}" in
       cut -c1-700 "$OUT/run-$TAG.jsonl"; tail -3 "$LOG" | cut -c1-300; rm -rf /var/tmp/sk-off
     done
     ;;
+  ratio)  # issue 16 item 3: forced offload against all-resident, same call: bash benchmarks/run_h200.sh ratio "MODEL BATCHES"...
+    # (BATCHES comma-separated); per model: all-resident, then forced offload with a trace per batch; 10 steps after 2 warm-up
+    shift; build_layer_adam; B="$OUT/ratio.jsonl"
+    for spec in "$@"; do
+      set -- $spec
+      timeout 200 python3 -m slidekit.tools.bench --model "$1" --batch "$2" --seq 1024 --resident all --steps 10 --warmup 2 \
+        --out "$B" 2>&1 | tail -1 | cut -c1-300; echo "$1 all: at ${SECONDS}s"
+      for b in ${2//,/ }; do
+        timeout 200 python3 -m slidekit.tools.bench --model "$1" --batch "$b" --seq 1024 --resident none --steps 10 --warmup 2 \
+          --trace "/tmp/trace-$1-b$b.json" --out "$B" 2>&1 | tail -1 | cut -c1-300; echo "$1 none b$b: at ${SECONDS}s"
+        gzip -c "/tmp/trace-$1-b$b.json" > "$OUT/trace-offload-$1-b$b.json.gz" 2>/dev/null
+      done
+    done
+    ;;
   suite)  # one suite of `slidekit bench` (issue 15): bash benchmarks/run_h200.sh suite NAME COMMIT
     # NAME: a preset of slidekit.tools.bench.suite_presets.SUITES; it builds its kernels itself, then runs what
     # its time plan keeps within what is left of the call (docs/benchmarking.md has the bare command).
