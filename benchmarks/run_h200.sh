@@ -133,6 +133,18 @@ case "${1:-tests}" in
       done
     done
     ;;
+  clip)  # issue 16 item 1, forced offload: bash benchmarks/run_h200.sh clip "MODEL BATCH"...; per spec, in one call: no clipping,
+    # a clip that never fires (1e6) speculated, max_grad_norm 1.0 deferred and speculated; 10 steps after 2 warm-up
+    shift; build_layer_adam; B="$OUT/clip.jsonl"
+    for spec in "$@"; do
+      set -- $spec
+      for c in "none" "1e6 speculate" "1.0 defer" "1.0 speculate"; do
+        set -- "$1" "$2" $c; CLIP=(); [ "$3" != none ] && CLIP=(--clip "$3" --clip-overlap "$4")
+        timeout 200 python3 -m slidekit.tools.bench --model "$1" --batch "$2" --seq 1024 --resident none --steps 10 --warmup 2 \
+          "${CLIP[@]}" --out "$B" 2>&1 | tail -1 | cut -c1-300; echo "$1 b$2 clip ${3}${4:+ $4}: at ${SECONDS}s"
+      done
+    done
+    ;;
   suite)  # one suite of `slidekit bench` (issue 15): bash benchmarks/run_h200.sh suite NAME COMMIT
     # NAME: a preset of slidekit.tools.bench.suite_presets.SUITES; it builds its kernels itself, then runs what
     # its time plan keeps within what is left of the call (docs/benchmarking.md has the bare command).
