@@ -242,15 +242,21 @@ def run_suite(
         return {**result, **junit_counts(junit)}
 
 
+SLOWEST = 15  # the gate record names this many of the slowest tests (where the suite's time goes)
+
+
 def junit_counts(path: Path) -> dict[str, Any]:
-    """Passed, failed, errors, skipped and the failed test ids of a pytest JUnit XML report."""
+    """Passed, failed, errors, skipped, the failed test ids and the ``SLOWEST`` slowest tests (id,
+    seconds) of a pytest JUnit XML report."""
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     failures: list[str] = []
+    times: list[tuple[float, str]] = []
     for case in ET.parse(path).getroot().iter("testcase"):
         if case.get("name") is None:  # the test an interrupt stopped: it neither passed nor failed
             counts["interrupted"] = counts.get("interrupted", 0) + 1
             continue
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        times.append((float(case.get("time") or 0.0), name))
         kinds = {child.tag for child in case}
         if "failure" in kinds:
             counts["failed"] += 1
@@ -262,7 +268,8 @@ def junit_counts(path: Path) -> dict[str, Any]:
             counts["skipped"] += 1
         else:
             counts["passed"] += 1
-    return {**counts, "failures": failures}
+    slowest = [[name, round(t, 1)] for t, name in sorted(times, reverse=True)[:SLOWEST]]
+    return {**counts, "failures": failures, "slowest": slowest}
 
 
 # ---------------------------------------------------------------------------- one real-shape run

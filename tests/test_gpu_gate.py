@@ -96,7 +96,7 @@ def test_junit_counts_and_the_verdict(tmp_path: Path):
     xml = tmp_path / "junit.xml"
     xml.write_text(
         '<testsuites><testsuite name="pytest">'
-        '<testcase classname="tests.a" name="ok1"/><testcase classname="tests.a" name="ok2"/>'
+        '<testcase classname="tests.a" name="ok1" time="0.5"/><testcase classname="tests.a" name="ok2" time="7.31"/>'
         '<testcase classname="tests.b" name="bad"><failure message="x"/></testcase>'
         '<testcase classname="tests.b" name="broken"><error message="y"/></testcase>'
         '<testcase classname="tests.c" name="gpu"><skipped message="needs CUDA"/></testcase>'
@@ -110,6 +110,8 @@ def test_junit_counts_and_the_verdict(tmp_path: Path):
         "skipped": 1,
     }
     assert counts["failures"] == ["tests.b::bad", "tests.b::broken"]
+    assert counts["slowest"][:2] == [["tests.a::ok2", 7.3], ["tests.a::ok1", 0.5]]  # no time: 0
+    assert len(counts["slowest"]) == 5
 
     clean = {"passed": 3, "failed": 0, "errors": 0, "skipped": 1, "exit_code": 0}
     run = {"gpu_resident": "all", "status": "ok"}
