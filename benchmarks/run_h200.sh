@@ -140,8 +140,10 @@ case "${1:-tests}" in
       set -- $spec
       for c in "none" "1e6 speculate" "1.0 defer" "1.0 speculate"; do
         set -- "$1" "$2" $c; CLIP=(); [ "$3" != none ] && CLIP=(--clip "$3" --clip-overlap "$4")
+        TAG="$1-b$2-clip-$3${4:+-$4}"
         timeout 200 python3 -m slidekit.tools.bench --model "$1" --batch "$2" --seq 1024 --resident none --steps 10 --warmup 2 \
-          "${CLIP[@]}" --out "$B" 2>&1 | tail -1 | cut -c1-300; echo "$1 b$2 clip ${3}${4:+ $4}: at ${SECONDS}s"
+          "${CLIP[@]}" --trace "/tmp/trace-$TAG.json" --out "$B" 2>&1 | tail -1 | cut -c1-300; echo "$TAG: at ${SECONDS}s"
+        gzip -c "/tmp/trace-$TAG.json" > "$OUT/trace-$TAG.json.gz" 2>/dev/null
       done
     done
     ;;
