@@ -129,9 +129,10 @@ case "${1:-tests}" in
       for b in ${2//,/ }; do
         timeout 200 python3 -m slidekit.tools.bench --model "$1" --batch "$b" --seq 1024 --resident none --steps 10 --warmup 2 \
           --trace "/tmp/trace-$1-b$b.json" --out "$B" 2>&1 | tail -1 | cut -c1-300; echo "$1 none b$b: at ${SECONDS}s"
-        gzip -c "/tmp/trace-$1-b$b.json" > "$OUT/trace-offload-$1-b$b.json.gz" 2>/dev/null
+        mkdir -p /tmp/sk-traces; gzip -c "/tmp/trace-$1-b$b.json" > "/tmp/sk-traces/trace-offload-$1-b$b.json.gz" 2>/dev/null
       done
     done
+    tar -cf "$OUT/traces-ratio.tar" -C /tmp/sk-traces .  # one file: a call brings back at most 8
     ;;
   clip)  # issue 16 item 1, forced offload: bash benchmarks/run_h200.sh clip "MODEL BATCH"...; per spec, in one call: no clipping,
     # a clip that never fires (1e6) speculated, max_grad_norm 1.0 deferred and speculated; 10 steps after 2 warm-up
@@ -143,9 +144,10 @@ case "${1:-tests}" in
         TAG="$1-b$2-clip-$3${4:+-$4}"
         timeout 200 python3 -m slidekit.tools.bench --model "$1" --batch "$2" --seq 1024 --resident none --steps 10 --warmup 2 \
           "${CLIP[@]}" --trace "/tmp/trace-$TAG.json" --out "$B" 2>&1 | tail -1 | cut -c1-300; echo "$TAG: at ${SECONDS}s"
-        gzip -c "/tmp/trace-$TAG.json" > "$OUT/trace-$TAG.json.gz" 2>/dev/null
+        mkdir -p /tmp/sk-clip; gzip -c "/tmp/trace-$TAG.json" > "/tmp/sk-clip/trace-$TAG.json.gz" 2>/dev/null
       done
     done
+    tar -cf "$OUT/traces-clip.tar" -C /tmp/sk-clip .  # one file: a call brings back at most 8
     ;;
   suite)  # one suite of `slidekit bench` (issue 15): bash benchmarks/run_h200.sh suite NAME COMMIT
     # NAME: a preset of slidekit.tools.bench.suite_presets.SUITES; it builds its kernels itself, then runs what
