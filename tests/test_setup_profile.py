@@ -1,0 +1,50 @@
+"""benchmarks/setup_profile.py: the setup of a tiny preset on the CPU, profiled; its JSON line names
+the Trainer's construction first (it contains everything else) and the setup's seconds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_setup_of_a_tiny_run_is_profiled(tmp_path):
+    prof = tmp_path / "setup.prof"
+    argv = [
+        sys.executable,
+        "benchmarks/setup_profile.py",
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+        "--batch",
+        "2",
+    ]
+    argv += ["--seq", "32", "--resident", "none", "--top", "5", "--profile-out", str(prof)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads(done.stdout.splitlines()[-1])
+    assert (record["model"], record["batch"], record["resident"]) == ("tiny", 2, "none")
+    top = record["top"]
+    assert len(top) == 5 and "__init__" in top[0]["function"] and "trainer.py" in top[0]["function"]
+    assert top[0]["cum_s"] <= record["setup_s"] + 0.01
+    assert [r["cum_s"] for r in top] == sorted((r["cum_s"] for r in top), reverse=True)
+    assert prof.stat().st_size > 0
+
+
+def test_one_batch_size_only():
+    argv = [
+        sys.executable,
+        "benchmarks/setup_profile.py",
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+        "--batch",
+        "2,4",
+    ]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode != 0 and "give one batch size" in done.stderr
