@@ -59,8 +59,8 @@ def lanes(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
 
 
 def step_breakdown(by_lane: dict[str, list[dict[str, Any]]], step: dict[str, Any]) -> dict[str, float]:
-    """One step's figures in seconds: its period, the update lane's busy time and idle gaps, the forward's
-    end, and the first update after it (the head's gradient latency ends there)."""
+    """One step's figures in seconds: its period, the forward's device time, the update lane's busy time
+    and idle gaps, and the latency from the forward's end to the first update after it (the head's)."""
     a, b = step["ts"], step["ts"] + step["dur"]
     busy, gaps, cur = 0.0, [], a
     for e in by_lane.get("update", []):
@@ -69,7 +69,7 @@ def step_breakdown(by_lane: dict[str, list[dict[str, Any]]], step: dict[str, Any
             continue
         if s > cur + GAP_US:
             gaps.append((cur, s))
-        busy += end - max(s, cur) if end > cur else 0.0
+        busy += max(0.0, end - max(s, cur))  # the part no earlier span of the lane covered
         cur = max(cur, end)
     if b > cur + GAP_US:
         gaps.append((cur, b))
@@ -80,6 +80,7 @@ def step_breakdown(by_lane: dict[str, list[dict[str, Any]]], step: dict[str, Any
     longest = max(gaps, key=lambda g: g[1] - g[0], default=(a, a))
     return {
         "step_s": (b - a) / 1e6,
+        "forward_device_s": sum(e["dur"] for e in fwd) / 1e6,
         "update_busy_s": busy / 1e6,
         "update_idle_s": sum(g1 - g0 for g0, g1 in gaps) / 1e6,
         "longest_gap_s": (longest[1] - longest[0]) / 1e6,
@@ -96,19 +97,13 @@ def analyse(path: Path, params: int, bus_gbs: float, bytes_per_param: float, ski
         raise SystemExit(f"{path}: {len(steps)} steps in the trace; need more than {skip + 1} (lower --skip)")
     rows = [step_breakdown(by_lane, s) for s in steady]
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    fwd_device = statistics.median(
-        sum(e["dur"] for e in by_lane.get("fwd", []) if s["ts"] <= e["ts"] < s["ts"] + s["dur"]) / 1e6
-        for s in steady
-    )
     upload_s = params * bytes_per_param / (bus_gbs * 1e9)
-    forward_s = max(fwd_device, upload_s)
-    floor = med["update_busy_s"] + forward_s + med["head_latency_s"]
+    floor = med["update_busy_s"] + max(med["forward_device_s"], upload_s) + med["head_latency_s"]
     return {
         "trace": path.name,
         "steps": len(rows),
         **{k: round(v, 4) for k, v in med.items()},
         "forward_upload_s": round(upload_s, 4),
-        "forward_device_s": round(fwd_device, 4),
         "floor_s": round(floor, 4),
         "over_floor": round(med["step_s"] / floor - 1.0, 4),
     }

@@ -11,20 +11,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _profile(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """The script on the tiny preset on the CPU, with ``args`` after the common ones."""
+    argv = [sys.executable, "benchmarks/setup_profile.py", "--model", "tiny", "--device", "cpu", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
 def test_the_setup_of_a_tiny_run_is_profiled(tmp_path):
     prof = tmp_path / "setup.prof"
-    argv = [
-        sys.executable,
-        "benchmarks/setup_profile.py",
-        "--model",
-        "tiny",
-        "--device",
-        "cpu",
-        "--batch",
-        "2",
-    ]
-    argv += ["--seq", "32", "--resident", "none", "--top", "5", "--profile-out", str(prof)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    done = _profile(
+        "--batch", "2", "--seq", "32", "--resident", "none", "--top", "5", "--profile-out", str(prof)
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads(done.stdout.splitlines()[-1])
     assert (record["model"], record["batch"], record["resident"]) == ("tiny", 2, "none")
@@ -36,15 +33,5 @@ def test_the_setup_of_a_tiny_run_is_profiled(tmp_path):
 
 
 def test_one_batch_size_only():
-    argv = [
-        sys.executable,
-        "benchmarks/setup_profile.py",
-        "--model",
-        "tiny",
-        "--device",
-        "cpu",
-        "--batch",
-        "2,4",
-    ]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    done = _profile("--batch", "2,4", timeout=300)
     assert done.returncode != 0 and "give one batch size" in done.stderr
