@@ -43,7 +43,7 @@ from slidekit.engine.activations import ActivationStore, KeptGraphs
 from slidekit.engine.collectives import Collectives
 from slidekit.engine.host import HostStore
 from slidekit.engine.runtime import Pipeline, Streams
-from slidekit.engine.speculation import Speculation, decide
+from slidekit.engine.speculation import Speculation, decide, settle_scale
 from slidekit.engine.step_state import StepState
 from slidekit.engine.uploads import Uploads
 from slidekit.engine.window import Slot, Window
@@ -258,6 +258,7 @@ class Engine(Uploads, Speculation):
         """Apply deferred updates, or skip / refuse a non-finite step. True when skipped."""
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         self._clipped_last = not finite or (c.clip is not None and c.clip / (grad_norm + 1e-6) < 1.0)
+        self._norm_known(c, settle_scale(c.clip, grad_norm) if finite else None)
         if finite:
             self._update_resident(c, grad_norm)
             if c.defer:

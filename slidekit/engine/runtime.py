@@ -8,8 +8,11 @@
 
 Tiers run their I/O on threads of their own. Tasks only ever wait on work
 further along the fixed order h2d -> optim -> d2h -> (tier I/O), and the
-optimizer handles units strictly in submission order, so no task can wait on
-one queued behind it: the pipeline cannot deadlock.
+optimizer runs its tasks strictly in submission order, so no task can wait on
+one queued behind it: the pipeline cannot deadlock. (A speculating step's
+optimizer tasks each take one of the step's waiting units, not necessarily the
+one they were queued for, ``slidekit.engine.speculation``; they still wait on
+downloads alone.)
 
 The first exception on any thread is stored; every wait in the engine
 (``result``, ``wait_until``) checks it and re-raises that very exception, so

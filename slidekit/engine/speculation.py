@@ -7,9 +7,16 @@ the end of the step, so they overlap only the next forward pass. Most steps of
 a fine-tune do not clip, so this module bets that the step will not:
 
 * during the backward, each sliding unit whose master and optimizer state are
-  in host RAM (``HostStore.can_back_up``) is updated at once with scale 1, as
-  in the unclipped path, piece by piece as its gradient arrives, and its master
-  and state as they were go to the unit's backup (``HostStore.backup``). An
+  in host RAM (``HostStore.can_back_up``) is updated with scale 1, as in the
+  unclipped path, piece by piece as its gradient arrives, and its master
+  and state as they were go to the unit's backup (``HostStore.backup``). The
+  optimizer thread takes the waiting units not oldest first but, of those whose
+  gradients have come down, the one the next forward needs first: the backup
+  makes each update slower than the backward's pace, and what is still waiting
+  when the backward ends then overlaps the next forward instead of holding up
+  its first upload (NOTES.md 31). Once the main thread knows the norm
+  (``_norm_known``), a unit not yet taken needs no backup: with scale 1.0 it is
+  updated plainly, otherwise it is left to the step's end. An
   optimizer that declares ``fused_backup`` (``FusedBackupOptimizer``: both
   bundled ones) writes the backup itself, in the update's own pass, given the
   backup's slices as ``backup_out``: one call per piece. For any other, right
@@ -189,12 +196,25 @@ class Speculation(Updates):
         else:
             super()._defer_unit(unit, slot, done, unit_sq, c)
 
+    def _norm_known(self, c: StepState, scale: float | None) -> None:
+        """Main thread, at the step's end: tell the optimizer thread the clip factor (None: not finite).
+        A unit it takes from now on needs no backup: with scale 1.0 it is updated plainly (the bet won, the
+        same bits), otherwise left to the step's end, like a halted one. After this no unit can halt, so
+        ``halted_units`` is final when ``_queue_update`` reads it."""
+        with c.lock:
+            c.known, c.known_scale = True, scale
+
     def _queue_update(self, unit: int, download: Future[float], c: StepState, scale: float) -> None:
-        """At the step's end (finite): settle a speculated unit, or queue the deferred update of another.
-        A rolled-back unit's version moves on: no cache unit holding weights uploaded from its speculated
+        """At the step's end (finite): a unit the bet updates (or updated) is done when its taker is
+        (``bet_done``), whichever order the optimizer thread takes the units in; a halted one, or every one
+        of a step that rolls back, gets its exact update queued after every taker (``_settle``). A
+        rolled-back unit's version moves on: no cache unit holding weights uploaded from its speculated
         master is current, and its next upload waits for the restore and the exact update."""
         if unit not in c.speculative:
             super()._queue_update(unit, download, c, scale)
+            return
+        if not c.rolled_back and unit not in c.halted_units:
+            self.updated[unit] = c.bet_done[unit]
             return
         if c.rolled_back:
             self.version[unit] += 1
@@ -225,8 +245,9 @@ class Speculation(Updates):
     def _speculate_unit(
         self, unit: int, slot: Slot, done: Any, unit_sq: torch.Tensor | None, c: StepState
     ) -> None:
-        """Main thread: the gradients into the unit's own buffer piece by piece, each handed on to the
-        optimizer thread, which updates the unit as if unclipped (``_speculate``)."""
+        """Main thread: the gradients into the unit's own buffer piece by piece, each handed on; the unit
+        joins the step's waiting units and one more taker is queued on the optimizer thread
+        (``_take_and_update``), which updates some waiting unit as if unclipped."""
         handoff: list[Future[tuple[int, float]]] = [
             self.pipeline.promise("d2h", unit) for _ in self.host.pieces(unit)
         ]
@@ -237,26 +258,74 @@ class Speculation(Updates):
         if self.collectives is not None:
             c.shard_sq[unit] = download
         c.speculative.add(unit)
-        self.updated[unit] = self.pipeline.submit(
-            "optim", self._speculate, unit, handoff, c, self.updates_applied + 1, unit=unit
-        )
+        self.updated[unit] = c.bet_done[unit] = self.pipeline.promise("optim", unit)
+        with c.lock:
+            c.waiting[unit] = handoff
+        self.pipeline.submit("optim", self._take_and_update, c, self.updates_applied + 1, unit=unit)
+
+    def _take(self, c: StepState) -> tuple[int, list[Future[tuple[int, float]]]]:
+        """Optimizer thread: the waiting unit to update next. Of those whose first piece has come down, the
+        one the next forward needs first (the lowest index): when the updates fall behind the backward,
+        what is left at its end are the units the forward needs last, and they overlap it instead of
+        holding up its first upload. When none has come down, the first handed on (it comes down first).
+        Each taker takes one unit and each unit queued one taker, so one is always waiting."""
+        with c.lock:
+            arrived = [u for u, handoff in c.waiting.items() if handoff[0].done()]
+            unit = min(arrived) if arrived else next(iter(c.waiting))
+            return unit, c.waiting.pop(unit)
+
+    def _take_and_update(self, c: StepState, count: int) -> None:
+        """Optimizer thread: take a waiting unit (``_take``), update it (``_speculate``), and complete its
+        ``bet_done``, also when that fails (the failure is the pipeline's, so every waiter raises it)."""
+        unit, handoff = self._take(c)
+        done = c.bet_done[unit]
+        try:
+            self._speculate(unit, handoff, c, count)
+        except BaseException as exc:
+            done.set_exception(exc)
+            raise
+        done.set_result(None)
 
     def _speculate(
         self, unit: int, handoff: list[Future[tuple[int, float]]], c: StepState, count: int
     ) -> None:
-        """Optimizer thread: back up and update ``unit`` with scale 1, piece by piece as it arrives, unless
-        the norm seen so far makes clipping certain or is not finite (then the step's end updates it)."""
+        """Optimizer thread: update ``unit`` with scale 1, piece by piece as it arrives: backed up while the
+        norm is unknown, plainly once it is known and nothing clips; not at all (the step's end updates it)
+        when clipping is certain, known, or the norm is not finite."""
         what = f"the gradient download of unit {unit}"
         grad = self.host.unit_grad(unit)
+        backed = True
         for k, (a, b) in enumerate(self.host.pieces(unit)):
             _, sq = self.pipeline.result(handoff[k], what)
             if k == 0:
-                if not self._still_betting(c, sq):
+                bet = self._bet_on(unit, c, sq)
+                if bet is None:
                     return
+                backed = bet
                 self._wait_checkpoint(unit)
-                c.speculated.add(unit)
+                if backed:
+                    c.speculated.add(unit)
             with self.timeline.host("update", unit):
-                self._apply_backed(unit, grad[a:b], lr=c.lr, count=count, start=a, stop=b)
+                if backed:
+                    self._apply_backed(unit, grad[a:b], lr=c.lr, count=count, start=a, stop=b)
+                else:
+                    copy = self.host.copy_slice(unit, a, b)
+                    self._apply(
+                        unit, grad[a:b], lr=c.lr, count=count, scale=1.0, lowp_out=copy, start=a, stop=b
+                    )
+
+    def _bet_on(self, unit: int, c: StepState, sq: float) -> bool | None:
+        """Optimizer thread, as it starts ``unit``: True, update it backed up (the norm is unknown and the
+        bet stands); False, plainly (the norm is known and nothing clips); None, leave it to the step's end
+        (clipping or a non-finite norm known or certain). Decided under the step's lock, so that once the
+        main thread has said the norm is known (``_norm_known``) no unit halts any more."""
+        with c.lock:
+            if c.known:
+                return False if c.known_scale == 1.0 else None
+            if self._still_betting(c, sq):
+                return True
+            c.halted_units.add(unit)
+            return None
 
     def _still_betting(self, c: StepState, sq: float) -> bool:
         """Optimizer thread: add a unit's squared norm; False (for this unit and the rest of the step) once

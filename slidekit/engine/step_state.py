@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -37,6 +38,16 @@ class StepState:
     halted: bool = False  # the optimizer thread found clipping certain (or a non-finite norm): defer the rest
     seen_sq: float = 0.0  # the squared norms of the speculative units so far (optimizer thread)
     rolled_back: bool = False  # the step clipped or was not finite after speculating: updates redone
+    # unit -> its gradient pieces' handoffs, for the units handed on that the optimizer thread has not taken
+    # yet (it takes the one the next forward needs first, of those whose gradients have come down)
+    waiting: dict[int, list[Future[tuple[int, float]]]] = field(default_factory=dict)
+    # unit -> done once the optimizer thread has taken and updated it (or left it to the step's end)
+    bet_done: dict[int, Future[None]] = field(default_factory=dict)
+    halted_units: set[int] = field(default_factory=set)  # taken but not updated: the bet had stopped
+    known: bool = False  # the step's norm is known (the main thread, at the step's end)
+    known_scale: float | None = None  # then: its clip factor; None: not finite
+    # orders the optimizer thread's choice for a unit against the main thread's ``known``
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def take_x(self) -> list[torch.Tensor]:
         """The hidden states, let go of here (the head is their last reader)."""

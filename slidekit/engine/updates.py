@@ -298,6 +298,10 @@ class Updates:
                 "(optim.max_grad_norm), or set optim.on_nonfinite='skip' to skip such steps"
             )
 
+    def _norm_known(self, c: StepState, scale: float | None) -> None:
+        """Main thread, at the step's end, before any update is queued: the step's clip factor (None: the
+        norm or loss is not finite). Nothing to do here; speculative clipping tells its optimizer thread."""
+
     def _apply_deferred(self, c: StepState, grad_norm: float) -> None:
         """Queue every unit's update, in the order the next forward pass needs them, with the clip factor.
 

@@ -374,3 +374,125 @@ def test_backed_update_in_chunks_is_the_whole_update(optimizer, fused):
         assert gm.equal(wm) and all(gs[k].equal(ws[k]) for k in ws)
         assert saved_m.equal(before_m) and all(saved_s[k].equal(before_s[k]) for k in before_s)
     assert backed.calls == (3 if fused else 3 * 6)  # fused: one call; else per chunk (5 granules, a tail)
+
+
+class _Held:
+    """Holds a speculating step's optimizer thread and main thread at chosen points, so that the order in
+    which the takers take units, and what they know when they do, is fixed rather than timing's:
+
+    * "takers": the step's first taker waits until the backward is over and every gradient has come
+      down; the main thread then waits, before it says the norm is known, until every unit is taken and
+      updated. Every unit is updated backed up, the norm unknown;
+    * "norm": the first taker waits until the main thread has said the norm is known and every gradient
+      has come down. Every unit is taken with the norm known: updated plainly when nothing clips, left
+      to the step's end when it does.
+
+    ``order`` lists, per step, the units in the order they were taken; ``backed`` counts the optimizer
+    calls given a backup; ``halted`` the units per step the bet stopped for, as the step's end saw them."""
+
+    WAIT_S = 60.0
+
+    def __init__(self, monkeypatch, mode: str) -> None:
+        import threading
+        import time
+        from concurrent.futures import wait
+
+        from slidekit.engine.speculation import Speculation
+        from slidekit_optim.layer_adam import LayerAdam
+
+        self.order: list[list[int]] = []
+        self.halted: list[int] = []
+        self.backed = 0
+        steps: dict[int, threading.Event] = {}  # id(StepState) -> set once the backward is over
+        take, known, queue, step = (
+            Speculation._take,
+            Speculation._norm_known,
+            Speculation._queue_update,
+            LayerAdam.step,
+        )
+
+        def until(pred, what):
+            deadline = time.monotonic() + self.WAIT_S
+            while not pred():
+                assert time.monotonic() < deadline, f"held too long waiting for {what}"
+                time.sleep(1e-3)
+
+        def held_take(eng, c):
+            if id(c) not in steps:  # the step's first taker
+                steps[id(c)] = threading.Event()
+                self.order.append([])
+                if mode == "takers":
+                    until(steps[id(c)].is_set, "the backward's end")
+                else:
+                    until(lambda: c.known, "the norm")
+                with c.lock:
+                    pending = [f for handoff in c.waiting.values() for f in handoff]
+                wait(pending, timeout=self.WAIT_S)
+            unit, handoff = take(eng, c)
+            self.order[-1].append(unit)
+            return unit, handoff
+
+        def held_known(eng, c, scale):
+            if id(c) in steps or c.speculative:
+                steps.setdefault(id(c), threading.Event()).set()
+                if mode == "takers":
+                    until(lambda: all(f.done() for f in c.bet_done.values()) and not c.waiting, "the takers")
+            known(eng, c, scale)
+
+        def seen_queue(eng, unit, download, c, scale):
+            if unit == min(c.speculative, default=None):
+                self.halted.append(len(c.halted_units))
+            queue(eng, unit, download, c, scale)
+
+        def counted_step(opt, *args, backup_out=None, **kw):
+            self.backed += backup_out is not None
+            step(opt, *args, **kw, **({} if backup_out is None else {"backup_out": backup_out}))
+
+        monkeypatch.setattr(Speculation, "_take", held_take)
+        monkeypatch.setattr(Speculation, "_norm_known", held_known)
+        monkeypatch.setattr(Speculation, "_queue_update", seen_queue)
+        monkeypatch.setattr(LayerAdam, "step", counted_step)
+
+
+@pytest.mark.parametrize("clips", [False, True], ids=["no-clip", "some-clip"])
+@pytest.mark.parametrize("mode", ["takers", "norm"])
+def test_units_are_taken_in_the_forwards_order(tiny_model, monkeypatch, mode, clips):
+    """When the updates fall behind the backward, the optimizer thread takes the waiting unit the next
+    forward needs first, not the oldest, and once the norm is known it updates without a backup (no clip)
+    or leaves the unit to the step's end (clip): bitwise the deferred path either way."""
+    model_dir = tiny_model("llama")
+    batches = random_batches(128, steps=4, seed=11)
+    clip = _alternating(model_dir, batches) if clips else 1e6
+    want = _train(model_dir, batches, policy="defer", clip=clip)
+    held = _Held(monkeypatch, mode)
+    got = _train(model_dir, batches, policy="speculate", clip=clip)
+    _same(want, got)
+    clipped = sum(clip / (n + 1e-6) < 1.0 for n in want[0].grad_norms)
+    assert clipped == (2 if clips else 0)
+    assert len(held.order) == 4 and all(o == sorted(o) and len(o) > 2 for o in held.order), held.order
+    taken = sum(map(len, held.order))
+    assert got[0].rollbacks == clipped and got[0].speculated == 4
+    if mode == "takers":  # the norm unknown: each unit backed up, or halted once clipping was certain
+        assert held.backed + sum(held.halted) == taken and held.backed > taken // 2
+    else:  # the norm known first: no backup, nothing halted, nothing to restore
+        assert held.backed == 0 and held.halted == [0] * 4
+        assert all("restore" not in t for t in got[0].timings)
+
+
+def test_a_halted_unit_of_a_step_that_does_not_clip_is_updated(tiny_model, monkeypatch):
+    """The early stop sees the host's sum of squared norms, which can differ from the device's by rounding:
+    where it halted the bet and the step then did not clip, the halted units get their deferred update
+    with scale 1 (here the early stop is made to fire far below the norm), bitwise the unclipped run."""
+    import slidekit.engine.speculation as speculation
+
+    model_dir = tiny_model("qwen2")
+    batches = random_batches(128, steps=3, seed=12)
+    clip = 2 * max(_unclipped_norms(model_dir, batches))
+    want = _train(model_dir, batches, policy="defer", clip=None)
+    monkeypatch.setattr(speculation, "CERTAIN", -0.6)  # "certain" once the norm seen passes 0.8 x the largest
+    held = _Held(monkeypatch, "takers")
+    got = _train(model_dir, batches, policy="speculate", clip=clip)
+    _same(want, got)
+    assert got[0].rollbacks == 0 and got[0].speculated == 3
+    assert all(h > 0 for h in held.halted), held.halted
+    assert 0 < held.backed < sum(map(len, held.order))
