@@ -135,11 +135,13 @@ case "${1:-tests}" in
     tar -cf "$OUT/traces-ratio.tar" -C /tmp/sk-traces .  # one file: a call brings back at most 8
     ;;
   clip)  # issue 16 item 1, forced offload: bash benchmarks/run_h200.sh clip "MODEL BATCH"...; per spec, in one call: no clipping,
-    # a clip that never fires (1e6) speculated, max_grad_norm 1.0 deferred and speculated; 10 steps after 2 warm-up
+    # a clip that never fires (1e6) speculated, max_grad_norm 1.0 deferred and speculated; 10 steps after 2 warm-up.
+    # CLIPS="none|1e6 speculate|..." picks the runs ('|' between them; "none" is the unclipped run).
     shift; build_layer_adam; B="$OUT/clip.jsonl"
+    IFS='|' read -ra CLIP_RUNS <<< "${CLIPS:-none|1e6 speculate|1.0 defer|1.0 speculate}"
     for spec in "$@"; do
       set -- $spec
-      for c in "none" "1e6 speculate" "1.0 defer" "1.0 speculate"; do
+      for c in "${CLIP_RUNS[@]}"; do
         set -- "$1" "$2" $c; CLIP=(); [ "$3" != none ] && CLIP=(--clip "$3" --clip-overlap "$4")
         TAG="$1-b$2-clip-$3${4:+-$4}"
         timeout 200 python3 -m slidekit.tools.bench --model "$1" --batch "$2" --seq 1024 --resident none --steps 10 --warmup 2 \
