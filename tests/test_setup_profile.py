@@ -26,8 +26,11 @@ def test_the_setup_of_a_tiny_run_is_profiled(tmp_path):
     record = json.loads(done.stdout.splitlines()[-1])
     assert (record["model"], record["batch"], record["resident"]) == ("tiny", 2, "none")
     top = record["top"]
-    assert len(top) == 5 and "__init__" in top[0]["function"] and "trainer.py" in top[0]["function"]
-    assert top[0]["cum_s"] <= record["setup_s"] + 0.01
+    # Here the Trainer's construction comes first (it contains everything else); on the GPU machine's image
+    # (Python 3.12, torch 2.11) the profile lost that frame and a constructor inside it came first (the GPU
+    # gate of 2026-12-04): what holds everywhere is that a constructor of the setup leads.
+    assert len(top) == 5 and top[0]["function"].endswith("__init__")
+    assert 0 < top[0]["cum_s"] <= record["setup_s"] + 0.01
     assert [r["cum_s"] for r in top] == sorted((r["cum_s"] for r in top), reverse=True)
     assert prof.stat().st_size > 0
 
