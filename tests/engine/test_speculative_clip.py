@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import wait
 
 import pytest
 import torch
 
 from slidekit import EngineConfig, ModelConfig, OptimConfig, Plugins, RunConfig, TrainConfig, Trainer
+from slidekit.engine.speculation import Speculation
 from slidekit.hookspecs import hookimpl
 from slidekit.interfaces import KernelSetDescriptor
 from slidekit.testing.asserts import (
@@ -393,12 +397,7 @@ class _Held:
     WAIT_S = 60.0
 
     def __init__(self, monkeypatch, mode: str) -> None:
-        import threading
-        import time
-        from concurrent.futures import wait
-
-        from slidekit.engine.speculation import Speculation
-        from slidekit_optim.layer_adam import LayerAdam
+        from slidekit_optim.layer_adam import LayerAdam  # imported where used, as the tests above do
 
         self.order: list[list[int]] = []
         self.halted: list[int] = []
