@@ -43,8 +43,9 @@ from slidekit.engine.activations import ActivationStore, KeptGraphs
 from slidekit.engine.collectives import Collectives
 from slidekit.engine.host import HostStore
 from slidekit.engine.runtime import Pipeline, Streams
-from slidekit.engine.speculation import Speculation, decide, settle_scale
+from slidekit.engine.speculation import Speculation, decide
 from slidekit.engine.step_state import StepState
+from slidekit.engine.updates import settle_scale
 from slidekit.engine.uploads import Uploads
 from slidekit.engine.window import Slot, Window
 from slidekit.errors import NonFiniteError
@@ -257,12 +258,13 @@ class Engine(Uploads, Speculation):
     def _conclude(self, c: StepState, loss: float, grad_norm: float, skip_nonfinite: bool) -> bool:
         """Apply deferred updates, or skip / refuse a non-finite step. True when skipped."""
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        self._clipped_last = not finite or (c.clip is not None and c.clip / (grad_norm + 1e-6) < 1.0)
-        self._norm_known(c, settle_scale(c.clip, grad_norm) if finite else None)
-        if finite:
-            self._update_resident(c, grad_norm)
+        scale = settle_scale(c.clip, grad_norm) if finite else None
+        self._clipped_last = scale is None or scale < 1.0
+        self._norm_known(c, scale)
+        if scale is not None:
+            self._update_resident(c, scale)
             if c.defer:
-                self._apply_deferred(c, grad_norm)
+                self._apply_deferred(c, scale)
             return False
         what = f"step {self.steps_done + 1}: loss {loss} / gradient norm {grad_norm} is not finite"
         if c.defer:

@@ -83,7 +83,7 @@ from slidekit.engine.window import Slot
 from slidekit.interfaces import FusedBackupOptimizer, ParamGroupRange, UnitOptimizer
 from slidekit.planning.placement import GRANULE
 
-__all__ = ["BACKUP_CHUNK", "CERTAIN", "Speculation", "decide", "settle_scale", "update_backed"]
+__all__ = ["BACKUP_CHUNK", "CERTAIN", "Speculation", "decide", "update_backed"]
 
 #: Parameters backed up and then updated in one go: a multiple of GRANULE (so chunks of linear state
 #: start where their state does), small enough that much of the backed-up bytes (12 MiB with layer_adam)
@@ -103,11 +103,6 @@ def decide(policy: str, *, defer: bool, backed_up: bool, clipped_last: bool) -> 
     if policy == "speculate":
         return True
     return backed_up and not clipped_last
-
-
-def settle_scale(clip: float | None, grad_norm: float) -> float:
-    """torch.nn.utils.clip_grad_norm_'s factor: min(1, max_norm / (norm + 1e-6)); 1.0 without clipping."""
-    return 1.0 if clip is None else min(1.0, clip / (grad_norm + 1e-6))
 
 
 Span = Callable[[int, int], Mapping[str, tuple[torch.dtype, int, int]]]
@@ -238,7 +233,7 @@ class Speculation(Updates):
     def _speculates(self, unit: int, c: StepState) -> bool:
         """Whether ``unit`` is updated during the backward: the step speculates, the optimizer thread has
         not stopped it (read without a lock: a late stop only defers a unit more), and the unit can be."""
-        if not c.speculate or c.halted or not self.host.can_back_up(unit):
+        if not c.speculate or c.halted_units or not self.host.can_back_up(unit):
             return False
         return self.host.has_backup(unit) or self.clip_overlap == "speculate"
 
@@ -293,18 +288,17 @@ class Speculation(Updates):
         norm is unknown, plainly once it is known and nothing clips; not at all (the step's end updates it)
         when clipping is certain, known, or the norm is not finite."""
         what = f"the gradient download of unit {unit}"
+        _, sq = self.pipeline.result(handoff[0], what)  # the unit's squared norm comes with its first piece
+        backed = self._bet_on(unit, c, sq)
+        if backed is None:
+            return
+        self._wait_checkpoint(unit)
+        if backed:
+            c.speculated.add(unit)
         grad = self.host.unit_grad(unit)
-        backed = True
         for k, (a, b) in enumerate(self.host.pieces(unit)):
-            _, sq = self.pipeline.result(handoff[k], what)
-            if k == 0:
-                bet = self._bet_on(unit, c, sq)
-                if bet is None:
-                    return
-                backed = bet
-                self._wait_checkpoint(unit)
-                if backed:
-                    c.speculated.add(unit)
+            if k:
+                self.pipeline.result(handoff[k], what)
             with self.timeline.host("update", unit):
                 if backed:
                     self._apply_backed(unit, grad[a:b], lr=c.lr, count=count, start=a, stop=b)
@@ -330,15 +324,12 @@ class Speculation(Updates):
     def _still_betting(self, c: StepState, sq: float) -> bool:
         """Optimizer thread: add a unit's squared norm; False (for this unit and the rest of the step) once
         the sum makes clipping certain or is not finite. Data-parallel: the rank's shards, a lower bound."""
-        if c.halted:
+        if c.halted_units:
             return False
         c.seen_sq += sq
-        if not math.isfinite(c.seen_sq) or (
-            c.clip is not None and math.sqrt(c.seen_sq) + 1e-6 > c.clip * (1 + CERTAIN)
-        ):
-            c.halted = True
-            return False
-        return True
+        return math.isfinite(c.seen_sq) and (
+            c.clip is None or math.sqrt(c.seen_sq) + 1e-6 <= c.clip * (1 + CERTAIN)
+        )
 
     def _apply_backed(
         self, unit: int, grad: torch.Tensor, *, lr: float, count: int, start: int, stop: int

@@ -35,7 +35,6 @@ class StepState:
     speculate: bool = False  # this step speculates (the main thread decided at its start)
     speculative: set[int] = field(default_factory=set)  # units handed to the optimizer thread to speculate
     speculated: set[int] = field(default_factory=set)  # of those, the ones it updated (optimizer thread)
-    halted: bool = False  # the optimizer thread found clipping certain (or a non-finite norm): defer the rest
     seen_sq: float = 0.0  # the squared norms of the speculative units so far (optimizer thread)
     rolled_back: bool = False  # the step clipped or was not finite after speculating: updates redone
     # unit -> its gradient pieces' handoffs, for the units handed on that the optimizer thread has not taken
@@ -43,7 +42,9 @@ class StepState:
     waiting: dict[int, list[Future[tuple[int, float]]]] = field(default_factory=dict)
     # unit -> done once the optimizer thread has taken and updated it (or left it to the step's end)
     bet_done: dict[int, Future[None]] = field(default_factory=dict)
-    halted_units: set[int] = field(default_factory=set)  # taken but not updated: the bet had stopped
+    # taken but not updated: the bet had stopped (the optimizer thread found clipping certain, or a
+    # non-finite norm); once it holds one, the rest of the step defers
+    halted_units: set[int] = field(default_factory=set)
     known: bool = False  # the step's norm is known (the main thread, at the step's end)
     known_scale: float | None = None  # then: its clip factor; None: not finite
     # orders the optimizer thread's choice for a unit against the main thread's ``known``

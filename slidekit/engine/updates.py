@@ -34,7 +34,12 @@ from slidekit.models.base import ArchSpec
 from slidekit.planning.schedule import Visit
 from slidekit.telemetry import Timeline
 
-__all__ = ["Updates"]
+__all__ = ["Updates", "settle_scale"]
+
+
+def settle_scale(clip: float | None, grad_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor: min(1, max_norm / (norm + 1e-6)); 1.0 without clipping."""
+    return 1.0 if clip is None else min(1.0, clip / (grad_norm + 1e-6))
 
 
 class Updates:
@@ -302,12 +307,9 @@ class Updates:
         """Main thread, at the step's end, before any update is queued: the step's clip factor (None: the
         norm or loss is not finite). Nothing to do here; speculative clipping tells its optimizer thread."""
 
-    def _apply_deferred(self, c: StepState, grad_norm: float) -> None:
-        """Queue every unit's update, in the order the next forward pass needs them, with the clip factor.
-
-        torch.nn.utils.clip_grad_norm_ semantics: scale = min(1, max_norm / (norm + 1e-6)).
-        """
-        scale = 1.0 if c.clip is None else min(1.0, c.clip / (grad_norm + 1e-6))
+    def _apply_deferred(self, c: StepState, scale: float) -> None:
+        """Queue every unit's update, in the order the next forward pass needs them, with the clip factor
+        (``settle_scale``)."""
         c.rolled_back = bool(c.speculative) and scale != 1.0  # speculated with scale 1: redo them
         for unit in sorted(c.deferred):  # resident units are updated on the device instead
             self._queue_update(unit, c.deferred.pop(unit), c, scale)
@@ -317,14 +319,13 @@ class Updates:
             "optim", self._update, unit, download, None, c.lr, self.updates_applied + 1, scale, unit=unit
         )
 
-    def _update_resident(self, c: StepState, grad_norm: float) -> None:
+    def _update_resident(self, c: StepState, scale: float) -> None:
         """Update the device-resident units on the device, in the order the next forward pass needs them.
 
         Their BF16 weights are rewritten in place from the new masters, so they
         never cross the bus. The update is queued on the compute stream, after
-        the backward pass that produced the gradients.
+        the backward pass that produced the gradients. ``scale``: the clip factor (``settle_scale``).
         """
-        scale = 1.0 if c.clip is None else min(1.0, c.clip / (grad_norm + 1e-6))
         for unit in sorted(c.resident_due):
             self._wait_checkpoint(unit)
             with self.timeline.device("update_gpu", unit, self.streams.compute):
