@@ -32,6 +32,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from slidekit.capabilities import fuses_backup
 from slidekit.config import resident_fraction, upload_copy_dtype_error
 from slidekit.errors import ConfigError
 from slidekit.models.base import ArchSpec
@@ -85,7 +86,8 @@ class Planner(Recommendations):
     optimizer can update units on the device (only then can units be resident). ``keep_grads``: every
     unit's gradients stay on the host until the step ends (global-norm clipping, skipping non-finite
     steps). ``device_tier``: the tier resident units keep their state on. ``optimizer`` (its name, for
-    its update rate) and ``clip`` (clipping by the global norm) are what the step-time model needs.
+    its update rate), ``clip`` (clipping by the global norm) and ``fused_backup`` (the optimizer writes
+    speculative clipping's backups in its update's pass) are what the step-time model needs.
     ``recompute`` (``engine.recompute``) and ``fused_kernels`` (the kernel set keeps only its inputs,
     ``estimate.kept_bytes``): which layers keep their activations (``keeps``).
     """
@@ -114,6 +116,7 @@ class Planner(Recommendations):
         checkpoint_writes: int = 0,
         optimizer: str = "",
         clip: bool = False,
+        fused_backup: bool = True,
         world: int = 1,
         rank: int = 0,
         recompute: str = "auto",
@@ -161,6 +164,7 @@ class Planner(Recommendations):
         self.checkpoint_writes = checkpoint_writes  # checkpoints the run writes at most (0: no run.dir)
         self.optimizer = optimizer
         self.clip = clip
+        self.fused_backup = fused_backup
         self.recompute = recompute
         self.fused_kernels = fused_kernels
 
@@ -218,6 +222,7 @@ class Planner(Recommendations):
             checkpoint_writes=checkpoint_writes(config),
             optimizer=optimizer.name,
             clip=oc.max_grad_norm is not None,
+            fused_backup=fuses_backup(optimizer),
             world=world,
             rank=rank,
             recompute=ec.recompute,
@@ -434,6 +439,7 @@ class Planner(Recommendations):
             optimizer=self.optimizer,
             state_bytes_per_param=self.state_per_param,
             clip=self.clip,
+            fused_backup=self.fused_backup,
         )
 
     def predict(self, layout: Layout, machine: Machine) -> StepPrediction | None:

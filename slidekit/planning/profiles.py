@@ -44,10 +44,16 @@ _H200_PAGE = "docs/benchmarks"
 #: PCIe Gen5 x16 (63 GB/s each way).
 _H200_PUBLISHED = {"bf16_tflops": 989.5, "memory_gbps": 4800.0, "bus_gbps": 63.0}
 _SUITES = "raw/2026-12-01-s6/suite-qwen2.5-3b.jsonl and raw/2026-12-01-s7/suite-qwen2.5-7b.jsonl"
-#: Speculative clipping's backups on the H200 host, effective: the 3B forced-offload batch-32 step's host
+#: Speculative clipping's backups on the H200 host, effective, written in the update's pass (fused_backup):
+#: in the 3B forced-offload batch-32 traces of raw/2026-12-02-s15/ratio-clip-3b (NOTES.md 30 and 31) a
+#: layer's update (77.08 M parameters) took 24.06 ms backing up against 16.86 ms unclipped; 24 B/param
+#: (master and moments, read and written) over the 7.20 ms more is 257 GB/s.
+_H200_BACKUP_GBPS = 257.0
+_BACKUP_TRACES = "raw/2026-12-02-s15/ratio-clip-3b/traces-clip.tar"
+#: ... and copied beside each chunk's update (before the fusion): the 3B forced-offload batch-32 step's host
 #: update lane took 2.813 s speculating (a clip that never fires) and 0.723 s unclipped; the 2.090 s
-#: more over 3.086 G parameters at 24 B/param (master and moments read and written) is 35.4 GB/s.
-_H200_BACKUP_GBPS = 35.4
+#: more over 3.086 G parameters at 24 B/param is 35.4 GB/s.
+_H200_BACKUP_COPY_GBPS = 35.4
 _LEVERS = "raw/2026-12-02-s10/levers-3b/suite-levers-qwen2.5-3b.jsonl"
 #: adamw_fp8 on the H200 host: the fused kernel, 233M unit, 16 threads, median of 5 (NOTES section 21).
 _FP8_HOST = 5.687e9
@@ -74,6 +80,7 @@ H200_RATES = Rates(
     disk_write_gbps=2.79,
     step_overhead_s=0.0073,
     backup_gbps=_H200_BACKUP_GBPS,
+    backup_copy_gbps=_H200_BACKUP_COPY_GBPS,
     updates={
         "layer_adam": UpdateRate(
             host_params_per_s=4.32e9,
@@ -123,8 +130,12 @@ H200_RATES = Rates(
         ),
         "host_gbps": f"measured: STREAM triad, 16 threads ({_H200_PAGE}/2026-11-29-session3.md)",
         "backup_gbps": (
-            "measured: the host update lanes of the 3B forced-offload batch-32 runs speculating and "
-            f"unclipped ({_H200_PAGE}/{_LEVERS}), the difference over 24 B/param"
+            "measured: a layer's host update backing up (fused) and unclipped in the 3B forced-offload "
+            f"batch-32 traces ({_H200_PAGE}/{_BACKUP_TRACES}), the difference over 24 B/param"
+        ),
+        "backup_copy_gbps": (
+            "measured: the host update lanes of the 3B forced-offload batch-32 runs speculating (backups "
+            f"copied, before the fusion) and unclipped ({_H200_PAGE}/{_LEVERS}), the difference over 24 B/param"
         ),
         "disk_read_gbps": (
             f"measured: the posix tier, O_DIRECT, 16 MiB chunks, 2 I/O threads ({_H200_PAGE}/"
@@ -174,6 +185,7 @@ def _rtx4090_rates() -> Rates:
         d2h_gbps=_scaled(H200_RATES.d2h_gbps, pub["bus_gbps"], h200["bus_gbps"]),
         host_gbps=_WORKSTATION_TRIAD,
         backup_gbps=round(_H200_BACKUP_GBPS * _WORKSTATION_TRIAD / 95.0, 1),
+        backup_copy_gbps=round(_H200_BACKUP_COPY_GBPS * _WORKSTATION_TRIAD / 95.0, 1),
         disk_read_gbps=5.0,
         disk_write_gbps=3.0,
         step_overhead_s=H200_RATES.step_overhead_s,
@@ -212,8 +224,12 @@ def _rtx4090_rates() -> Rates:
             "d2h_gbps": share("PCIe bandwidth", H200_RATES.d2h_gbps, "bus_gbps"),
             "host_gbps": f"{host}: STREAM triad {_WORKSTATION_TRIAD:g} GB/s",
             "backup_gbps": (
-                f"{host}: the H200 host's effective {_H200_BACKUP_GBPS:g} GB/s for clipping backups x "
+                f"{host}: the H200 host's effective {_H200_BACKUP_GBPS:g} GB/s for fused clipping backups x "
                 f"{_WORKSTATION_TRIAD:g} / 95 GB/s of triad"
+            ),
+            "backup_copy_gbps": (
+                f"{host}: the H200 host's effective {_H200_BACKUP_COPY_GBPS:g} GB/s for copied clipping "
+                f"backups x {_WORKSTATION_TRIAD:g} / 95 GB/s of triad"
             ),
             "disk_read_gbps": "assumed: a PCIe Gen4 NVMe drive, sustained O_DIRECT reads",
             "disk_write_gbps": "assumed: the same drive, sustained writes past its cache",

@@ -5,8 +5,9 @@ seconds with these figures: the device's achieved matmul rate for decoder
 layers and for the LM head, its memory bandwidth for streaming passes
 (gradient zeroing and norms, the fused update of resident units), the bus
 each way, the host's optimizer rate per optimizer (and its memory bandwidth
-for the clipping pass and for optimizers without a figure), the rate of
-speculative clipping's backup copies, the disk each way, and a fixed host
+for the clipping pass, for optimizers without a figure and for restoring
+speculative clipping's backups), the rate of those backups (written in the
+update's pass, or copied beside it), the disk each way, and a fixed host
 cost per step. Every figure carries its source:
 ``measured: ...`` (a dated benchmark page or raw record), ``published: ...``
 (a vendor's data sheet, not measured here), ``assumed: ...`` or ``derived:
@@ -61,9 +62,13 @@ class Rates:
     disk_read_gbps: float  # the offload directory's disk, O_DIRECT reads
     disk_write_gbps: float  # ... and writes
     step_overhead_s: float  # host time per step the device idles through (launches, syncs, the batch)
-    #: Speculative clipping's backup copies (master and state read and written beside each chunk's
-    #: update, ``slidekit.engine.speculation``); None: at ``host_gbps``.
+    #: Speculative clipping's backups (``slidekit.engine.speculation``), effective: a unit's master and
+    #: state bytes, counted twice (read and written), over the time its update takes longer for them.
+    #: ``backup_gbps``: written in the update's own pass (``fused_backup``, both bundled optimizers);
+    #: ``backup_copy_gbps``: copied beside each chunk's update (any other optimizer). None: ``host_gbps``.
+    #: A rollback's restore is a plain copy of the same bytes, at ``host_gbps``.
     backup_gbps: float | None = None
+    backup_copy_gbps: float | None = None
     updates: Mapping[str, UpdateRate] = field(default_factory=dict)  # optimizer name -> its rate
     sources: Mapping[str, str] = field(default_factory=dict)  # field name -> where the figure comes from
 
@@ -77,10 +82,12 @@ class Rates:
                 f"rates {self.name!r}: step_overhead_s must be >= 0, got {self.step_overhead_s}"
             )
 
-    @property
-    def backup_rate_gbps(self) -> float:
-        """GB/s at which speculative clipping's backups copy: ``backup_gbps``, else ``host_gbps``."""
-        return self.host_gbps if self.backup_gbps is None else self.backup_gbps
+    def backup_rate_gbps(self, fused: bool) -> float:
+        """Effective GB/s of speculative clipping's backups: ``backup_gbps`` for an optimizer that writes them
+        in its update's pass (``fused``), ``backup_copy_gbps`` for one whose backups are copied; else
+        ``host_gbps``."""
+        rate = self.backup_gbps if fused else self.backup_copy_gbps
+        return self.host_gbps if rate is None else rate
 
     def update(self, optimizer: str, state_bytes_per_param: float) -> UpdateRate:
         """The rate of ``optimizer``: its own figure, else an estimate from the bytes it moves per
@@ -113,7 +120,9 @@ class Rates:
             ("step_overhead_s", f"per-step host overhead {self.step_overhead_s * 1e3:g} ms"),
         ]
         if self.backup_gbps is not None:
-            rows.append(("backup_gbps", f"clipping backups {self.backup_gbps:g} GB/s"))
+            rows.append(("backup_gbps", f"clipping backups {self.backup_gbps:g} GB/s (fused)"))
+        if self.backup_copy_gbps is not None:
+            rows.append(("backup_copy_gbps", f"clipping backups {self.backup_copy_gbps:g} GB/s (copied)"))
         lines = [f"    {text}: {self.sources.get(key, 'no source given')}" for key, text in rows]
         for name, rate in self.updates.items():
             lines.append(

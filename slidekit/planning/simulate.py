@@ -18,11 +18,15 @@ engine has work:
 * clipping or skipping (``defer``): the gradients come down whole into the unit's own buffer, and
   every update is queued at the end of the step in forward order, under the next forward pass;
 * speculative clipping (a deferring step, a unit whose pieces back up: ``Piece.backup_s``): the
-  unit's gradients come down piece by piece into its own buffer and each piece is backed up and
-  updated at once, as an unclipped step would (no ring buffer to wait for); a step that clips
-  (``rollback``) then restores and updates every such unit again at the step's end, in forward order,
-  as the deferred updates are (``slidekit.engine.speculation``: the pessimistic case, every unit
-  speculated before the norm was known);
+  unit's gradients come down piece by piece into its own buffer (no ring buffer to wait for) and one
+  taker per unit is queued on the optimizer thread; each taker, when the thread gets to it, takes of
+  the units handed on whose first piece is down the one the next forward needs first (the lowest
+  index), else the first handed on, and updates it piece by piece as it comes down: backed up while
+  the norm is unknown (until the main thread has waited for the backward's end), plainly after. A
+  step that clips (``rollback``) leaves a unit taken after the norm is known to the step's end, and
+  restores (``Piece.restore_s``) and updates again every unit it backed up, both in forward order with
+  the deferred updates (``slidekit.engine.speculation``; the early stop, which depends on the
+  gradients' norms, is not replayed: every unit taken before the norm is known is backed up);
 * resident units never move: the device updates them at the end of the step, after the backward;
 * the step ends when the device is done; the next starts ``step_overhead_s`` later.
 
@@ -55,7 +59,8 @@ class Piece:
     down_s: float  # its copy to the host
     update_s: float  # the optimizer's time on it (CPU)
     disk_s: float = 0.0  # its optimizer state read and written back (streamed state)
-    backup_s: float = 0.0  # its master and state copied to the backup (speculative clipping), or back
+    backup_s: float = 0.0  # its update takes this longer writing its backup (speculative clipping)
+    restore_s: float = 0.0  # its master and state copied back from the backup (a step that clips)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -120,6 +125,7 @@ class SimResult:
     busy: dict[str, float]  # seconds of work per lane kind in one step
     exposed: dict[str, float]  # seconds the compute stream waited, per kind on the critical path
     steps: tuple[float, ...]  # every simulated step, start to start (the last is ``seconds``)
+    takes: tuple[tuple[int, bool], ...] = ()  # speculative clipping, the last step: (unit, backed up), in turn
 
 
 @dataclass
@@ -294,21 +300,46 @@ class _Sim:
         self._release(slot, down, down)
 
     def _speculate(self, u: int, cost: UnitCost, computed: Ev, c: _Step) -> Ev:
-        """Speculative clipping (module docstring): each piece down into the unit's own buffer, then backed
-        up and updated; with ``rollback`` the unit is restored and updated again at the step's end."""
-        down = computed
-        for piece in cost.pieces:
-            down = self._run("d2h", piece.down_s, "grad copy", self.main, computed)
-            backed = Piece(0.0, piece.update_s + piece.backup_s, piece.disk_s)
-            self.updated[u] = self._update(backed, down, self.main)
-        if self.rollback:
-            c.deferred[u] = down
-        return down
+        """Speculative clipping (module docstring): each piece down into the unit's own buffer; the unit
+        handed on to the optimizer thread, whose takers ``_take_all`` replays once the step's downloads
+        are all known."""
+        downs = [self._run("d2h", p.down_s, "grad copy", self.main, computed) for p in cost.pieces]
+        c.waiting[u] = (self.main, downs)
+        return downs[-1] if downs else computed
+
+    def _take_all(self, c: _Step, known: Ev) -> None:
+        """The optimizer thread's takers of a speculating step, one per unit handed on, in turn: each
+        takes, of the units handed on by the time the thread is free whose first piece is down, the one
+        with the lowest index, else the first handed on, and updates it as its pieces come down: with its
+        backup if it starts before ``known`` (the main thread has the norm), plainly after; with
+        ``rollback`` one taken after that is left to the step's end (``c.deferred``)."""
+        while c.waiting:
+            free = self.lanes["optim"]
+            handed = [u for u, (sub, _) in c.waiting.items() if sub.end <= free.end]
+            if not handed:
+                handed = [next(iter(c.waiting))]  # the thread idles until the next is handed on
+            arrived = [u for u in handed if c.waiting[u][1][0].end <= free.end]
+            u = min(arrived) if arrived else handed[0]
+            sub, downs = c.waiting.pop(u)
+            start = _later(free, sub, downs[0])
+            backed = start.end < known.end
+            if not backed and self.rollback:
+                c.takes.append((u, False))
+                c.deferred[u] = downs[-1]
+                continue
+            c.takes.append((u, backed))
+            if backed:
+                c.backed.add(u)
+            for piece, down in zip(self.units[u].pieces, downs, strict=True):
+                cost = Piece(0.0, piece.update_s + (piece.backup_s if backed else 0.0), piece.disk_s)
+                self.updated[u] = self._update(cost, down, sub)
+            if backed and self.rollback:
+                c.deferred[u] = downs[-1]
 
     # ---------------------------------------------------------------- one step
 
-    def step(self) -> tuple[Ev, Ev]:
-        """One training step (``Engine.train_step``); returns (its start, its end)."""
+    def step(self) -> tuple[Ev, Ev, _Step]:
+        """One training step (``Engine.train_step``); returns its start, its end and what it kept."""
         start = _after(self.main, self.step_overhead_s, "host")
         self.busy["host"] = self.busy.get("host", 0.0) + self.step_overhead_s
         self.main = start
@@ -327,15 +358,16 @@ class _Sim:
             else:
                 self._backward(k, visit.unit, c)
         self._wait(self.lanes["gpu"])  # the loss: the device's queue is done
+        self._take_all(c, self.main)  # the norm is known from here (Speculation._norm_known)
         if c.resident_due:
             self._compute(sum(self.units[u].device_update_s for u in c.resident_due))
         for u in sorted(c.deferred):  # in the order the next forward pass needs them
             pieces = self.units[u].pieces
-            restore = sum(p.backup_s for p in pieces) if self.rollback else 0.0  # a speculated unit's
+            restore = sum(p.restore_s for p in pieces) if u in c.backed else 0.0  # rolled back
             whole = Piece(0.0, sum(p.update_s for p in pieces) + restore, sum(p.disk_s for p in pieces))
             self.updated[u] = self._update(whole, c.deferred[u], self.main)
         self._wait(self.lanes["gpu"])  # Timeline.finish: the step's device work, resident updates too
-        return start, self.main
+        return start, self.main, c
 
     def _forward(self, k: int, u: int, c: _Step) -> None:
         slot, device = self._acquire(k, c.loads)
@@ -394,6 +426,10 @@ class _Step:
     loads: dict[int, tuple[_Slot, Ev | None, Ev | None]] = field(default_factory=dict)
     resident_due: list[int] = field(default_factory=list)  # resident units, updated at the end
     deferred: dict[int, Ev] = field(default_factory=dict)  # unit -> its gradients' download (clipping)
+    # speculative clipping: unit -> (when it was handed on, its pieces' downloads), until a taker takes it
+    waiting: dict[int, tuple[Ev, list[Ev]]] = field(default_factory=dict)
+    backed: set[int] = field(default_factory=set)  # the units taken before the norm was known
+    takes: list[tuple[int, bool]] = field(default_factory=list)  # (unit, backed up), in the takers' order
     writes: dict[tuple[int, int], Ev] = field(default_factory=dict)  # (unit, micro-batch) -> activation out
     reads: dict[tuple[int, int], Ev] = field(default_factory=dict)  # ... and back in
     pending: deque[Ev] = field(default_factory=deque)  # activation writes not yet retired
@@ -414,7 +450,7 @@ def simulate(
 ) -> SimResult:
     """Replay steps until two in a row take the same time (at most ``max_steps``) and report the last:
     its period, the drain after it, and its parts. ``rollback``: every step clips, so the units that
-    speculate (pieces with ``backup_s``) are restored and updated again at its end (module docstring)."""
+    speculated (pieces with ``backup_s``) are restored and updated again at its end (module docstring)."""
     if max_steps < 3:
         raise ValueError(f"the steady step needs at least 3 simulated steps, got {max_steps}")
     sim = _Sim(units, window, prefetch, max(ring, 1), tied, defer, micro, step_overhead_s, rollback)
@@ -423,7 +459,7 @@ def simulate(
     while True:
         sim.busy = {}
         segments = len(sim.segments)
-        start, end = sim.step()
+        start, end, last = sim.step()
         busy = sim.busy
         periods.append(end.end + step_overhead_s - start.end)  # the next step starts then
         if len(periods) >= max_steps or (
@@ -445,4 +481,5 @@ def simulate(
         busy=busy,
         exposed=exposed,
         steps=tuple(periods),
+        takes=tuple(last.takes),
     )

@@ -10,9 +10,11 @@ next forward's uploads waiting for each unit's update, deferred updates
 (clipping, skipping) under the next forward, resident units updated on the
 device after the backward. A layout with speculative clipping's backups
 (``Layout.clip_backup``) is priced twice (``backup_costs``): a step that does
-not clip updates its host units under the backward as an unclipped step does,
-each paying its backup too; a step that clips also pays the rollback, each
-backed-up unit restored and updated at the step's end as deferred steps are
+not clip updates its host units as they come down, the one the next forward
+needs first, each paying its backup until the norm is known and updated
+plainly after; a step that clips also pays the rollback, each backed-up unit
+restored and updated at the step's end as deferred steps are, the units
+taken after the norm is known updated there without a restore
 (``StepPrediction.clipped_s``). The result, a ``StepPrediction``, is the steady
 step (start to start), the drain a run's last step adds, the work of each
 lane and how much of each the compute stream waited for (``exposed``; the
@@ -38,9 +40,11 @@ Costs per unit and step (``StepWork``: the model's shape and the run's tokens):
                 parameter at device_gbps; clipping adds a 4 B/param pass (host_gbps / device_gbps);
                 upload copies add the BF16 write, 2 B/param at host_gbps, to the host update
     backup      speculative clipping, per backed-up unit: its master (4 B/param) and state bytes read
-                and written at backup_gbps (host_gbps where the rates have none), with each update;
-                the same again to restore a step that clips (NOTES.md 15: 24 B/param for layer_adam,
-                at an effective 35 GB/s on the H200 host, a third of its triad)
+                and written at the effective backup_gbps (an optimizer that writes the backup in its
+                update's pass, fused_backup) or backup_copy_gbps (one whose backups are copied),
+                host_gbps where the rates have neither, with each update taken before the norm is
+                known (NOTES.md 31: 24 B/param for layer_adam at an effective 257 GB/s fused on the
+                H200 host, 35 GB/s copied); the same bytes at host_gbps to restore a step that clips
     streamed    state on a disk tier: read and written back at disk_read/write_gbps, the update
                 taking the longer of that and its CPU time
     activations on a tier: each recomputing layer's input written in the forward, read in the backward,
@@ -97,10 +101,18 @@ class StepWork:
     optimizer: str  # the optimizer's name (its rate in ``Rates.updates``)
     state_bytes_per_param: float  # for an optimizer without a rate
     clip: bool  # clipping by the global norm: one more pass over each gradient before its update
+    fused_backup: bool = True  # the optimizer writes speculative clipping's backups in its update's pass
 
     @classmethod
     def of(
-        cls, spec: ArchSpec, workload: Workload, *, optimizer: str, state_bytes_per_param: float, clip: bool
+        cls,
+        spec: ArchSpec,
+        workload: Workload,
+        *,
+        optimizer: str,
+        state_bytes_per_param: float,
+        clip: bool,
+        fused_backup: bool = True,
     ) -> StepWork:
         return cls(
             tokens=workload.tokens,
@@ -113,6 +125,7 @@ class StepWork:
             optimizer=optimizer,
             state_bytes_per_param=state_bytes_per_param,
             clip=clip,
+            fused_backup=fused_backup,
         )
 
     def layer_flops(self, numel: int) -> float:
@@ -242,22 +255,25 @@ def unit_costs(layout: Layout, rates: Rates, work: StepWork) -> list[UnitCost]:
     return out
 
 
-def backup_costs(costs: Sequence[UnitCost], layout: Layout, rates: Rates) -> list[UnitCost]:
-    """``costs`` (``unit_costs``) with each backed-up unit's pieces (``Layout.backed_up``) paying their
-    backup: master (4 B/param) and state bytes, read and written, at ``Rates.backup_rate_gbps``.
-    Unchanged without backups."""
+def backup_costs(
+    costs: Sequence[UnitCost], layout: Layout, rates: Rates, *, fused: bool = True
+) -> list[UnitCost]:
+    """``costs`` (``unit_costs``) with each backed-up unit's pieces (``Layout.backed_up``) priced for
+    speculative clipping: master (4 B/param) and state bytes, read and written, backed up at
+    ``Rates.backup_rate_gbps(fused)`` and restored at ``host_gbps``. Unchanged without backups."""
     backed = {u.index for u in layout.backed_up()}
     if not backed:
         return list(costs)
-    host_bw = rates.backup_rate_gbps * 1e9
+    backup_bw, restore_bw = rates.backup_rate_gbps(fused) * 1e9, rates.host_gbps * 1e9
     out = []
     for u, cost in zip(layout.units, costs, strict=True):
         if u.index not in backed:
             out.append(cost)
             continue
-        per_param = 2 * (4 + (u.state_bytes / u.own if u.own else 0.0)) / host_bw
+        moved = 2 * (4 + (u.state_bytes / u.own if u.own else 0.0))
         pieces = tuple(
-            replace(p, backup_s=(b - a) * per_param) for p, (a, b) in zip(cost.pieces, u.pieces, strict=True)
+            replace(p, backup_s=(b - a) * moved / backup_bw, restore_s=(b - a) * moved / restore_bw)
+            for p, (a, b) in zip(cost.pieces, u.pieces, strict=True)
         )
         out.append(replace(cost, pieces=pieces))
     return out
@@ -278,7 +294,7 @@ def _cast_s(kind: str, numel: int, device_bps: float, weights_slide: bool) -> fl
 def predict_step(layout: Layout, rates: Rates, work: StepWork) -> StepPrediction:
     """The steady step of ``layout`` on ``rates`` for ``work`` (see the module doc); with backups, also
     the steady step of a run whose every step clips (``clipped_s``)."""
-    costs = backup_costs(unit_costs(layout, rates, work), layout, rates)
+    costs = backup_costs(unit_costs(layout, rates, work), layout, rates, fused=work.fused_backup)
 
     def replay(rollback: bool) -> SimResult:
         return simulate(
