@@ -151,6 +151,23 @@ case "${1:-tests}" in
     done
     tar -cf "$OUT/traces-clip.tar" -C /tmp/sk-clip .  # one file: a call brings back at most 8
     ;;
+  order)  # engine.update_order, forced offload (NOTES 32): bash benchmarks/run_h200.sh order "MODEL BATCHES"...
+    # (BATCHES comma-separated); per model, REPEATS (default 2) rounds of: arrival, then forward, one process each
+    # (every batch in it), 10 steps after 2 warm-up; the last round's traces
+    shift; build_layer_adam; B="$OUT/order.jsonl"
+    for spec in "$@"; do
+      set -- $spec
+      for r in $(seq "${REPEATS:-2}"); do
+        for o in arrival forward; do
+          timeout 240 python3 -m slidekit.tools.bench --model "$1" --batch "$2" --seq 1024 --resident none --steps 10 \
+            --warmup 2 --update-order "$o" --trace "/tmp/trace-$1-$o.json" --out "$B" 2>&1 | tail -2 | cut -c1-300
+          echo "$1 $o round $r: at ${SECONDS}s"
+          mkdir -p /tmp/sk-order; gzip -c "/tmp/trace-$1-$o.json" > "/tmp/sk-order/trace-$1-$o.json.gz" 2>/dev/null
+        done
+      done
+    done
+    tar -cf "$OUT/traces-order.tar" -C /tmp/sk-order .  # one file: a call brings back at most 8
+    ;;
   suite)  # one suite of `slidekit bench` (issue 15): bash benchmarks/run_h200.sh suite NAME COMMIT
     # NAME: a preset of slidekit.tools.bench.suite_presets.SUITES; it builds its kernels itself, then runs what
     # its time plan keeps within what is left of the call (docs/benchmarking.md has the bare command).

@@ -24,6 +24,7 @@ from slidekit.param_groups import param_groups
 from slidekit.planning import Estimate, Layout, Machine, Placement, Planner
 from slidekit.planning.clip_overlap import overlap_layout
 from slidekit.planning.fit import check_fit
+from slidekit.planning.update_order import order_layout
 from slidekit.plugins import Plugins, Selection, build_kernel_set, driver_options
 from slidekit.resolve import build_optimizer
 
@@ -124,9 +125,13 @@ class EngineBuilding:
                 "on the GPU too (layer_adam, adamw_8bit)"
             )
         layout = planner.layout(Placement.of(ec), self.machine())
-        layout, note = overlap_layout(planner, layout, self.machine(), self.config.optim.clip_overlap)
-        if note:
-            self.notes.append(note)
+        for decide, policy in (
+            (overlap_layout, self.config.optim.clip_overlap),
+            (order_layout, ec.update_order),
+        ):
+            layout, note = decide(planner, layout, self.machine(), policy)
+            if note:
+                self.notes.append(note)
         self._check_fit(planner, layout)
         kept = [u for u in layout.units if u.resident]
         if kept:

@@ -110,6 +110,12 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
         "off or on: host units keep a BF16 copy of their weights, written by their update, and upload it "
         "(2 B/param over the bus instead of 4; needs --dtype bfloat16)",
     ),
+    "--update-order": (
+        "engine.update_order",
+        str,
+        "host updates of an unclipped step: arrival (as gradients come down), forward (in the next forward's "
+        "order, 2 B/param more host RAM), or auto",
+    ),
     "--run-dir": ("run.dir", str, "run directory: checkpoints, metrics.jsonl, config.json"),
     "--checkpoint-every": ("run.checkpoint_every", int, "steps between checkpoints (0: at the end only)"),
     "--keep": ("run.keep", int, "checkpoints to keep"),

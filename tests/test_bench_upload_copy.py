@@ -1,5 +1,6 @@
-"""The bench child's ``--upload-copy`` (``engine.upload_copy``): passed to the run, said in its record;
-its ``--repeat-batch`` and ``--lr``, with which the largest-model runs show a falling loss.
+"""The bench child's ``--upload-copy`` (``engine.upload_copy``) and ``--update-order``
+(``engine.update_order``): passed to the run, said in its record; its ``--repeat-batch`` and ``--lr``,
+with which the largest-model runs show a falling loss.
 
 On the CPU the compute dtype is FP32 ("auto"), which refuses upload copies: that record is the
 ConfigError's reason and the next run (off) still measures. On the GPU "auto" is BF16 and both run
@@ -37,6 +38,24 @@ def test_the_record_says_it(tmp_path):
     on, off = (json.loads(line) for line in out.read_text().splitlines())
     assert on["status"] == "unavailable" and "engine.compute_dtype='bfloat16'" in on["reason"]
     assert off["status"] == "ok" and off["upload_copy"] == "off"
+
+
+def test_the_update_order_reaches_the_engine_and_the_record_says_what_the_plan_gave(tmp_path):
+    assert _config(_args("--update-order", "forward"), "demo").engine.update_order == "forward"
+    assert _config(_args(), "demo").engine.update_order == "auto"
+    with pytest.raises(SystemExit):
+        slidekit_parser().parse_args(["--update-order", "backward"])
+    out = tmp_path / "records.jsonl"
+    common = ["--model", "tiny", "--device", "cpu", "--batch", "2", "--seq", "32", "--steps", "1"]
+    common += ["--warmup", "1", "--resident", "none", "--out", str(out)]
+    for order in ("forward", "arrival", "auto"):
+        assert main([*common, "--update-order", order]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["update_order"], r["forward_updates"]) for r in records] == [
+        ("forward", True),
+        ("arrival", False),
+        ("auto", False),  # the CPU: no rates, nothing to predict with
+    ]
 
 
 def test_a_repeated_batch_is_the_same_tokens_every_step_and_its_loss_falls(tmp_path):

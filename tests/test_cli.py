@@ -66,6 +66,7 @@ PINNED_FINETUNE_OPTIONS = [
     "--recompute",
     "--resident-weights",
     "--upload-copy",
+        "--update-order",
     "--run-dir",
     "--checkpoint-every",
     "--keep",

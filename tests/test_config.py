@@ -118,6 +118,7 @@ PINNED_FIELDS = {
         "recompute",
         "resident_weights",
         "upload_copy",
+        "update_order",
     ],
     "TrainConfig": ["model", "data", "optim", "engine", "plugins", "run", "steps", "grad_accum", "seed", "epochs"],
 }

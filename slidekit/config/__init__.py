@@ -39,6 +39,7 @@ from slidekit.config.sections import (
     upload_copy_dtype_error,
 )
 from slidekit.config.sections import RESIDENT_WEIGHTS as RESIDENT_WEIGHTS
+from slidekit.config.sections import UPDATE_ORDER as UPDATE_ORDER
 from slidekit.config.sections import UPLOAD_COPY as UPLOAD_COPY
 from slidekit.config.train import DEFAULT_STEPS, EXPORT_DTYPES, PluginConfig, RunConfig, TrainConfig
 

@@ -35,6 +35,8 @@ CLIP_OVERLAP = ("auto", "speculate", "defer")
 RESIDENT_WEIGHTS = ("keep", "slide", "auto")
 #: The values of ``engine.upload_copy`` (``slidekit.engine.host``: the BF16 upload copies).
 UPLOAD_COPY = ("off", "on")
+#: The values of ``engine.update_order`` (``slidekit.planning.update_order``).
+UPDATE_ORDER = ("auto", "arrival", "forward")
 _SEED_LIMIT = 2**32  # seeds are in [0, 2**32), the range every generator accepts
 
 
@@ -241,6 +243,12 @@ class EngineConfig:
     # training. Use it where uploads bound the step (forced offload at small batches) and host RAM has the
     # room; not where the host update bounds it (it writes 2 B/param more). Needs compute_dtype "bfloat16".
     # NOTES.md 22
+    update_order: str = "auto"  # the order the host updates of a step that does not clip run in: "arrival"
+    # (as the gradients come down, through the shared ring of grad_buffers), "forward" (every host unit keeps
+    # its gradients in a buffer of its own, 2 B/param more host RAM, and the optimizer takes, of the units whose
+    # gradients are down, the one the next forward needs first, so the next forward's uploads overlap the
+    # updates still running), or "auto" ("forward" where host RAM holds the buffers and the step-time model,
+    # on a GPU with known rates, predicts it faster). Bitwise the same training. NOTES.md 32
 
     def __post_init__(self) -> None:
         check_types("engine", self)
@@ -268,6 +276,11 @@ class EngineConfig:
         if self.upload_copy not in UPLOAD_COPY:
             raise ConfigError(
                 f"engine.upload_copy (CLI: --upload-copy) must be one of {list(UPLOAD_COPY)}, got {self.upload_copy!r}"
+            )
+        if self.update_order not in UPDATE_ORDER:
+            raise ConfigError(
+                f"engine.update_order (CLI: --update-order) must be one of {list(UPDATE_ORDER)}, "
+                f"got {self.update_order!r}"
             )
         if self.upload_copy == "on" and self.compute_dtype == "float32":
             raise ConfigError(upload_copy_dtype_error("float32"))

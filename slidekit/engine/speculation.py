@@ -81,6 +81,7 @@ from slidekit.engine.step_state import StepState
 from slidekit.engine.updates import Updates
 from slidekit.engine.window import Slot
 from slidekit.interfaces import FusedBackupOptimizer, ParamGroupRange, UnitOptimizer
+from slidekit.planning.layout import Layout
 from slidekit.planning.placement import GRANULE
 
 __all__ = ["BACKUP_CHUNK", "CERTAIN", "Speculation", "decide", "update_backed"]
@@ -182,6 +183,7 @@ class Speculation(Updates):
     drops a non-finite step (``_drop_deferred``)."""
 
     clip_overlap: str  # this step's policy (``OptimConfig.clip_overlap``), set by ``Engine.train_step``
+    layout: Layout  # the run's layout (``Engine``): ``forward_updates`` hands every unit to the takers
 
     def _defer_unit(
         self, unit: int, slot: Slot, done: Any, unit_sq: torch.Tensor | None, c: StepState
@@ -237,26 +239,42 @@ class Speculation(Updates):
             return False
         return self.host.has_backup(unit) or self.clip_overlap == "speculate"
 
+    def _arrive(self, unit: int, slot: Slot, done: Any, unit_sq: torch.Tensor | None, c: StepState) -> None:
+        """A step that does not defer: with ``Layout.forward_updates`` (``engine.update_order="forward"``)
+        the unit is handed on to the takers (``_hand_on``), which update it plainly in the next forward's
+        order; otherwise through the ring as it arrives."""
+        if self.layout.forward_updates:
+            self._hand_on(unit, slot, done, unit_sq, c)
+        else:
+            super()._arrive(unit, slot, done, unit_sq, c)
+
     def _speculate_unit(
         self, unit: int, slot: Slot, done: Any, unit_sq: torch.Tensor | None, c: StepState
     ) -> None:
+        """Main thread: the unit handed on to the takers (``_hand_on``), which update it as if unclipped;
+        the end of the step settles it (``_apply_deferred``)."""
+        c.speculative.add(unit)
+        c.deferred[unit] = self._hand_on(unit, slot, done, unit_sq, c)
+
+    def _hand_on(
+        self, unit: int, slot: Slot, done: Any, unit_sq: torch.Tensor | None, c: StepState
+    ) -> Future[float]:
         """Main thread: the gradients into the unit's own buffer piece by piece, each handed on; the unit
         joins the step's waiting units and one more taker is queued on the optimizer thread
-        (``_take_and_update``), which updates some waiting unit as if unclipped."""
+        (``_take_and_update``), which updates some waiting unit. Returns the download."""
         handoff: list[Future[tuple[int, float]]] = [
             self.pipeline.promise("d2h", unit) for _ in self.host.pieces(unit)
         ]
         download = self.pipeline.submit(
             "d2h", self._download, unit, slot, done, unit_sq, handoff, True, unit=unit
         )
-        c.deferred[unit] = download  # the end of the step settles it (``_apply_deferred``)
         if self.collectives is not None:
             c.shard_sq[unit] = download
-        c.speculative.add(unit)
         self.updated[unit] = c.bet_done[unit] = self.pipeline.promise("optim", unit)
         with c.lock:
             c.waiting[unit] = handoff
         self.pipeline.submit("optim", self._take_and_update, c, self.updates_applied + 1, unit=unit)
+        return download
 
     def _take(self, c: StepState) -> tuple[int, list[Future[tuple[int, float]]]]:
         """Optimizer thread: the waiting unit to update next. Of those whose first piece has come down, the
@@ -286,12 +304,17 @@ class Speculation(Updates):
     ) -> None:
         """Optimizer thread: update ``unit`` with scale 1, piece by piece as it arrives: backed up while the
         norm is unknown, plainly once it is known and nothing clips; not at all (the step's end updates it)
-        when clipping is certain, known, or the norm is not finite."""
+        when clipping is certain, known, or the norm is not finite. In a step that does not defer (the
+        updates in forward order) plainly, as the ring path does (``Updates._update``)."""
         what = f"the gradient download of unit {unit}"
         _, sq = self.pipeline.result(handoff[0], what)  # the unit's squared norm comes with its first piece
-        backed = self._bet_on(unit, c, sq)
-        if backed is None:
-            return
+        if c.defer:
+            backed = self._bet_on(unit, c, sq)
+            if backed is None:
+                return
+        else:  # the updates in forward order: plain, and never applied from gradients that are not finite
+            self._check_finite(unit, sq)
+            backed = False
         self._wait_checkpoint(unit)
         if backed:
             c.speculated.add(unit)

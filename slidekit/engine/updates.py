@@ -99,7 +99,12 @@ class Updates:
         self.version[unit] += 1
         if c.defer:
             self._defer_unit(unit, slot, done, unit_sq, c)
-            return
+        else:
+            self._arrive(unit, slot, done, unit_sq, c)
+
+    def _arrive(self, unit: int, slot: Slot, done: Any, unit_sq: torch.Tensor | None, c: StepState) -> None:
+        """A step that does not defer: the gradients down through the ring, piece by piece, each updated as
+        it arrives (``engine.update_order="arrival"``)."""
         # Futures the download completes piece by piece: stall reports follow them to the d2h lane.
         handoff: list[Future[tuple[int, float]]] = [
             self.pipeline.promise("d2h", unit) for _ in self.host.pieces(unit)

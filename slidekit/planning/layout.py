@@ -209,7 +209,12 @@ class Layout:
     prefetch: int  # visits loaded ahead of the one computing
     ring_buffers: int  # shared host gradient buffers (0: nothing slides)
     ring_numel: int  # elements of each
-    unit_grads: bool  # every sliding unit has a host gradient buffer of its own (``Workload.keep_grads``)
+    unit_grads: bool  # every sliding unit has a host gradient buffer of its own (``Workload.keep_grads``,
+    # or ``forward_updates``)
+    # A step that does not clip takes the sliding units' updates in the next forward's order, from their own
+    # gradient buffers (``engine.update_order``: ``slidekit.planning.update_order`` sets it on a layout
+    # without ``keep_grads``, whose steps defer)
+    forward_updates: bool = False
     clip_backup: bool = False  # sliding units with state in host RAM keep a backup (``Workload.clip_backup``)
     # Every sliding unit keeps a host copy of its weights in the compute dtype (BF16), written by its update,
     # and its uploads copy those bytes (``Workload.upload_copy``): no FP32 over the bus, no staging.
@@ -317,7 +322,13 @@ class Layout:
         lines.append(
             f"  window: {w.window} cache units of {w.slot_numel:,} parameters (+ gradients), {self.prefetch} "
             f"loaded ahead; gradient ring: {self.ring_buffers} x {self.ring_numel:,}"
-            + ("; every sliding unit keeps its gradients until the step ends" if self.unit_grads else "")
+            + (
+                "; every sliding unit keeps its gradients, updated in the next forward's order"
+                if self.forward_updates
+                else "; every sliding unit keeps its gradients until the step ends"
+                if self.unit_grads
+                else ""
+            )
             + (f"; {len(self.backed_up())} units back up their master and state" if self.clip_backup else "")
         )
         if self.upload_copy:

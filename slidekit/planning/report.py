@@ -18,6 +18,7 @@ from slidekit.planning.layout import Layout, Placement
 from slidekit.planning.machine import Machine
 from slidekit.planning.planner import Planner
 from slidekit.planning.timing import StepPrediction
+from slidekit.planning.update_order import order_layout
 
 if TYPE_CHECKING:
     from slidekit.config import TrainConfig
@@ -176,11 +177,11 @@ def plan_run(
     machine = machine.share(ranks.host_ranks, ranks.device_ranks)
     placement = Placement.of(config.engine)
     notes: list[str] = []
-    policy = config.optim.clip_overlap
-    requested = _overlap(planner, planner.estimate(placement, machine), machine, policy, notes)
+    policies = (config.optim.clip_overlap, config.engine.update_order)
+    requested = _overlap(planner, planner.estimate(placement, machine), machine, policies, notes)
     recommended = planner.recommend(placement, machine)
     if recommended is not None:
-        recommended = _overlap(planner, recommended, machine, policy, notes)
+        recommended = _overlap(planner, recommended, machine, policies, notes)
     spec, dc = setup.spec, config.data
     summary = (
         f"model: {model_name or config.model.source} ({spec.family}, {spec.num_layers} layers, "
@@ -214,14 +215,20 @@ def plan_run(
     )
 
 
-def _overlap(planner: Planner, est: Estimate, machine: Machine, policy: str, notes: list[str]) -> Estimate:
-    """``est`` with the layout the engine builds for ``optim.clip_overlap`` (``overlap_layout``): a
-    clipped run whose backups are dropped is estimated and predicted deferring, and says why."""
+def _overlap(
+    planner: Planner, est: Estimate, machine: Machine, policies: tuple[str, str], notes: list[str]
+) -> Estimate:
+    """``est`` with the layout the engine builds for ``optim.clip_overlap`` (``overlap_layout``) and
+    ``engine.update_order`` (``order_layout``): a clipped run whose backups are dropped is estimated and
+    predicted deferring, a run whose units' own gradient buffers are dropped updating as they arrive,
+    each saying why."""
     if est.layout is None:
         return est
-    layout, note = overlap_layout(planner, est.layout, machine, policy)
-    if note and note not in notes:
-        notes.append(note)
+    layout = est.layout
+    for decide, policy in ((overlap_layout, policies[0]), (order_layout, policies[1])):
+        layout, note = decide(planner, layout, machine, policy)
+        if note and note not in notes:
+            notes.append(note)
     return est if layout is est.layout else planner.estimate_layout(layout, machine)
 
 

@@ -27,6 +27,8 @@ engine has work:
   restores (``Piece.restore_s``) and updates again every unit it backed up, both in forward order with
   the deferred updates (``slidekit.engine.speculation``; the early stop, which depends on the
   gradients' norms, is not replayed: every unit taken before the norm is known is backed up);
+* the updates in forward order (``takes``, a step that does not defer: ``engine.update_order``): as a
+  speculating step's, without backups;
 * resident units never move: the device updates them at the end of the step, after the backward;
 * the step ends when the device is done; the next starts ``step_overhead_s`` later.
 
@@ -139,6 +141,7 @@ class _Sim:
     micro: int
     step_overhead_s: float
     rollback: bool = False  # every step clips: speculated units are restored and updated at the end
+    takes: bool = False  # a step that does not defer takes the updates in the next forward's order
     visits: tuple[Visit, ...] = ()
     slots: list[_Slot] = field(default_factory=list)
     own: dict[int, _Slot] = field(default_factory=dict)  # resident units' own buffers
@@ -284,7 +287,7 @@ class _Sim:
             c.resident_due.append(u)
             return
         self.version[u] += 1
-        if self.defer and any(p.backup_s for p in cost.pieces):
+        if (self.defer and any(p.backup_s for p in cost.pieces)) or (self.takes and not self.defer):
             down = self._speculate(u, cost, computed, c)
         elif self.defer:  # whole into its own buffer; updated at the end of the step
             down = self._run("d2h", sum(p.down_s for p in cost.pieces), "grad copy", self.main, computed)
@@ -300,9 +303,9 @@ class _Sim:
         self._release(slot, down, down)
 
     def _speculate(self, u: int, cost: UnitCost, computed: Ev, c: _Step) -> Ev:
-        """Speculative clipping (module docstring): each piece down into the unit's own buffer; the unit
-        handed on to the optimizer thread, whose takers ``_take_all`` replays once the step's downloads
-        are all known."""
+        """Speculative clipping, or the updates in forward order (module docstring): each piece down into
+        the unit's own buffer; the unit handed on to the optimizer thread, whose takers ``_take_all``
+        replays once the step's downloads are all known."""
         downs = [self._run("d2h", p.down_s, "grad copy", self.main, computed) for p in cost.pieces]
         c.waiting[u] = (self.main, downs)
         return downs[-1] if downs else computed
@@ -322,7 +325,7 @@ class _Sim:
             u = min(arrived) if arrived else handed[0]
             sub, downs = c.waiting.pop(u)
             start = _later(free, sub, downs[0])
-            backed = start.end < known.end
+            backed = self.defer and start.end < known.end  # the forward order (``takes``) never backs up
             if not backed and self.rollback:
                 c.takes.append((u, False))
                 c.deferred[u] = downs[-1]
@@ -447,13 +450,16 @@ def simulate(
     step_overhead_s: float,
     max_steps: int = MAX_STEPS,
     rollback: bool = False,
+    takes: bool = False,
 ) -> SimResult:
     """Replay steps until two in a row take the same time (at most ``max_steps``) and report the last:
     its period, the drain after it, and its parts. ``rollback``: every step clips, so the units that
-    speculated (pieces with ``backup_s``) are restored and updated again at its end (module docstring)."""
+    speculated (pieces with ``backup_s``) are restored and updated again at its end (module docstring).
+    ``takes``: a step that does not defer keeps each unit's gradients in its own buffer and takes the
+    updates in the next forward's order, as a speculating step does (``engine.update_order="forward"``)."""
     if max_steps < 3:
         raise ValueError(f"the steady step needs at least 3 simulated steps, got {max_steps}")
-    sim = _Sim(units, window, prefetch, max(ring, 1), tied, defer, micro, step_overhead_s, rollback)
+    sim = _Sim(units, window, prefetch, max(ring, 1), tied, defer, micro, step_overhead_s, rollback, takes)
     periods: list[float] = []
     busy: dict[str, float] = {}
     while True:

@@ -8,7 +8,9 @@ into free cache units, a unit's gradients down and its host update under
 the backward of the units after it (two ring buffers between them), the
 next forward's uploads waiting for each unit's update, deferred updates
 (clipping, skipping) under the next forward, resident units updated on the
-device after the backward. A layout with speculative clipping's backups
+device after the backward; with ``Layout.forward_updates`` (``engine.update_order``) the host updates of
+a step that does not clip are taken in the next forward's order from each unit's own gradient buffer. A
+layout with speculative clipping's backups
 (``Layout.clip_backup``) is priced twice (``backup_costs``): a step that does
 not clip updates its host units as they come down, the one the next forward
 needs first, each paying its backup until the norm is known and updated
@@ -303,14 +305,15 @@ def predict_step(layout: Layout, rates: Rates, work: StepWork) -> StepPrediction
             prefetch=layout.prefetch,
             ring=layout.ring_buffers,
             tied=work.tied,
-            defer=layout.unit_grads,
+            defer=layout.unit_grads and not layout.forward_updates,
             micro=work.micro,
             step_overhead_s=rates.step_overhead_s,
             rollback=rollback,
+            takes=layout.forward_updates,
         )
 
     result = replay(False)
-    clipped = replay(True) if layout.unit_grads and layout.backed_up() else None
+    clipped = replay(True) if layout.unit_grads and not layout.forward_updates and layout.backed_up() else None
     return StepPrediction(
         seconds=result.seconds,
         drain_s=result.drain_s,

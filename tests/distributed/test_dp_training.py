@@ -56,6 +56,14 @@ CASES = {  # family, ranks, job settings, bitwise
         "llama", 2, {"gpu_resident": "all", "optimizer": "adamw_8bit", "engine": {"resident_weights": "slide"}},
         True,
     ),
+    # Each rank's host shards updated in the next forward's order from their own gradient buffers.
+    "2 ranks, nothing resident, updates in forward order, bitwise": (
+        "llama", 2, {"gpu_resident": "none", "engine": {"update_order": "forward"}}, True,
+    ),
+    "4 ranks, tied, half resident, adamw_8bit, accumulation, updates in forward order": (
+        "qwen2", 4, {"gpu_resident": "0.5", "optimizer": "adamw_8bit", "micro": 2,
+                     "engine": {"update_order": "forward"}}, False,
+    ),
     "2 ranks, tied, half resident with sliding weights, clipping, window 2": (
         "qwen2", 2, {"gpu_resident": "0.5", "max_grad_norm": 0.5, "window": 2,
                      "engine": {"resident_weights": "slide"}}, False,

@@ -4,6 +4,7 @@
     python -m slidekit.tools.bench --model tiny --device cpu --batch 2 --seq 64 --steps 2   # anywhere
     python -m slidekit.tools.bench --model qwen2.5-3b --batch 32 --resident none --clip 1.0 --clip-overlap defer
     python -m slidekit.tools.bench --model qwen2.5-3b --batch 8,32 --resident none --upload-copy on
+    python -m slidekit.tools.bench --model qwen2.5-3b --batch 8,32 --resident none --update-order arrival
 
 For each ``--batch`` in order: a fresh ``Trainer`` (its build is the record's ``setup_s``; the peak
 RSS starts over before it, the peak GPU memory after it), then ``--warmup`` + ``--steps`` steps in
@@ -13,8 +14,9 @@ start to start, the last ending once every update is applied and the device is i
 line is printed at once (a run killed later keeps it). A batch that does not fit (the planner refuses
 it, or the GPU runs out of memory) prints its reason and the next batch still runs. ``--recompute``
 (``engine.recompute``) and ``--clip-overlap`` (``optim.clip_overlap``) are the levers; the record says
-both, ``--upload-copy`` (``engine.upload_copy``; this process's alone: ``slidekit bench`` does not cross
-it), how many layers kept their activations (``kept_layers``) and, per timed step, whether it
+both, ``--upload-copy`` (``engine.upload_copy``) and ``--update-order`` (``engine.update_order``; the
+record also says whether the plan took the forward order, ``forward_updates``), this process's alone:
+``slidekit bench`` does not cross them, how many layers kept their activations (``kept_layers``) and, per timed step, whether it
 speculated and rolled back (``clip_speculated``, ``clip_rollback``: the Trainer's step metrics, taken
 from its ``slidekit_step_end`` hook).
 
@@ -83,6 +85,7 @@ def _config(args: argparse.Namespace, model_dir: str) -> Any:
             recompute=args.recompute,
             resident_weights=getattr(args, "resident_weights", "keep"),
             upload_copy=getattr(args, "upload_copy", "off"),
+            update_order=getattr(args, "update_order", "auto"),
         ),
         run=RunConfig(trace=getattr(args, "trace", None)),
         steps=args.warmup + args.steps,
@@ -132,6 +135,7 @@ def measure_slidekit(args: argparse.Namespace, parallel: DataParallel | None = N
         resident = f"{len(engine.window.resident)}/{len(spec.units)}"  # units keeping their weights there too
         device_state = f"{len(set(engine.window.resident) | engine.weights_slide)}/{len(spec.units)}"
         kept = sum(trainer.engine.keeps)  # layers keeping their activations (engine.recompute "auto")
+        forward = engine.layout.forward_updates  # the plan took engine.update_order's forward order
         tokens = synthetic_tokens(spec.vocab_size, args.batch, args.seq, args.seed, repeat=args.repeat_batch)
         stream = (Batch(x, y) for x, y in tokens)
         data = rank_batches(stream, parallel)  # fit takes the batches it is given: rank r's share
@@ -158,6 +162,8 @@ def measure_slidekit(args: argparse.Namespace, parallel: DataParallel | None = N
         "kept_layers": kept,
         "clip_overlap": trainer.config.optim.clip_overlap,
         "upload_copy": trainer.config.engine.upload_copy,
+        "update_order": trainer.config.engine.update_order,  # asked for; "forward_updates": what the plan gave
+        "forward_updates": forward,
         "resident_weights": trainer.config.engine.resident_weights,
         "repeat_batch": args.repeat_batch,
         "lr": trainer.config.optim.lr,
@@ -254,6 +260,13 @@ def slidekit_parser() -> argparse.ArgumentParser:
         default="off",
         choices=("off", "on"),
         help="engine.upload_copy: on = host units upload a BF16 copy their update writes (2 B/param, not 4)",
+    )
+    p.add_argument(
+        "--update-order",
+        default="auto",
+        choices=("auto", "arrival", "forward"),
+        help="engine.update_order: host updates of an unclipped step as gradients arrive, or in the next "
+        "forward's order (2 B/param more host RAM)",
     )
     return p
 
