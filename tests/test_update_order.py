@@ -160,3 +160,15 @@ def test_on_the_h200_the_forward_order_is_predicted_faster_at_small_batches(caps
     assert (
         "updated in the next forward's order" in auto and "updated in the next forward's order" not in arrival
     )
+
+
+def test_data_parallel_ranks_need_not_agree_on_the_order_of_their_own_updates():
+    """``check_same_decisions`` compares what every rank must do alike: a rank's update order is its own
+    (each takes its shards' updates; the bits are the same either way), so it is not among them, while
+    keeping every gradient for a clipped step's norm is."""
+    from slidekit.distributed.planning import decisions
+
+    _, arrival = _layout(False)
+    assert decisions(forward_order(arrival)) == decisions(arrival)
+    _, clipped = _layout(False, clip=True)
+    assert decisions(clipped) != decisions(arrival)

@@ -57,12 +57,20 @@ def rank_machine(machine: Machine, parallel: DataParallel) -> Machine:
 
 def decisions(layout: Layout) -> str:
     """What every rank's layout must have alike: placement, per unit where it lives, its state tier and
-    whether it keeps its activations, the window and the activation tier (not the shard sizes, which
-    differ by rank)."""
+    whether it keeps its activations, the window, whether steps keep every gradient for the norm and the
+    activation tier (not the shard sizes, which differ by rank, nor the order of a rank's host updates,
+    ``Layout.forward_updates``: it is the rank's own, and the bits are the same either way)."""
     units = [(u.index, u.resident, u.state_tier, u.keeps) for u in layout.units]
     w = layout.window
     return repr(
-        (layout.placement, units, (w.window, w.slot_numel), layout.prefetch, layout.unit_grads, layout.activation_tier)
+        (
+            layout.placement,
+            units,
+            (w.window, w.slot_numel),
+            layout.prefetch,
+            layout.unit_grads and not layout.forward_updates,
+            layout.activation_tier,
+        )
     )
 
 
