@@ -17,6 +17,7 @@ import time
 from concurrent.futures import wait
 
 import pytest
+import torch
 
 from slidekit import EngineConfig, ModelConfig, OptimConfig, TrainConfig, Trainer
 from slidekit.engine.speculation import Speculation
@@ -35,7 +36,7 @@ def _config(model_dir, steps, *, order, optimizer="layer_adam", grad_accum=1, **
     return TrainConfig(
         model=ModelConfig(source=str(model_dir)),
         optim=OptimConfig(lr=1e-3, weight_decay=0.1, name=optimizer),
-        engine=EngineConfig(device="cpu", compute_dtype="float32", update_order=order, **engine),
+        engine=EngineConfig(device="cpu", update_order=order, **{"compute_dtype": "float32", **engine}),
         steps=steps,
         grad_accum=grad_accum,
     )
@@ -169,3 +170,34 @@ def test_a_unit_whose_gradients_are_not_finite_stops_the_step(tiny_model, monkey
 def test_update_order_is_validated():
     with pytest.raises(ConfigError, match=r"engine\.update_order .*'arrival', 'forward'.*'backward'"):
         EngineConfig(update_order="backward")
+
+
+def test_the_forward_order_writes_the_upload_copies_as_the_arrival_order_does(tiny_model):
+    """BF16 compute with upload copies (``engine.upload_copy``): the takers write each unit's copy in its
+    update's pass, as the ring path does; the copies equal their masters cast, and the bits match."""
+    model_dir = tiny_model("qwen2")
+    batches = random_batches(128, steps=3, seed=8)
+    runs = {}
+    for order in ("arrival", "forward"):
+        cfg = _config(
+            model_dir,
+            len(batches),
+            order=order,
+            gpu_resident="none",
+            upload_copy="on",
+            compute_dtype="bfloat16",
+            kernels="torch_ref",
+        )
+        with Trainer(cfg) as t:
+            result = t.fit(batches)
+            t.engine.wait_updates()
+            copies = [
+                (c, m)
+                for c, m in zip(t.engine.host.copies, t.engine.host.masters, strict=True)
+                if c is not None
+            ]
+            assert copies and all(torch.equal(c, m.to(torch.bfloat16)) for c, m in copies)
+            runs[order] = result, trained_state(t)
+    (want, want_state), (got, got_state) = runs["arrival"], runs["forward"]
+    assert got.losses == want.losses
+    assert_states_equal(got_state, want_state)
