@@ -172,3 +172,23 @@ def test_data_parallel_ranks_need_not_agree_on_the_order_of_their_own_updates():
     assert decisions(forward_order(arrival)) == decisions(arrival)
     _, clipped = _layout(False, clip=True)
     assert decisions(clipped) != decisions(arrival)
+
+
+def test_a_forward_order_that_does_not_fit_is_refused_naming_the_arrival_order_as_the_fix():
+    from slidekit.errors import ConfigError
+    from slidekit.planning.fit import check_fit
+    from slidekit.planning.update_order import arrival_order, grad_buffer_bytes
+
+    p, arrival = _layout(False)
+    forward = forward_order(arrival)
+    assert arrival_order(forward) == arrival and arrival_order(arrival) is arrival
+    roomy = cuda_machine(rates=RATES)
+    tight = cuda_machine(ram=p.estimate_layout(arrival, roomy).host_need(roomy) / 2**30, rates=RATES)
+    assert check_fit(p, arrival, tight) is not None  # the arrival order fits
+    with pytest.raises(
+        ConfigError, match=r"engine\.update_order='arrival' \(CLI: --update-order arrival\)"
+    ) as err:
+        check_fit(p, forward, tight)
+    assert f"{grad_buffer_bytes(forward) / 2**30:.2f} GiB" in str(err.value) and "host RAM: needs" in str(
+        err.value
+    )

@@ -11,6 +11,7 @@ from slidekit.planning.estimate import Estimate
 from slidekit.planning.layout import Layout
 from slidekit.planning.machine import Machine
 from slidekit.planning.planner import Planner
+from slidekit.planning.update_order import arrival_order, grad_buffer_bytes
 
 __all__ = ["check_fit"]
 
@@ -42,8 +43,15 @@ def check_fit(
     if any(p.startswith("disk") for p in problems):
         problems += disk_notes
     better = planner.recommend(placement, machine)
+    arrival = arrival_order(layout)
     if estimate.placement_fits(machine):
         fix = "the placement fits; only the run directory lacks room"
+    elif arrival is not layout and planner.estimate_layout(arrival, machine).placement_fits(machine):
+        fix = (
+            "it fits with the host updates as the gradients arrive: set engine.update_order='arrival' (CLI: "
+            f"--update-order arrival); the next forward's order needs every sliding unit's own gradient "
+            f"buffer, {grad_buffer_bytes(layout) / 2**30:.2f} GiB"
+        )
     elif better is not None:
         fix = f"this placement fits: {better.placement.flags()}"
     else:

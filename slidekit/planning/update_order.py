@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from slidekit.planning.layout import Layout
     from slidekit.planning.planner import Planner
 
-__all__ = ["forward_order", "order_layout"]
+__all__ = ["arrival_order", "forward_order", "grad_buffer_bytes", "order_layout"]
 
 
 def forward_order(layout: Layout) -> Layout:
@@ -44,6 +44,13 @@ def forward_order(layout: Layout) -> Layout:
     if layout.unit_grads or not any(u.slides for u in layout.units):
         return layout
     return dataclasses.replace(layout, forward_updates=True, unit_grads=True)
+
+
+def arrival_order(layout: Layout) -> Layout:
+    """``layout`` with its host updates as the gradients arrive (undoes ``forward_order``)."""
+    if not layout.forward_updates:
+        return layout
+    return dataclasses.replace(layout, forward_updates=False, unit_grads=False)
 
 
 def order_layout(
@@ -64,11 +71,12 @@ def order_layout(
         return layout, (
             f"engine.update_order='auto': the step-time model predicts {ahead.seconds:.3f} s a step with the "
             f"host updates in the next forward's order and {behind.seconds:.3f} s as they arrive, but host RAM "
-            f"lacks the {_grad_bytes(forward) / 2**30:.1f} GiB of every sliding unit's own gradient buffer, so "
+            f"lacks the {grad_buffer_bytes(forward) / 2**30:.1f} GiB of every sliding unit's own gradient buffer, so "
             "they run as they arrive (free host RAM, or set engine.update_order='arrival' to silence this)"
         )
     return forward, None
 
 
-def _grad_bytes(layout: Layout) -> int:
+def grad_buffer_bytes(layout: Layout) -> int:
+    """Bytes of every sliding unit's own gradient buffer (the forward order's, or a clipped step's)."""
     return layout.itemsize * sum(u.own for u in layout.units if u.slides)
