@@ -45,6 +45,8 @@ def _config(model_dir, steps, *, order, optimizer="layer_adam", grad_accum=1, **
 def _train(model_dir, batches, *, grad_accum=1, **kw):
     with Trainer(_config(model_dir, len(batches) // grad_accum, grad_accum=grad_accum, **kw)) as t:
         assert t.engine.layout.forward_updates == (kw["order"] == "forward")
+        host = t.engine.host  # the plan's host gradients are what the engine allocates: ring + own buffers
+        assert t.estimate.host["gradients"] == sum(b.nbytes for b in host.ring.buffers) + host.unit_grad_bytes()
         result = t.fit(batches)
         return result, trained_state(t), t.engine.host.unit_grad_bytes()
 
