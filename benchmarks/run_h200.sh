@@ -152,17 +152,20 @@ case "${1:-tests}" in
     tar -cf "$OUT/traces-clip.tar" -C /tmp/sk-clip .  # one file: a call brings back at most 8
     ;;
   order)  # engine.update_order, forced offload (NOTES 32): bash benchmarks/run_h200.sh order "MODEL BATCHES"...
-    # (BATCHES comma-separated); per model, REPEATS (default 2) rounds of: arrival, then forward, one process each
-    # (every batch in it), 10 steps after 2 warm-up; the last round's traces
+    # (BATCHES comma-separated); per model and batch, REPEATS (default 2) rounds of: arrival, then forward, one
+    # process each, 10 steps after 2 warm-up; a trace per run (the last round's kept)
     shift; build_layer_adam; B="$OUT/order.jsonl"
     for spec in "$@"; do
       set -- $spec
-      for r in $(seq "${REPEATS:-2}"); do
-        for o in arrival forward; do
-          timeout 240 python3 -m slidekit.tools.bench --model "$1" --batch "$2" --seq 1024 --resident none --steps 10 \
-            --warmup 2 --update-order "$o" --trace "/tmp/trace-$1-$o.json" --out "$B" 2>&1 | tail -2 | cut -c1-300
-          echo "$1 $o round $r: at ${SECONDS}s"
-          mkdir -p /tmp/sk-order; gzip -c "/tmp/trace-$1-$o.json" > "/tmp/sk-order/trace-$1-$o.json.gz" 2>/dev/null
+      for b in ${2//,/ }; do
+        for r in $(seq "${REPEATS:-2}"); do
+          for o in arrival forward; do
+            TAG="$1-b$b-$o"
+            timeout 200 python3 -m slidekit.tools.bench --model "$1" --batch "$b" --seq 1024 --resident none --steps 10 \
+              --warmup 2 --update-order "$o" --trace "/tmp/trace-$TAG.json" --out "$B" 2>&1 | tail -1 | cut -c1-300
+            echo "$TAG round $r: at ${SECONDS}s"
+            mkdir -p /tmp/sk-order; gzip -c "/tmp/trace-$TAG.json" > "/tmp/sk-order/trace-$TAG.json.gz" 2>/dev/null
+          done
         done
       done
     done
