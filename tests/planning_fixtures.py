@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from slidekit.models.base import ArchSpec
 from slidekit.planning import GIB, Machine, Planner, Rates, Workload
+from slidekit.planning.layout import Layout
+from slidekit.planning.simulate import SimResult, simulate
+from slidekit.planning.timing import backup_costs, unit_costs
 from slidekit.plugins import Plugins
 from slidekit.testing.models import tiny_config
 
@@ -47,4 +50,21 @@ def cuda_machine(
         host_total=int(ram * GIB),
         disk_free=None if disk is None else int(disk * GIB),
         rates=rates,
+    )
+
+
+def replay(layout: Layout, rates: Rates, p: Planner, *, rollback: bool = False, fused: bool = True) -> SimResult:
+    """The step-time model's replay of ``layout``, as ``predict_step`` runs it, for what its result keeps
+    beyond the prediction (``SimResult.takes``)."""
+    return simulate(
+        backup_costs(unit_costs(layout, rates, p.work), layout, rates, fused=fused),
+        window=layout.window.window,
+        prefetch=layout.prefetch,
+        ring=layout.ring_buffers,
+        tied=p.work.tied,
+        defer=layout.unit_grads and not layout.forward_updates,
+        micro=p.work.micro,
+        step_overhead_s=rates.step_overhead_s,
+        rollback=rollback,
+        takes=layout.forward_updates,
     )

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from planning_fixtures import cuda_machine, planner, tiny_spec
+from planning_fixtures import cuda_machine, planner, replay, tiny_spec
 
 from slidekit.cli import main
 from slidekit.config import DataConfig, EngineConfig, ModelConfig, OptimConfig, TrainConfig
@@ -228,23 +228,8 @@ def test_speculative_clipping_arithmetic_when_the_host_updates_bound_the_step():
     assert f"; {pred.clipped_s:.1f} s on a step that clips), bound by host updates" in text
     last = len(spec.units) - 1
     for rollback in (False, True):
-        takes = _replay(layout, slow, p, rollback=rollback).takes
+        takes = replay(layout, slow, p, rollback=rollback).takes
         assert takes == ((last, True), *((u, False) for u in range(last))), rollback
-
-
-def _replay(layout, rates: Rates, p: Planner, *, rollback: bool, fused: bool = True):
-    """The step-time model's replay of ``layout`` (what ``predict_step`` runs), for its takes."""
-    return simulate(
-        backup_costs(unit_costs(layout, rates, p.work), layout, rates, fused=fused),
-        window=layout.window.window,
-        prefetch=layout.prefetch,
-        ring=layout.ring_buffers,
-        tied=p.work.tied,
-        defer=layout.unit_grads,
-        micro=p.work.micro,
-        step_overhead_s=rates.step_overhead_s,
-        rollback=rollback,
-    )
 
 
 def test_speculative_clipping_hides_the_updates_under_the_backward_where_a_deferred_step_cannot():

@@ -10,13 +10,12 @@ import dataclasses
 import re
 
 import pytest
-from planning_fixtures import cuda_machine, planner, tiny_spec
+from planning_fixtures import cuda_machine, planner, replay, tiny_spec
 
 from slidekit.cli import main
 from slidekit.planning import Placement, Rates, UpdateRate
 from slidekit.planning.profiles import PROFILES
-from slidekit.planning.simulate import simulate
-from slidekit.planning.timing import predict_step, unit_costs
+from slidekit.planning.timing import predict_step
 from slidekit.planning.update_order import forward_order, order_layout
 
 #: Slow compute and host updates about a third of it: the backward hands on units faster than they update.
@@ -41,20 +40,6 @@ def _layout(forward: bool, *, clip: bool = False, resident: str = "none"):
     return p, forward_order(layout) if forward else layout
 
 
-def _replay(p, layout, rates=RATES):
-    return simulate(
-        unit_costs(layout, rates, p.work),
-        window=layout.window.window,
-        prefetch=layout.prefetch,
-        ring=layout.ring_buffers,
-        tied=p.work.tied,
-        defer=layout.unit_grads and not layout.forward_updates,
-        micro=p.work.micro,
-        step_overhead_s=rates.step_overhead_s,
-        takes=layout.forward_updates,
-    )
-
-
 def test_the_layout_keeps_every_sliding_units_gradients_only_where_it_asks_and_does_not_clip():
     _, arrival = _layout(False)
     _, forward = _layout(True)
@@ -73,7 +58,7 @@ def test_the_layout_keeps_every_sliding_units_gradients_only_where_it_asks_and_d
 def test_the_replay_takes_the_backlog_in_the_next_forwards_order_and_hides_it_under_the_uploads():
     p, arrival = _layout(False)
     _, forward = _layout(True)
-    a, f = _replay(p, arrival), _replay(p, forward)
+    a, f = replay(arrival, RATES, p), replay(forward, RATES, p)
     assert a.takes == () and f.takes  # the ring path has no takers
     units = [u for u, _ in f.takes]
     assert sorted(units) == list(range(len(forward.units))) and not any(backed for _, backed in f.takes)
