@@ -107,12 +107,12 @@ def test_the_takers_take_the_units_in_the_next_forwards_order(tiny_model, monkey
     """The first taker of each step is held until the backward is over and every gradient is down: the
     units are then taken in ascending order, the one the next forward needs first."""
     order: list[list[int]] = []
-    firsts: set[int] = set()
+    firsts: list[object] = []  # the steps' StepStates, held: a freed one's id may be the next one's
     take = Speculation._take
 
     def held_take(eng, c):
-        if id(c) not in firsts:
-            firsts.add(id(c))
+        if not any(f is c for f in firsts):
+            firsts.append(c)
             order.append([])
             deadline = time.monotonic() + 60
             while not c.known:  # the main thread has the step's norm: the backward is over

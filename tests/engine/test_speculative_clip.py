@@ -402,7 +402,15 @@ class _Held:
         self.order: list[list[int]] = []
         self.halted: list[int] = []
         self.backed = 0
-        steps: dict[int, threading.Event] = {}  # id(StepState) -> set once the backward is over
+        # id(StepState) -> (that StepState, set once its backward is over, its taken units or None).
+        # The StepState is held so that its id cannot be reused by a later step's.
+        steps: dict[int, tuple[object, threading.Event, list[list[int]]]] = {}
+
+        def seen(c):
+            entry = steps.get(id(c))
+            if entry is None or entry[0] is not c:
+                entry = steps[id(c)] = (c, threading.Event(), [])
+            return entry
         take, known, queue, step = (
             Speculation._take,
             Speculation._norm_known,
@@ -417,23 +425,24 @@ class _Held:
                 time.sleep(1e-3)
 
         def held_take(eng, c):
-            if id(c) not in steps:  # the step's first taker
-                steps[id(c)] = threading.Event()
-                self.order.append([])
+            _, over, taken = seen(c)
+            if not taken:  # the step's first taker
+                taken.append([])
+                self.order.append(taken[0])
                 if mode == "takers":
-                    until(steps[id(c)].is_set, "the backward's end")
+                    until(over.is_set, "the backward's end")
                 else:
                     until(lambda: c.known, "the norm")
                 with c.lock:
                     pending = [f for handoff in c.waiting.values() for f in handoff]
                 wait(pending, timeout=self.WAIT_S)
             unit, handoff = take(eng, c)
-            self.order[-1].append(unit)
+            taken[0].append(unit)
             return unit, handoff
 
         def held_known(eng, c, scale):
             if id(c) in steps or c.speculative:
-                steps.setdefault(id(c), threading.Event()).set()
+                seen(c)[1].set()
                 if mode == "takers":
                     until(lambda: all(f.done() for f in c.bet_done.values()) and not c.waiting, "the takers")
             known(eng, c, scale)
