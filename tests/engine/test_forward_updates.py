@@ -31,12 +31,17 @@ from slidekit.testing.asserts import (
 from slidekit.testing.models import random_batches
 from slidekit.testing.reference import reference_run
 
+# The GPU gate runs these on the GPU (the lanes, the d2h copies and the takers as users run them); CI on the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-def _config(model_dir, steps, *, order, optimizer="layer_adam", grad_accum=1, **engine):
+
+def _config(model_dir, steps, *, order, optimizer="layer_adam", grad_accum=1, device=DEVICE, **engine):
     return TrainConfig(
         model=ModelConfig(source=str(model_dir)),
         optim=OptimConfig(lr=1e-3, weight_decay=0.1, name=optimizer),
-        engine=EngineConfig(device="cpu", update_order=order, **{"compute_dtype": "float32", **engine}),
+        engine=EngineConfig(
+            device=device, update_order=order, **{"compute_dtype": "float32", "gpu_resident": "none", **engine}
+        ),
         steps=steps,
         grad_accum=grad_accum,
     )

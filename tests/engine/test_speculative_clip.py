@@ -41,9 +41,13 @@ from slidekit_kernels.torch_ref import TorchRef
 
 LR = 1e-3
 WD = 0.1
+# The GPU gate runs these on the GPU (the lanes, the d2h copies and the takers as users run them); CI on the CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _config(model_dir, steps, *, policy, clip, optimizer="layer_adam", grad_accum=1, run=None, **engine):
+def _config(
+    model_dir, steps, *, policy, clip, optimizer="layer_adam", grad_accum=1, run=None, device=DEVICE, **engine
+):
     return TrainConfig(
         model=ModelConfig(source=str(model_dir)),
         optim=OptimConfig(
@@ -54,7 +58,7 @@ def _config(model_dir, steps, *, policy, clip, optimizer="layer_adam", grad_accu
             clip_overlap=policy,
             on_nonfinite=engine.pop("on_nonfinite", "stop"),
         ),
-        engine=EngineConfig(device="cpu", compute_dtype="float32", **engine),
+        engine=EngineConfig(device=device, **{"compute_dtype": "float32", "gpu_resident": "none", **engine}),
         run=run or RunConfig(),
         steps=steps,
         grad_accum=grad_accum,
@@ -245,7 +249,7 @@ def test_matches_the_reference_loop(tiny_model):
     model_dir = tiny_model("qwen2")
     batches = random_batches(128, steps=6, seed=8)
     clip = _alternating(model_dir, batches)
-    cfg = _config(model_dir, len(batches), policy="speculate", clip=clip)
+    cfg = _config(model_dir, len(batches), policy="speculate", clip=clip, device="cpu")  # the reference's
     with Trainer(cfg) as t:
         init = t.state_dict()
         res = t.fit(batches)
