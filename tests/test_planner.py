@@ -17,8 +17,11 @@ from slidekit.config import DataConfig
 from slidekit.errors import ConfigError
 from slidekit.hostmem import registered_bytes
 from slidekit.planning import GIB, GRANULE, Machine, Placement, plan_run, spread_host_units
+from slidekit.planning.profiles import PROFILES
 from slidekit.plugins import Plugins
 from slidekit.testing.models import save_tiny_model
+
+H200 = PROFILES["h200"].rates
 
 
 def test_components_follow_the_formulas():
@@ -154,12 +157,60 @@ def test_recommendation_is_the_fastest_placement_that_fits():
 def test_candidates_run_from_fastest_to_slowest():
     p = planner(tiny_spec())
     order = p.candidates(Placement(), "posix")
-    assert order[0] == Placement(gpu_resident="all") and order[1] == Placement(gpu_resident="auto")
+    assert order[:4] == [
+        Placement(gpu_resident="all"),
+        Placement(gpu_resident="all", resident_weights="auto"),  # more of a large model on the GPU
+        Placement(gpu_resident="auto"),
+        Placement(gpu_resident="auto", resident_weights="auto"),
+    ]
+    # A choice of the user's other than "keep" is kept; nothing slides on the CPU or without device updates.
+    assert {c.resident_weights for c in p.candidates(Placement(resident_weights="slide"), "posix")} == {"slide"}
+    for other in (planner(tiny_spec(), device_updates=False), planner(tiny_spec(), device_type="cpu")):
+        assert {c.resident_weights for c in other.candidates(Placement(), "posix")} == {"keep"}
     fractions = [c.state_offload_fraction for c in order]
     assert fractions == sorted(fractions) and fractions[-1] == 1.0
     assert order[-1].activation_tier == "posix"
     assert len(order) == len(set(order))
     assert all(c.state_offload_fraction == 0 for c in p.candidates(Placement(), None))
+
+
+def test_recommendation_slides_resident_weights_where_keeping_them_does_not_fit():
+    """A model whose masters and state fit on the GPU only without the resident units' BF16 copies, and a
+    host too small for the units that would leave the GPU: the fix is --resident-weights auto, not disk."""
+    spec = tiny_spec(
+        "llama",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=32000,
+    )
+    p = planner(spec, batch=2, seq=256)
+    big = cuda_machine(400, ram=400)
+    keep = p.estimate(Placement(gpu_resident="all"), big)
+    slide = p.estimate(Placement(gpu_resident="all", resident_weights="slide"), big)
+    assert keep.device_bytes - slide.device_bytes > 6 * GIB  # 4 B/param: the weights and gradients
+    # Room for every master and state with sliding weights plus the reserve, not for the copies.
+    gpu = (slide.device_bytes * 1.05 + (512 << 20) + 5 * GIB) / GIB
+    ram = (slide.host_bytes + GIB) / GIB
+    machine = cuda_machine(gpu, ram=ram, disk=100)
+    assert not keep.fits(machine)
+    for rates in (None, H200):
+        m = dataclasses.replace(machine, rates=rates)
+        rec = p.recommend(Placement(), m, "posix")
+        assert rec is not None and rec.fits(m) and rec.placement.resident_weights == "auto", rates
+        assert rec.placement.state_offload_fraction == 0  # no disk: the GPU holds what RAM cannot
+        slid = [u.weights_slide for u in rec.layout.units]
+        assert all(rec.resident) and any(slid) and not all(slid)  # every copy that fits is kept
+        # Without the choice nothing fits, not even with state on disk: the masters of the units that would
+        # leave the GPU need host RAM (the recommendation used to be "no placement fits").
+        keeping = [c for c in p.split_candidates(Placement(), "posix", m) if c.resident_weights == "keep"]
+        assert keeping and not any(p.estimate(c, m).fits(m) for c in keeping)
+    # Where keeping fits, it is kept (a tie or faster: the same layout).
+    roomy = p.recommend(Placement(), dataclasses.replace(big, rates=H200), "posix")
+    assert roomy is not None and roomy.placement == Placement(gpu_resident="all")
 
 
 def test_planner_matches_what_the_engine_allocates(tmp_path):

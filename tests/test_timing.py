@@ -374,7 +374,10 @@ def test_without_rates_the_fixed_order_decides():
 
 def test_the_predicted_step_chooses_where_the_fixed_order_would_not():
     """A GPU that holds either the activations or one more resident unit: with slow host updates the
-    extra resident (activations in RAM) wins on time, while the fixed order puts activations first."""
+    extra resident (activations in RAM) wins on time, while the fixed order puts activations first. (The
+    units on the GPU slide their weights, so that the candidates differ only in where the units and the
+    activations go.)"""
+    base = Placement(resident_weights="slide")
     big = {
         "hidden_size": 4096,
         "intermediate_size": 11008,
@@ -391,21 +394,21 @@ def test_the_predicted_step_chooses_where_the_fixed_order_would_not():
     found = None
     for gib in range(20, 80):  # a GPU where activations in RAM leave room for more residents
         machine = dataclasses.replace(_machine(gpu=gib), rates=slow)
-        on_device = sum(p.residency(Placement(), machine))
-        in_ram = sum(p.residency(Placement(activation_tier="ram"), machine))
+        on_device = sum(p.residency(base, machine))
+        in_ram = sum(p.residency(dataclasses.replace(base, activation_tier="ram"), machine))
         if 0 < on_device < in_ram < len(spec.units):
             found = machine
             break
     assert found is not None
-    fixed = p.recommend(Placement(), dataclasses.replace(found, rates=None))
-    timed = p.recommend(Placement(), found)
+    fixed = p.recommend(base, dataclasses.replace(found, rates=None))
+    timed = p.recommend(base, found)
     assert fixed is not None and timed is not None
     assert fixed.placement.activation_tier == "device" and timed.placement.activation_tier == "ram"
     assert sum(timed.resident) > sum(fixed.resident)
     # and it is the fastest of every placement that fits, within the tie band
     seconds = [
         p.predict_layout(e, found)
-        for c in p.split_candidates(Placement(), None, found)
+        for c in p.split_candidates(base, None, found)
         if (e := p.estimate(c, found)).placement_fits(found)
     ]
     assert p.predict_layout(timed, found) <= min(seconds) * (1 + TIE)

@@ -55,33 +55,39 @@ class Recommendations:
         """Placements from the fastest to the slowest, keeping ``base``'s tier choices where they work.
 
         More units resident first (where the optimizer can update on the
-        device; with ``base``'s ``resident_weights``); then activations on the device before a host tier; then state
-        in RAM before a growing share (1/4, 1/2, 3/4, all) on ``disk_tier``;
-        activations on disk last.
+        device; with ``base``'s ``resident_weights``, then, where that is "keep", with "auto": units on the
+        GPU that slide their weights cost 4 + state instead of 4 + state + 4 B/param, so more of a model
+        too large for the device keeps its master and state there, ``slidekit.planning.weights``); then
+        activations on the device before a host tier; then state in RAM before a growing share (1/4, 1/2,
+        3/4, all) on ``disk_tier``; activations on disk last.
         """
         host = self.drivers.host_tier
         host_tier = base.state_tier if self.medium(base.state_tier) == "host" else host
         acts_host = base.activation_tier if base.activation_tier != "device" and self.medium(
             base.activation_tier) == "host" else host  # fmt: skip
+        weights = [base.resident_weights]
         if self.device_type == "cpu":
             residents = [base.gpu_resident]  # the CPU computes where the masters are: nothing to choose
         else:
             residents = ["all", "auto"] if self.device_updates else ["none"]
+            if base.resident_weights == "keep" and self.device_updates:
+                weights.append("auto")  # keeps every copy that fits: the same layout wherever "keep" fits
         out: list[Placement] = []
         fractions = [0.0] + ([0.25, 0.5, 0.75, 1.0] if disk_tier else [])
         for fraction in fractions:
             for acts in ("device", acts_host):
                 for res in residents:
-                    out.append(
-                        Placement(
-                            state_tier=host_tier,
-                            state_offload_tier=disk_tier if fraction else None,
-                            state_offload_fraction=fraction,
-                            activation_tier=acts,
-                            gpu_resident=res,
-                            resident_weights=base.resident_weights,
+                    for kept in weights if res != "none" else weights[:1]:
+                        out.append(
+                            Placement(
+                                state_tier=host_tier,
+                                state_offload_tier=disk_tier if fraction else None,
+                                state_offload_fraction=fraction,
+                                activation_tier=acts,
+                                gpu_resident=res,
+                                resident_weights=kept,
+                            )
                         )
-                    )
         if disk_tier:
             out.append(dataclasses.replace(out[-1], activation_tier=disk_tier))
         return list(dict.fromkeys(out))
