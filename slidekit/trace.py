@@ -24,6 +24,9 @@ pass) appear where they ran. Traces hold every span of every step: trace
 short runs (a few steps tell the story). The file is written atomically,
 also when training fails, so a failed run still leaves its trace.
 
+A data-parallel run's ranks each write their own file (``rank_path``): rank 0
+the path given, rank r ``<stem>.rank<r><suffix>`` beside it.
+
 Test: ``pytest tests/test_telemetry.py``.
 """
 
@@ -41,7 +44,7 @@ from slidekit.atomic import write_text_atomically
 from slidekit.errors import ConfigError
 from slidekit.telemetry import Span, Timeline
 
-__all__ = ["HOST_PID", "LANE_ORDER", "STEP_LANE", "TraceWriter", "trace_events"]
+__all__ = ["HOST_PID", "LANE_ORDER", "STEP_LANE", "TraceWriter", "rank_path", "trace_events"]
 
 HOST_PID, DEVICE_PID = 1, 2
 STEP_LANE = "step"
@@ -62,6 +65,13 @@ LANE_ORDER = (
     "update",
     "checkpoint_wait",
 )
+
+
+def rank_path(path: str | os.PathLike[str], rank: int) -> Path:
+    """Where rank ``rank`` of a data-parallel run writes the trace asked for at ``path``: rank 0 there,
+    the others beside it (``trace.json`` -> ``trace.rank1.json``), so that no rank overwrites another's."""
+    path = Path(path)
+    return path if rank == 0 else path.with_name(f"{path.stem}.rank{rank}{path.suffix}")
 
 
 def _us(seconds: float) -> float:

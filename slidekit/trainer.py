@@ -59,7 +59,7 @@ from slidekit.reporting import check_loggers
 from slidekit.resolve import resolve
 from slidekit.run import RunDirectory
 from slidekit.telemetry import Progress, hiding_factor, memory_metrics, model_flops, step_tflops
-from slidekit.trace import TraceWriter
+from slidekit.trace import TraceWriter, rank_path
 
 __all__ = ["FitResult", "Trainer", "param_groups"]
 
@@ -294,7 +294,8 @@ class Trainer(EngineBuilding, Exporting):
         )
         trace = None
         if self.config.run.trace:  # every span of every step, written when fit ends (also on failure)
-            trace = TraceWriter(self.config.run.trace, engine.timeline, device=str(self.device))
+            rank = 0 if self.parallel is None else self.parallel.rank
+            trace = TraceWriter(rank_path(self.config.run.trace, rank), engine.timeline, device=str(self.device))
         drivers = {k: s.name for k, s in self.selections.items()}
         done = engine.steps_done
         bar = Progress(done + steps, initial=done, enabled=self.progress)  # a resumed run's starts at done

@@ -33,7 +33,7 @@ from slidekit.telemetry import (
     step_tflops,
 )
 from slidekit.testing.models import tiny_config
-from slidekit.trace import TraceWriter
+from slidekit.trace import TraceWriter, rank_path
 
 #: Lanes timed entirely inside Engine.train_step: their trace spans add up to the step totals exactly.
 IN_STEP_LANES = ("fwd", "head", "bwd", "stall", "act_load", "h2d", "update_gpu")
@@ -159,6 +159,12 @@ def test_run_trace_is_a_validated_config_field(tmp_path):
     assert cfg.to_dict()["run"]["trace"] == "t.json" and from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ConfigError, match="is a directory"):
         TraceWriter(tmp_path, Timeline(cuda=False))
+
+
+def test_each_rank_has_its_own_trace_file():
+    assert rank_path("out/t.json", 0) == Path("out/t.json")
+    assert rank_path("out/t.json", 3) == Path("out/t.rank3.json")
+    assert rank_path("trace", 1) == Path("trace.rank1") and rank_path("a.b.json.gz", 2) == Path("a.b.json.rank2.gz")
 
 
 def _config(trace: Path, *, resident: str, run_dir: Path | None = None, steps: int = 3) -> TrainConfig:

@@ -36,7 +36,8 @@ class RunConfig:
     # for that step's checkpoint there, any other string for a checkpoint directory's path
     export_dir: str | None = None  # write the final model here as a Hugging Face directory
     export_dtype: str = "bfloat16"  # dtype of the exported weights: bfloat16, float16 or float32
-    trace: str | None = None  # write a Chrome trace of the pipeline here (relative: to the current directory)
+    trace: str | None = None  # write a Chrome trace of the pipeline here (relative: to the current directory;
+    # a data-parallel rank r > 0 writes <stem>.rank<r><suffix> beside it)
     # Loggers that get the run's metrics (Hugging Face's report_to): "none", "tensorboard", "wandb", "all"
     # (every logger installed), or several, as a list or a comma-separated string; stored as a tuple of names
     # (() for none). Each is the logging plugin of that name; it writes under dir. See docs/logging.md.

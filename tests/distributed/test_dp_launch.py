@@ -51,10 +51,17 @@ def _finetune(args: list[str], cwd) -> str:
 
 
 @pytest.mark.slow
-def test_torchrun_finetune_trains_on_two_ranks_prints_once_and_exports(tmp_path):
-    """Two ranks of one micro-batch each, untied embeddings: the export is one process's, bit for bit."""
+def test_torchrun_finetune_trains_on_two_ranks_prints_once_and_exports(tmp_path, tmp_path_factory):
+    """Two ranks of one micro-batch each, untied embeddings: the export is one process's, bit for bit; each
+    rank writes its own trace."""
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    out = _finetune([*torchrun, *FINETUNE, "--export", str(tmp_path / "dp")], tmp_path)
+    traces = tmp_path_factory.mktemp("traces")
+    trace = ["--trace", str(traces / "t.json")]
+    out = _finetune([*torchrun, *FINETUNE, "--export", str(tmp_path / "dp"), *trace], tmp_path)
+    assert sorted(os.listdir(traces)) == ["t.json", "t.rank1.json"]
+    for name in ("t.json", "t.rank1.json"):
+        steps = [e for e in json.loads((traces / name).read_text())["traceEvents"] if e.get("name") == "step 3"]
+        assert len(steps) == 1, name
     assert out.count("done: 3 steps") == 1, out  # rank 0's standard output alone
     assert out.count("data-parallel: rank 0 of 2 (gloo)") == 1, out
     single = _finetune([*FINETUNE, "--grad-accum", "2", "--export", str(tmp_path / "one")], tmp_path)
