@@ -96,26 +96,36 @@ case "${1:-tests}" in
     # BASE@LAYERSL (a published shape cut to another depth: benchmarks/largest_model.py), EXTRA more bench
     # options (they are `slidekit plan`'s too). Per run: the planner's view of this machine and the run's
     # stderr (log-TAG.txt), its record (run-TAG.jsonl), its trace (trace-TAG.json.gz); at most 2 runs.
+    # NPROC=N (the 2-GPU machine, issue 19): N data-parallel ranks under torchrun, NVLink multicast off, the
+    # plan of rank 0, a trace per rank; --batch is per GPU.
     shift; DEADLINE=${DEADLINE:-550}  # WARMUP: untimed steps first (default 2); keep DEADLINE well under the call's 600 s
+    NPROC=${NPROC:-1}; LAUNCH=(python3); RANKS=()
+    if [ "$NPROC" -gt 1 ]; then
+      export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+      LAUNCH=(python3 -m torch.distributed.run --standalone --nproc-per-node "$NPROC"); RANKS=(--nproc-per-node "$NPROC")
+    fi
     timeout 200 slidekit build adamw_8bit > "$OUT/build.log" 2>&1; echo "build rc $? at ${SECONDS}s"
     for spec in "$@"; do
       set -- $spec; MODEL=$1; BATCH=$2; shift 2
       TAG=$(echo "$MODEL-b$BATCH" | tr '@' '-'); CFG=/tmp/cfg-$TAG; LOG="$OUT/log-$TAG.txt"; mkdir -p /var/tmp/sk-off
       if [[ $MODEL == *@*L ]]; then  # a cut shape: plan its written config.json
-        L=${MODEL#*@}; RUN=(python3 benchmarks/largest_model.py --base "${MODEL%@*}" --layers "${L%L}")
-        "${RUN[@]}" --write-config "$CFG" > /dev/null; RUN+=(--); SHAPE=(--model "$CFG" --random-init)
+        L=${MODEL#*@}; CUT=(benchmarks/largest_model.py --base "${MODEL%@*}" --layers "${L%L}")
+        python3 "${CUT[@]}" --write-config "$CFG" > /dev/null; RUN=("${LAUNCH[@]}" "${CUT[@]}" --)
+        SHAPE=(--model "$CFG" --random-init)
       else
-        RUN=(python3 -m slidekit.tools.bench --model "$MODEL"); SHAPE=(--preset "$MODEL")
+        RUN=("${LAUNCH[@]}" -m slidekit.tools.bench --model "$MODEL"); SHAPE=(--preset "$MODEL")
       fi
       { echo "commit ${COMMIT:-unknown}; $(free -g | sed -n 2p); $(df -h /var/tmp | tail -1)"
-        python3 -m slidekit.cli plan "${SHAPE[@]}" --optimizer adamw_8bit --resident-weights auto \
+        python3 -m slidekit.cli plan "${SHAPE[@]}" --optimizer adamw_8bit --resident-weights auto "${RANKS[@]}" \
           --batch-size "$BATCH" --seq-len 1024 --offload-dir /var/tmp/sk-off "$@"; } > "$LOG" 2>&1
       grep -E "predicted step|verdict" "$LOG" | head -3
       LEFT=$((DEADLINE - SECONDS)); [ "$LEFT" -lt 60 ] && { echo "$TAG: not run, ${LEFT}s left"; continue; }
       timeout "$LEFT" "${RUN[@]}" --batch "$BATCH" --seq 1024 --optimizer adamw_8bit --resident auto \
         --resident-weights auto --offload-dir /var/tmp/sk-off --steps 20 --warmup "${WARMUP:-2}" --repeat-batch --lr 1e-4 \
         --trace "/tmp/trace-$TAG.json" "$@" > "$OUT/run-$TAG.jsonl" 2>> "$LOG"; echo "$TAG: rc $? at ${SECONDS}s"
-      gzip -c "/tmp/trace-$TAG.json" > "$OUT/trace-$TAG.json.gz" 2>/dev/null
+      for t in /tmp/trace-"$TAG".json /tmp/trace-"$TAG".rank*.json; do
+        [ -f "$t" ] && gzip -c "$t" > "$OUT/$(basename "$t").gz"
+      done
       cut -c1-700 "$OUT/run-$TAG.jsonl"; tail -3 "$LOG" | cut -c1-300; rm -rf /var/tmp/sk-off
     done
     ;;

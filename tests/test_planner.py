@@ -276,6 +276,20 @@ def test_plan_run_and_cli(tmp_path, capsys):
     assert report.recommended is not None and report.recommended.placement.state_offload_fraction > 0
 
 
+def test_the_2_gpu_machine_holds_a_70b_shape_without_disk(capsys):
+    """Issue 19's target: Llama-3.1-70B with FP32 masters on two H200 ranks sharing 250 GiB of RAM. The
+    default placement does not fit; the recommendation puts 36 units' master and state on each GPU with
+    sliding weights and needs no disk (it was state on disk, disk-bound, before sliding was a candidate)."""
+    argv = ["plan", "--preset", "llama-3.1-70b", "--gpu", "h200", "--ram-gib", "250", "--disk-gib", "120"]
+    argv += ["--nproc-per-node", "2", "--seq-len", "1024", "--batch-size", "4", "--optimizer", "adamw_8bit"]
+    assert main([*argv, "--offload-dir", "/nonexistent/off"]) == 1
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "planned for rank 0" in out
+    best = out.split("fastest placement that fits with the shortest predicted step: ")[1].splitlines()[0]
+    assert "--resident-weights auto" in best and "--state-offload" not in best
+    assert "0 with master in RAM and state on disk" in out.split(best)[1]
+
+
 def test_plan_reports_rows_beyond_the_models_positions_as_such(capsys):
     """A seq_len past max_position_embeddings is a model limit, never reported as a memory shortfall."""
     assert main(["plan", "--device", "cpu", "--seq-len", "1024", "--batch-size", "1"]) == 1
