@@ -6,11 +6,13 @@ these; the timing tests add their round-figure rates and the optimizer whose upd
 
 from __future__ import annotations
 
+import dataclasses
+
 from slidekit.models.base import ArchSpec
 from slidekit.planning import GIB, Machine, Planner, Rates, Workload
 from slidekit.planning.layout import Layout
-from slidekit.planning.simulate import SimResult, simulate
-from slidekit.planning.timing import backup_costs, unit_costs
+from slidekit.planning.simulate import SimResult
+from slidekit.planning.timing import replay_step
 from slidekit.plugins import Plugins
 from slidekit.testing.models import tiny_config
 
@@ -54,17 +56,6 @@ def cuda_machine(
 
 
 def replay(layout: Layout, rates: Rates, p: Planner, *, rollback: bool = False, fused: bool = True) -> SimResult:
-    """The step-time model's replay of ``layout``, as ``predict_step`` runs it, for what its result keeps
-    beyond the prediction (``SimResult.takes``)."""
-    return simulate(
-        backup_costs(unit_costs(layout, rates, p.work), layout, rates, fused=fused),
-        window=layout.window.window,
-        prefetch=layout.prefetch,
-        ring=layout.ring_buffers,
-        tied=p.work.tied,
-        defer=layout.unit_grads and not layout.forward_updates,
-        micro=p.work.micro,
-        step_overhead_s=rates.step_overhead_s,
-        rollback=rollback,
-        takes=layout.forward_updates,
-    )
+    """The step-time model's replay of ``layout``, as ``predict_step`` runs it (``replay_step``), for what its
+    result keeps beyond the prediction (``SimResult.takes``)."""
+    return replay_step(layout, rates, dataclasses.replace(p.work, fused_backup=fused), rollback=rollback)

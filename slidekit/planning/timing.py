@@ -75,7 +75,7 @@ from slidekit.planning.layout import Layout, Workload
 from slidekit.planning.rates import CLIP_PASS_BYTES, COPY_WRITE_BYTES, GRAD_PASS_BYTES, Rates
 from slidekit.planning.simulate import Piece, SimResult, UnitCost, simulate
 
-__all__ = ["LABELS", "StepPrediction", "StepWork", "backup_costs", "predict_step", "unit_costs"]
+__all__ = ["LABELS", "StepPrediction", "StepWork", "backup_costs", "predict_step", "replay_step", "unit_costs"]
 
 #: What each lane's work is called in a prediction's parts.
 LABELS = {
@@ -293,24 +293,36 @@ def _cast_s(kind: str, numel: int, device_bps: float, weights_slide: bool) -> fl
     return (2 if kind == "layer" else 1) * numel * CAST_BYTES / device_bps
 
 
+def replay_step(layout: Layout, rates: Rates, work: StepWork, *, rollback: bool = False) -> SimResult:
+    """The step-time model's replay of ``layout`` (``slidekit.planning.simulate``): what ``predict_step``
+    reads its prediction from, with what else the replay keeps (the takes, the busy and exposed lanes).
+    ``rollback``: the step clips, and what was updated speculatively is restored."""
+    costs = backup_costs(unit_costs(layout, rates, work), layout, rates, fused=work.fused_backup)
+    return _replay(costs, layout, rates, work, rollback)
+
+
+def _replay(costs: list[UnitCost], layout: Layout, rates: Rates, work: StepWork, rollback: bool) -> SimResult:
+    return simulate(
+        costs,
+        window=layout.window.window,
+        prefetch=layout.prefetch,
+        ring=layout.ring_buffers,
+        tied=work.tied,
+        defer=layout.unit_grads and not layout.forward_updates,
+        micro=work.micro,
+        step_overhead_s=rates.step_overhead_s,
+        rollback=rollback,
+        takes=layout.forward_updates,
+    )
+
+
 def predict_step(layout: Layout, rates: Rates, work: StepWork) -> StepPrediction:
     """The steady step of ``layout`` on ``rates`` for ``work`` (see the module doc); with backups, also
     the steady step of a run whose every step clips (``clipped_s``)."""
     costs = backup_costs(unit_costs(layout, rates, work), layout, rates, fused=work.fused_backup)
 
     def replay(rollback: bool) -> SimResult:
-        return simulate(
-            costs,
-            window=layout.window.window,
-            prefetch=layout.prefetch,
-            ring=layout.ring_buffers,
-            tied=work.tied,
-            defer=layout.unit_grads and not layout.forward_updates,
-            micro=work.micro,
-            step_overhead_s=rates.step_overhead_s,
-            rollback=rollback,
-            takes=layout.forward_updates,
-        )
+        return _replay(costs, layout, rates, work, rollback)
 
     result = replay(False)
     clipped = replay(True) if layout.unit_grads and not layout.forward_updates and layout.backed_up() else None
