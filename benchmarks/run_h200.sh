@@ -181,6 +181,24 @@ case "${1:-tests}" in
     done
     tar -cf "$OUT/traces-order.tar" -C /tmp/sk-order .  # one file: a call brings back at most 8
     ;;
+  weights)  # the recommendation's sliding resident weights against keeping them (NOTES 33):
+    # bash benchmarks/run_h200.sh weights "MODEL BATCH"...; per spec, REPEATS (default 1) rounds of: the planner's
+    # residency with --resident-weights keep, then auto, one process each, 10 steps after 2 warm-up, the host
+    # updates in arrival order (as the planner's calibration); EXTRA="..." more bench options for every run
+    shift; build_layer_adam; B="$OUT/weights.jsonl"
+    for spec in "$@"; do
+      set -- $spec
+      for r in $(seq "${REPEATS:-1}"); do
+        for w in keep auto; do
+          TAG="$1-b$2-weights-$w"
+          # shellcheck disable=SC2086  # EXTRA: one word per option
+          timeout 280 python3 -m slidekit.tools.bench --model "$1" --batch "$2" --seq 1024 --resident auto --steps 10 \
+            --warmup 2 --update-order arrival --resident-weights "$w" ${EXTRA:-} --out "$B" 2>&1 | tail -1 | cut -c1-300
+          echo "$TAG round $r: at ${SECONDS}s"
+        done
+      done
+    done
+    ;;
   suite)  # one suite of `slidekit bench` (issue 15): bash benchmarks/run_h200.sh suite NAME COMMIT
     # NAME: a preset of slidekit.tools.bench.suite_presets.SUITES; it builds its kernels itself, then runs what
     # its time plan keeps within what is left of the call (docs/benchmarking.md has the bare command).
