@@ -187,6 +187,14 @@ def xdist_mode() -> str:
     return "worksteal" if (major, minor) >= (3, 2) else "load"
 
 
+#: ``python -m pytest``, with SIGINT handled even where the gate's own process ignores it (a command started
+#: in the background by a non-interactive shell inherits SIGINT ignored, and so would the suite: the
+#: overrun's interrupt would then do nothing, and the kill after it would lose the JUnit report).
+_INTERRUPTIBLE_PYTEST = (
+    "import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); sys.exit(pytest.main())"
+)
+
+
 def run_suite(
     timeout: float, log: Path, extra: Sequence[str] = (), workers: int = 1, paths: Sequence[str] = ("tests",)
 ) -> dict[str, Any]:
@@ -199,12 +207,13 @@ def run_suite(
     """
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={junit}"]
+        args = ["-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={junit}"]
         env = dict(os.environ)
         if workers > 1:
-            cmd += ["-n", str(workers), "--dist", xdist_mode()]
+            args += ["-n", str(workers), "--dist", xdist_mode()]
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or workers) // workers)))
-        cmd += [*extra, *paths]
+        args += [*extra, *paths]
+        cmd = [sys.executable, "-c", _INTERRUPTIBLE_PYTEST, *args]
         t0 = time.perf_counter()
         timed_out = False
         with log.open("w") as out:
@@ -224,7 +233,7 @@ def run_suite(
                     code = proc.wait()
         seconds = round(time.perf_counter() - t0, 1)
         result: dict[str, Any] = {
-            "command": " ".join(c for c in cmd[1:] if not c.startswith("--junitxml=")),  # not its tmp path
+            "command": " ".join(["pytest", *(a for a in args if not a.startswith("--junitxml="))]),  # not its tmp path
             "workers": workers,
             "seconds": seconds,
             "exit_code": code,
