@@ -298,10 +298,12 @@ def replay_step(layout: Layout, rates: Rates, work: StepWork, *, rollback: bool 
     reads its prediction from, with what else the replay keeps (the takes, the busy and exposed lanes).
     ``rollback``: the step clips, and what was updated speculatively is restored."""
     costs = backup_costs(unit_costs(layout, rates, work), layout, rates, fused=work.fused_backup)
-    return _replay(costs, layout, rates, work, rollback)
+    return _replay(costs, layout, rates, work, rollback=rollback)
 
 
-def _replay(costs: list[UnitCost], layout: Layout, rates: Rates, work: StepWork, rollback: bool) -> SimResult:
+def _replay(
+    costs: list[UnitCost], layout: Layout, rates: Rates, work: StepWork, *, rollback: bool
+) -> SimResult:
     return simulate(
         costs,
         window=layout.window.window,
@@ -320,12 +322,12 @@ def predict_step(layout: Layout, rates: Rates, work: StepWork) -> StepPrediction
     """The steady step of ``layout`` on ``rates`` for ``work`` (see the module doc); with backups, also
     the steady step of a run whose every step clips (``clipped_s``)."""
     costs = backup_costs(unit_costs(layout, rates, work), layout, rates, fused=work.fused_backup)
-
-    def replay(rollback: bool) -> SimResult:
-        return _replay(costs, layout, rates, work, rollback)
-
-    result = replay(False)
-    clipped = replay(True) if layout.unit_grads and not layout.forward_updates and layout.backed_up() else None
+    result = _replay(costs, layout, rates, work, rollback=False)
+    clipped = (
+        _replay(costs, layout, rates, work, rollback=True)
+        if layout.unit_grads and not layout.forward_updates and layout.backed_up()
+        else None
+    )
     return StepPrediction(
         seconds=result.seconds,
         drain_s=result.drain_s,

@@ -384,6 +384,16 @@ def test_backed_update_in_chunks_is_the_whole_update(optimizer, fused):
     assert backed.calls == (3 if fused else 3 * 6)  # fused: one call; else per chunk (5 granules, a tail)
 
 
+class _Step:
+    """One step as the hooks of ``_Held`` see it: its StepState, set once its backward is over, and the
+    units taken in it (None until its first taker)."""
+
+    def __init__(self, state: object) -> None:
+        self.state = state
+        self.over = threading.Event()
+        self.taken: list[int] | None = None
+
+
 class _Held:
     """Holds a speculating step's optimizer thread and main thread at chosen points, so that the order in
     which the takers take units, and what they know when they do, is fixed rather than timing's:
@@ -406,15 +416,12 @@ class _Held:
         self.order: list[list[int]] = []
         self.halted: list[int] = []
         self.backed = 0
-        # id(StepState) -> (that StepState, set once its backward is over, its taken units or None).
-        # The StepState is held so that its id cannot be reused by a later step's.
-        steps: dict[int, tuple[object, threading.Event, list[list[int]]]] = {}
+        # id(StepState) -> what the hooks know of that step. Each entry holds its StepState, so that no later
+        # step's can take its id.
+        steps: dict[int, _Step] = {}
 
-        def seen(c):
-            entry = steps.get(id(c))
-            if entry is None or entry[0] is not c:
-                entry = steps[id(c)] = (c, threading.Event(), [])
-            return entry
+        def seen(c) -> _Step:
+            return steps.setdefault(id(c), _Step(c))
         take, known, queue, step = (
             Speculation._take,
             Speculation._norm_known,
@@ -429,24 +436,25 @@ class _Held:
                 time.sleep(1e-3)
 
         def held_take(eng, c):
-            _, over, taken = seen(c)
-            if not taken:  # the step's first taker
-                taken.append([])
-                self.order.append(taken[0])
+            step = seen(c)
+            if step.taken is None:  # the step's first taker
+                step.taken = []
+                self.order.append(step.taken)
                 if mode == "takers":
-                    until(over.is_set, "the backward's end")
+                    until(step.over.is_set, "the backward's end")
                 else:
                     until(lambda: c.known, "the norm")
                 with c.lock:
                     pending = [f for handoff in c.waiting.values() for f in handoff]
                 wait(pending, timeout=self.WAIT_S)
             unit, handoff = take(eng, c)
-            taken[0].append(unit)
+            assert step.taken is not None
+            step.taken.append(unit)
             return unit, handoff
 
         def held_known(eng, c, scale):
             if id(c) in steps or c.speculative:
-                seen(c)[1].set()
+                seen(c).over.set()
                 if mode == "takers":
                     until(lambda: all(f.done() for f in c.bet_done.values()) and not c.waiting, "the takers")
             known(eng, c, scale)
