@@ -222,11 +222,25 @@ class LateNaN:
 
 
 @pytest.mark.parametrize("clip", [None, 1e6])
-def test_nonfinite_step_rolls_back_and_skips(tiny_model, clip):
+def test_nonfinite_step_rolls_back_and_skips(tiny_model, monkeypatch, clip):
+    """The speculating run hands each unit on only once the takers are done with the ones before it, so the
+    units above the poisoned layer are updated with a backup before its NaN comes down and the NaN step
+    has them to restore wherever it runs. Left to timing, a GPU can have the norm before any taker starts
+    (the GPU gate of 2026-12-06): nothing is speculated, so nothing is restored."""
     model_dir = tiny_model("llama")
     batches = random_batches(128, steps=4, seed=7)
+    hand_on = Speculation._hand_on
+
+    def lockstep(eng, unit, slot, done, unit_sq, c):
+        with c.lock:
+            before = list(c.bet_done.values())
+        assert not wait(before, timeout=_Held.WAIT_S).not_done, "the takers did not finish"
+        return hand_on(eng, unit, slot, done, unit_sq, c)
+
     runs = {}
     for policy in ("defer", "speculate"):
+        if policy == "speculate":
+            monkeypatch.setattr(Speculation, "_hand_on", lockstep)
         plugins = Plugins(extra=[("late_nan", LateNaN({2}, layers=3))])
         with pytest.warns(RuntimeWarning, match="step 2.*skipped"):
             runs[policy] = _train(
