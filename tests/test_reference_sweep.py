@@ -1,0 +1,72 @@
+"""benchmarks/reference_sweep.py: random configurations against transformers + torch.optim.AdamW.
+
+A few fixed seeds that between them cross the families, tied and untied embeddings, RoPE types,
+accumulation, clipping and the engine's options; and the sweep's own failure report."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "reference_sweep.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("reference_sweep", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("reference_sweep", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+SWEEP = _script()
+# Between them: all four families, tied and untied, four RoPE types, accumulation 1-3, clipping that fires
+# (0.05) and one that never does, every residency mode, both update orders.
+SEEDS = [0, 1, 3, 6, 7]
+
+
+def test_the_seeds_cross_what_they_claim():
+    cases = [SWEEP.draw(s) for s in SEEDS]
+    assert {c["family"] for c in cases} == {"llama", "qwen2", "qwen3", "mistral"}
+    assert {c["model"]["tie_word_embeddings"] for c in cases} == {True, False}
+    assert len({c["model"]["rope_parameters"]["rope_type"] for c in cases}) >= 4
+    assert {c["recipe"]["max_grad_norm"] for c in cases} >= {0.05, None}
+    assert {c["recipe"]["grad_accum"] for c in cases} >= {1, 2}
+    assert {c["engine"]["gpu_resident"] for c in cases} == {"none", "all", "0.5", "auto"}
+    assert {c["engine"]["update_order"] for c in cases} >= {"arrival", "forward"}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_slidekit_matches_the_reference_loop(seed):
+    record = SWEEP.run(seed)
+    assert record["status"] == "compared", record
+    assert record["ok"], record
+    assert record["loss_rel_err"] <= SWEEP.LOSS_RTOL and record["param_rel_err"] <= SWEEP.PARAM_RTOL
+
+
+def test_a_wrong_result_fails_the_sweep(monkeypatch, capsys):
+    """A slidekit run whose parameters are off by more than the tolerance is a failure, and exits 1."""
+    from slidekit import Trainer
+
+    state_dict = Trainer.state_dict
+    calls = {"n": 0}
+
+    def off(self):
+        calls["n"] += 1
+        state = state_dict(self)
+        if calls["n"] == 2:  # the final state (the first call is the initial one)
+            return {k: v * (1 + 1e-3) for k, v in state.items()}
+        return state
+
+    monkeypatch.setattr(Trainer, "state_dict", off)
+    assert SWEEP.main(["--seeds", str(SEEDS[0])]) == 1
+    assert '"ok": false' in capsys.readouterr().out
+
+
+def test_bad_seeds_are_named():
+    with pytest.raises(SystemExit, match="--seeds: give A:B"):
+        SWEEP.main(["--seeds", "x:y"])
