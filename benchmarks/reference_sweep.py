@@ -11,10 +11,14 @@ that has it, and ``ok``.
     python benchmarks/reference_sweep.py --seeds 0:80 [--out sweep.jsonl]
 
 A configuration transformers itself refuses (e.g. a hidden size its heads do not divide) is reported
-``skipped``. Tolerances: losses 1e-5; parameters 5e-5, because the k-projection bias's gradient nearly
-cancels under RoPE and Adam turns last-bit differences of it into relative differences of the update
-(tests/test_equivalence.py explains it; 1.1e-5 and 1.9e-5 were seen in 77 seeds, every other
-parameter within 1e-5). Exit status 1 when a configuration fails.
+``skipped``. Tolerances: losses 1e-5; each parameter tensor 1e-5 (relative, in norm), or else its
+differences are isolated elements: at most ``ISOLATED`` of them (1 in 200, at least one) off by more
+than 1% of a step, none by more than the steps' whole Adam updates. Adam divides each gradient by its
+own RMS, so an element whose gradient nearly cancels (|g| near eps) turns last-bit differences of the
+gradient into a different update: the k-projection biases under RoPE (tests/test_equivalence.py), and
+in 120 seeds one v-projection element whose gradient summed to 1.9e-9 where its neighbours' median is
+9e-3 (seed 35: 9.1e-5 in norm, from that one element). Wrong math moves every element, not a few.
+Exit status 1 when a configuration fails.
 
 Test: ``pytest tests/test_reference_sweep.py``.
 """
@@ -34,7 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the checkout's slidekit, where this script runs from it uninstalled
 
 LOSS_RTOL = 1e-5
-PARAM_RTOL = 5e-5
+PARAM_RTOL = 1e-5
+ISOLATED = 1 / 200  # the share of a tensor's elements that may differ as near-cancelled gradients do
 LR = 1e-4
 
 
@@ -155,7 +160,10 @@ def run(seed: int) -> dict[str, Any]:
     missing = sorted((set(ref.state) ^ set(final)) - tied)
     errors = {name: rel_error(final[name], ref.state[name]) for name in ref.state if name in final}
     worst = max(errors, key=errors.__getitem__)
-    ok = loss_err <= LOSS_RTOL and errors[worst] <= PARAM_RTOL and not missing
+    isolated = {
+        name: _isolated(final[name], ref.state[name], steps) for name, e in errors.items() if e > PARAM_RTOL
+    }
+    ok = loss_err <= LOSS_RTOL and not missing and all(n is not None for n in isolated.values())
     return {
         **out,
         "status": "compared",
@@ -163,8 +171,19 @@ def run(seed: int) -> dict[str, Any]:
         "loss_rel_err": loss_err,
         "param_rel_err": errors[worst],
         "worst_param": worst,
+        "isolated": isolated,  # tensors above PARAM_RTOL: their elements that differ, None when too many
         "missing": missing,
     }
+
+
+def _isolated(got: Any, want: Any, steps: int) -> int | None:
+    """How many elements of a tensor differ by more than 1% of an Adam step, when they are few (at most
+    ``ISOLATED`` of it, at least one) and none by more than ``steps`` whole updates; else None."""
+    diff = (got.double() - want.double()).abs()
+    off = int((diff > 0.01 * LR).sum())
+    if off > max(1, int(ISOLATED * diff.numel())) or diff.max().item() > 2 * LR * steps:
+        return None
+    return off
 
 
 def _seeds(text: str) -> range:

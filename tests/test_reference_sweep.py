@@ -48,8 +48,24 @@ def test_slidekit_matches_the_reference_loop(seed):
     assert record["loss_rel_err"] <= SWEEP.LOSS_RTOL and record["param_rel_err"] <= SWEEP.PARAM_RTOL
 
 
+def test_one_element_of_a_near_cancelled_gradient_is_isolated_and_more_are_not():
+    import torch
+
+    want = torch.zeros(1000)
+    got = want.clone()
+    got[7] = 1.5 * SWEEP.LR  # one element's first Adam step went another way
+    assert SWEEP._isolated(got, want, steps=1) == 1
+    got[:6] = 0.5 * SWEEP.LR  # 7 of 1000: more than 1 in 200
+    assert SWEEP._isolated(got, want, steps=1) is None
+    one = want.clone()
+    one[0] = 3 * SWEEP.LR  # more than a step's whole update: not a near-cancelled gradient's difference
+    assert SWEEP._isolated(one, want, steps=1) is None
+
+
 def test_a_wrong_result_fails_the_sweep(monkeypatch, capsys):
     """A slidekit run whose parameters are off by more than the tolerance is a failure, and exits 1."""
+    import torch
+
     from slidekit import Trainer
 
     state_dict = Trainer.state_dict
@@ -58,8 +74,8 @@ def test_a_wrong_result_fails_the_sweep(monkeypatch, capsys):
     def off(self):
         calls["n"] += 1
         state = state_dict(self)
-        if calls["n"] == 2:  # the final state (the first call is the initial one)
-            return {k: v * (1 + 1e-3) for k, v in state.items()}
+        if calls["n"] == 2:  # the final state (the first call is the initial one): every element moved
+            return {k: v + 0.5 * SWEEP.LR * torch.sign(v) for k, v in state.items()}
         return state
 
     monkeypatch.setattr(Trainer, "state_dict", off)
