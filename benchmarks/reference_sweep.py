@@ -14,11 +14,13 @@ A configuration transformers itself refuses (e.g. a hidden size its heads do not
 ``skipped``. Tolerances: losses 1e-5; each parameter tensor 1e-5 (relative, in norm), or else its
 differences are isolated elements: at most ``ISOLATED`` of them (1 in 200, at least one) off by more
 than 1% of a step, none by more than the steps' whole Adam updates. Adam divides each gradient by its
-own RMS, so an element whose gradient nearly cancels (|g| near eps) turns last-bit differences of the
-gradient into a different update: the k-projection biases under RoPE (tests/test_equivalence.py), and
-in 120 seeds one v-projection element whose gradient summed to 1.9e-9 where its neighbours' median is
-9e-3 (seed 35: 9.1e-5 in norm, from that one element). Wrong math moves every element, not a few.
-Exit status 1 when a configuration fails.
+own RMS, so an element whose gradient nearly cancels turns last-bit differences of the gradient into a
+different update: in 120 seeds one v-projection element whose gradient summed to 1.9e-9 where its
+neighbours' median is 9e-3 (seed 35: 9.1e-5 in norm, from that one element). The k-projection biases
+are near-cancelled as a whole (softmax ignores a bias added to every key; only RoPE's rotation leaves
+a small gradient: tests/test_equivalence.py), so they get ``K_BIAS_RTOL`` (up to 3.7e-5 seen in 240
+seeds). Wrong math moves every element of every tensor, not a few. Exit status 1 when a configuration
+fails.
 
 Test: ``pytest tests/test_reference_sweep.py``.
 """
@@ -40,6 +42,7 @@ sys.path.insert(0, str(ROOT))  # the checkout's slidekit, where this script runs
 LOSS_RTOL = 1e-5
 PARAM_RTOL = 1e-5
 ISOLATED = 1 / 200  # the share of a tensor's elements that may differ as near-cancelled gradients do
+K_BIAS_RTOL = 1e-4  # the k-projection biases, whose gradient softmax all but cancels
 LR = 1e-4
 
 
@@ -161,7 +164,9 @@ def run(seed: int) -> dict[str, Any]:
     errors = {name: rel_error(final[name], ref.state[name]) for name in ref.state if name in final}
     worst = max(errors, key=errors.__getitem__)
     isolated = {
-        name: _isolated(final[name], ref.state[name], steps) for name, e in errors.items() if e > PARAM_RTOL
+        name: _isolated(final[name], ref.state[name], steps)
+        for name, e in errors.items()
+        if e > (K_BIAS_RTOL if name.endswith("k_proj.bias") else PARAM_RTOL)
     }
     ok = loss_err <= LOSS_RTOL and not missing and all(n is not None for n in isolated.values())
     return {
@@ -171,7 +176,7 @@ def run(seed: int) -> dict[str, Any]:
         "loss_rel_err": loss_err,
         "param_rel_err": errors[worst],
         "worst_param": worst,
-        "isolated": isolated,  # tensors above PARAM_RTOL: their elements that differ, None when too many
+        "isolated": isolated,  # tensors above their tolerance: their elements that differ, None when too many
         "missing": missing,
     }
 
