@@ -117,12 +117,11 @@ def run(seed: int) -> dict[str, Any]:
 
     case = draw(seed)
     model, recipe = case["model"], case["recipe"]
-    out: dict[str, Any] = {**case}
     with tempfile.TemporaryDirectory() as d:
         try:
             model_dir = save_tiny_model(case["family"], Path(d) / "model", seed=seed, **model)
         except Exception as exc:  # transformers refuses the configuration: not ours to test
-            return {**out, "status": "skipped", "why": f"transformers refuses it: {exc!r}"[:300]}
+            return {**case, "status": "skipped", "why": f"transformers refuses it: {exc!r}"[:300]}
         accum, steps = recipe["grad_accum"], recipe["steps"]
         micro = random_batches(
             model["vocab_size"],
@@ -148,7 +147,7 @@ def run(seed: int) -> dict[str, Any]:
                 final = trainer.state_dict()
                 hf_config = trainer.hf_config
         except Exception:
-            return {**out, "status": "failed", "ok": False, "error": traceback.format_exc()[-2000:]}
+            return {**case, "status": "failed", "ok": False, "error": traceback.format_exc()[-2000:]}
         steps_in = [micro[i * accum : (i + 1) * accum] for i in range(steps)] if accum > 1 else micro
         ref = reference_run(
             hf_config,
@@ -170,7 +169,7 @@ def run(seed: int) -> dict[str, Any]:
     }
     ok = loss_err <= LOSS_RTOL and not missing and all(n is not None for n in isolated.values())
     return {
-        **out,
+        **case,
         "status": "compared",
         "ok": ok,
         "loss_rel_err": loss_err,

@@ -1,16 +1,33 @@
 """What the `slidekit bench` tests share: a suite table's row, the check of a record's figures, a
 machine whose free memory the test decides (for the memory watchdog), scripts standing in for every
-system (``--baselines-dir``) and a budget clock on which each run takes its predicted time."""
+system (``--baselines-dir``) and a budget clock on which each run takes its predicted time; and, for
+the tests of the scripts under benchmarks/, each script loaded as a module (``load_benchmark``)."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from slidekit.tools.bench import arch_spec, throughput
 from slidekit.tools.children import MemoryWatchdog
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """The script ``benchmarks/<name>.py`` as a module named ``name``, registered in ``sys.modules`` (so
+    that its dataclasses and pickles can find it)."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def table_row(

@@ -8,24 +8,20 @@ put right, and on a run that lost steps; the script end to end on the CPU with t
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from bench_helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORD = ROOT / "docs" / "benchmarks" / "raw" / "2026-12-02-s9" / "dp-1.5b" / "dp-summary.json"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("dp_one_gpu", ROOT / "benchmarks" / "dp_one_gpu.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("dp_one_gpu")
 
 
 def test_the_h200_record_with_the_norm_race_disagrees_at_the_two_steps():

@@ -9,19 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_finetune.py"
+from bench_helpers import load_benchmark
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="slidekit report needs matplotlib")
 def test_chat_finetune_killed_resumed_exported_reported(tmp_path):
-    spec = importlib.util.spec_from_file_location("e2e_finetune", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("e2e_finetune")
     out = tmp_path / "e2e.json"
     code = module.main(
         ["--preset", "tiny", "--device", "cpu", "--work", str(tmp_path / "w"), "--seq", "256", "--batch", "8",

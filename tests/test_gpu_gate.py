@@ -8,24 +8,16 @@ training run through the same child-process path the gate takes.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from bench_helpers import load_benchmark
 
 
 def _gate():
-    spec = importlib.util.spec_from_file_location("gpu_gate", ROOT / "benchmarks" / "gpu_gate.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_gate"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu_gate")
 
 
 gate = _gate()

@@ -7,7 +7,6 @@ off by a time limit still says how far it got. On the CPU with the tiny preset.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import subprocess
@@ -16,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bench_helpers import load_benchmark
 
 from slidekit.tools.presets import PRESETS, arch_spec
 
@@ -24,11 +24,7 @@ SCRIPT = ROOT / "benchmarks" / "largest_model.py"
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("largest_model", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("largest_model")
 
 
 def test_a_cut_shape_has_the_bases_units_and_its_own_depth():

@@ -5,23 +5,15 @@ the head's gradient arrives at 0.4 s, then updates to the step's end."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "offload_floor.py"
+from bench_helpers import load_benchmark
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("offload_floor", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["offload_floor"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("offload_floor")
 
 
 def _trace(path: Path, steps: int = 6) -> None:

@@ -5,25 +5,10 @@ accumulation, clipping and the engine's options; and the sweep's own failure rep
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from bench_helpers import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "reference_sweep.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("reference_sweep", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("reference_sweep", module)
-    spec.loader.exec_module(module)
-    return module
-
-
-SWEEP = _script()
+SWEEP = load_benchmark("reference_sweep")
 # Between them: all four families, tied and untied, four RoPE types, accumulation 1-3, clipping that fires
 # (0.05) and one that never does, every residency mode, both update orders.
 SEEDS = [0, 1, 3, 6, 7]

@@ -5,23 +5,19 @@ ms past the backward, then unit 0's, and the main thread waiting for unit 0 unti
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+from bench_helpers import load_benchmark
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "step_cycles.py"
 
 
 def _script():
     sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("step_cycles", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("step_cycles")
 
 
 def _trace(path: Path, *, unit0_update_ms: float = 100.0, cycles: int = 5) -> Path:

@@ -8,11 +8,10 @@ The table is in docs/planning.md. CPU only.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from bench_helpers import load_benchmark
 
 from slidekit.planning.profiles import H200_RATES
 
@@ -21,14 +20,7 @@ TOLERANCE = 0.15
 
 
 def _calibration():
-    spec = importlib.util.spec_from_file_location(
-        "calibrate_rates", ROOT / "benchmarks" / "calibrate_rates.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["calibrate_rates"] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("calibrate_rates")
 
 
 calibration = _calibration()
