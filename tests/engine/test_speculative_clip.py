@@ -180,14 +180,16 @@ def test_accumulation(tiny_model):
 
 
 class LateNaN:
-    """A kernel set whose RMSNorm passes NaN gradients back in the first layer's backward (its last
-    two RMSNorms of the step that run under autograd), during the steps listed in ``steps``: the loss is
-    finite, the head and the later layers' gradients too, so they are speculated before the NaN shows."""
+    """A kernel set whose RMSNorm passes NaN gradients back in the first layer's backward (the step's last
+    two RMSNorm backwards), during the steps listed in ``steps``: the loss is finite, the head and the later
+    layers' gradients too, so they are speculated before the NaN shows. Counted in the backward, whether the
+    layers recompute or keep their activations (``engine.recompute``: a GPU keeps them where memory allows,
+    and then every RMSNorm of the forward runs under autograd)."""
 
     def __init__(self, steps: set[int], layers: int) -> None:
         self.steps, self.current, self.calls = steps, 1, 0
         poison = self
-        last = 1 + 2 * layers  # the head's RMSNorm, then two per layer
+        last = 1 + 2 * layers  # the head's RMSNorm, then two per layer, in the backward's order
 
         class Nan(torch.autograd.Function):
             @staticmethod
@@ -196,19 +198,17 @@ class LateNaN:
 
             @staticmethod
             def backward(ctx, g):
-                return g * float("nan")
+                poison.calls += 1
+                if poison.current in poison.steps and poison.calls > last - 2:
+                    return g * float("nan")
+                return g
 
         class LateNaNKernels(TorchRef):
             name = "late_nan"
 
             def rms_norm(self, x, weight, eps):
                 out = super().rms_norm(x, weight, eps)
-                if not torch.is_grad_enabled():
-                    return out
-                poison.calls += 1
-                if poison.current in poison.steps and poison.calls > last - 2:
-                    return Nan.apply(out)
-                return out
+                return Nan.apply(out) if torch.is_grad_enabled() else out
 
         self.kernels = LateNaNKernels
 
@@ -221,12 +221,14 @@ class LateNaN:
         self.current, self.calls = step + 1, 0
 
 
+@pytest.mark.parametrize("recompute", ["all", "none"])
 @pytest.mark.parametrize("clip", [None, 1e6])
-def test_nonfinite_step_rolls_back_and_skips(tiny_model, monkeypatch, clip):
+def test_nonfinite_step_rolls_back_and_skips(tiny_model, monkeypatch, clip, recompute):
     """The speculating run hands each unit on only once the takers are done with the ones before it, so the
     units above the poisoned layer are updated with a backup before its NaN comes down and the NaN step
     has them to restore wherever it runs. Left to timing, a GPU can have the norm before any taker starts
-    (the GPU gate of 2026-12-06): nothing is speculated, so nothing is restored."""
+    (the GPU gate of 2026-12-06): nothing is speculated, so nothing is restored. Layers that recompute and
+    layers that keep their activations (a GPU's "auto" keeps them where memory allows) both."""
     model_dir = tiny_model("llama")
     batches = random_batches(128, steps=4, seed=7)
     hand_on = Speculation._hand_on
@@ -251,6 +253,7 @@ def test_nonfinite_step_rolls_back_and_skips(tiny_model, monkeypatch, clip):
                 plugins=plugins,
                 kernels="late_nan",
                 on_nonfinite="skip",
+                recompute=recompute,
             )
     want, got = runs["defer"], runs["speculate"]
     assert want[0].losses[1] == want[0].losses[1]  # the loss is finite: only gradients are poisoned
