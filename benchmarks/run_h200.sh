@@ -181,6 +181,19 @@ case "${1:-tests}" in
     done
     tar -cf "$OUT/traces-order.tar" -C /tmp/sk-order .  # one file: a call brings back at most 8
     ;;
+  setup35)  # NOTES 34-35, forced offload at 3B batch 8 (after the gate of the commit that has them): where the setup
+    # goes, what update order "auto" takes (the record's forward_updates), and BF16 upload copies in the forward order;
+    # 10 whole steps after 2 warm-up, one process each
+    shift; build_layer_adam; B="$OUT/setup35.jsonl"
+    timeout 120 python3 benchmarks/setup_profile.py --model qwen2.5-3b --batch 8 --resident none --top 40 \
+      > "$OUT/setup_profile.txt" 2>&1; echo "setup profile: at ${SECONDS}s"
+    for extra in "--update-order auto" "--update-order forward --upload-copy on" "--update-order forward --upload-copy off"; do
+      # shellcheck disable=SC2086  # one word per option
+      timeout 200 python3 -m slidekit.tools.bench --model qwen2.5-3b --batch 8 --seq 1024 --resident none --steps 10 \
+        --warmup 2 $extra --out "$B" 2>&1 | tail -1 | cut -c1-300
+      echo "$extra: at ${SECONDS}s"
+    done
+    ;;
   weights)  # the recommendation's sliding resident weights against keeping them (NOTES 33):
     # bash benchmarks/run_h200.sh weights "MODEL BATCH"...; per spec, REPEATS (default 1) rounds of: the planner's
     # residency with --resident-weights keep, then auto, one process each, 10 steps after 2 warm-up, the host
