@@ -3,7 +3,8 @@
 A first call on a budget measures the most important runs and leaves the rest "not run"; a second
 call with ``--continue`` runs exactly those (a run cut off midway again, whole), and the file holds
 every run once, the header listing both calls. Another suite's records, or records of other code
-(another source digest), are refused with what to do. The systems are the stand-in scripts of
+(another source digest), or of another machine or software (GPU, CPU, RAM, versions), are refused with
+what to do. The systems are the stand-in scripts of
 ``bench_helpers.fake_systems``; the budget clock takes each run's predicted time.
 """
 
@@ -19,6 +20,7 @@ from slidekit.errors import ConfigError
 from slidekit.tools.bench import bench
 from slidekit.tools.bench import cli as bench_cli
 from slidekit.tools.bench.cli import build_suite
+from slidekit.tools.bench.records import machine, versions
 from slidekit.tools.bench.suites import expand
 from slidekit.tools.bench.timeplan import make_plan
 from slidekit.tools.source_digest import source_digest
@@ -91,6 +93,8 @@ def test_a_second_call_runs_what_the_first_left_and_the_file_holds_both(tmp_path
     assert header["source_digest"] == source_digest()
     text = (second / "suite-tiny.md").read_text()
     assert "Commits `aaa`, `bbb` (the same slidekit/ and plugins/, source digest" in text
+    host = machine()
+    assert header["machine"] == host and f"{host['cpus']} CPUs, {host['host_ram_gib']} GiB RAM" in text
     assert "2 `slidekit bench` calls" in text
 
     # A third call finds nothing left: it plans no run and keeps every row.
@@ -108,9 +112,14 @@ def _header_file(tmp_path: Path, scripts: Path, **change) -> Path:
     header = {"record": "suite", "name": the_suite.name, "model": the_suite.model, "source_digest": source_digest()}
     header["suite"] = {"seq": 16, "steps": 2, "warmup": 1, "batches": [2, 3], "clips": [None], "repeats": 2}
     header["suite"]["partial"] = the_suite.partial
+    header["machine"], header["versions"] = machine(), versions()
     for key, value in change.items():
         if key in header["suite"]:
             header["suite"][key] = value
+        elif key in header["machine"]:
+            header["machine"][key] = value(header["machine"][key])
+        elif key in header["versions"]:
+            header["versions"][key] = value
         elif value is None:
             header.pop(key)
         else:
@@ -128,6 +137,14 @@ def _header_file(tmp_path: Path, scripts: Path, **change) -> Path:
         ({"name": "qwen2.5-3b"}, "another suite (name 'qwen2.5-3b' there, 'tiny' here"),
         ({"source_digest": "f" * 64}, "measured other code (source digest ffffffffffff there"),
         ({"source_digest": None}, "carry no source digest"),
+        ({"gpu": lambda _: "NVIDIA H200"}, "another machine or software (gpu 'NVIDIA H200' there"),
+        ({"cpu_model": lambda _: "Other CPU"}, "cpu_model 'Other CPU' there"),
+        ({"cpus": lambda n: n * 2}, "cpus "),
+        ({"host_ram_gib": lambda g: round(g * 1.5, 1)}, "host_ram_gib "),
+        ({"host_ram_gib": lambda g: round(g * 1.01, 1)}, None),  # the same kind of host, a few MiB apart
+        ({"torch": "0.0.1"}, "torch '0.0.1' there"),
+        ({"slidekit": "0.0.1"}, None),  # the source digest covers slidekit's own code
+        ({"machine": None}, "no machine recorded there"),
     ],
 )
 def test_only_the_same_suite_and_code_continue(tmp_path, scripts, monkeypatch, change, message):

@@ -34,7 +34,7 @@ from slidekit.tools.bench.continuing import (
     measured_runs,
 )
 from slidekit.tools.bench.costs import costs_from_records
-from slidekit.tools.bench.records import FLOPS_FORMULA, versions
+from slidekit.tools.bench.records import FLOPS_FORMULA, machine, versions
 from slidekit.tools.bench.runner import Recorder, run_suite
 from slidekit.tools.bench.slidekit_run import engine_arguments
 from slidekit.tools.bench.suite_presets import SUITES, suite
@@ -286,6 +286,7 @@ def bench(
         "source_digest": source_digest() if (REPO_ROOT / "plugins").is_dir() else None,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "versions": versions(),
+        "machine": machine(),
     }
     header: dict[str, Any] = {"record": "suite", "name": the_suite.name, "model": the_suite.model, **identity}
     header["suite"] = {

@@ -12,6 +12,12 @@ What the earlier records must be (else a ``ConfigError`` naming the difference a
 * the same code: the source digest of slidekit/ and plugins/ (``slidekit.tools.source_digest``)
   equal to this tree's, so the table is one code's measurement even where the commits differ in
   docs or records alone. Records written before the digest existed carry none and are refused.
+* the same kind of machine and software: the GPU (name and memory), the CPU (model and count) and
+  the host RAM (within 2%: hosts of one kind report slightly different totals) of
+  ``records.machine``, and every version of ``records.versions`` but slidekit's own (the digest
+  covers it). A suite's ratios compare runs with each other, so they must not mix an H100's runs with
+  an H200's, or one host CPU's update rates with another's. Records written before the machine was
+  recorded are refused.
 
 A run counts as measured when every batch it names has a row other than "not run" (a measured
 out-of-memory or a failure is a result); the other runs, and those whose rows stop midway (a call
@@ -34,6 +40,9 @@ __all__ = ["Earlier", "check_continuable", "continue_header", "load_earlier", "m
 
 #: The suite settings a continued suite must share with the records it adds to.
 SETTINGS = ("seq", "steps", "warmup", "batches", "clips", "repeats", "partial")
+#: The fields of ``records.machine`` that must be equal; ``host_ram_gib`` must agree within ``RAM_SLACK``.
+MACHINE = ("gpu", "gpu_mem_gib", "cpu_model", "cpus")
+RAM_SLACK = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +105,32 @@ def check_continuable(earlier: Earlier, header: Mapping[str, Any]) -> None:
             f"{str(header.get('source_digest'))[:12]} here: slidekit/ or plugins/ changed since); "
             "a table holds one code's runs: start the suite again with another --out"
         )
+    differ = _machine_differences(earlier.header, header)
+    if differ:
+        raise ConfigError(
+            f"--continue {earlier.path}: measured on another machine or software ({'; '.join(differ)}); a "
+            "table compares runs of one machine: continue it on the machine kind it started on, or start "
+            "the suite again with another --out"
+        )
+
+
+def _machine_differences(theirs: Mapping[str, Any], ours: Mapping[str, Any]) -> list[str]:
+    """What differs between two suite headers' machines and versions (``MACHINE``, ``RAM_SLACK``), as
+    "field X there, Y here" phrases; a header without a machine differs in that."""
+    if not isinstance(theirs.get("machine"), Mapping):
+        return ["no machine recorded there (written before suites recorded it)"]
+    a, b = theirs["machine"], ours.get("machine") or {}
+    differ = [f"{k} {a.get(k)!r} there, {b.get(k)!r} here" for k in MACHINE if a.get(k) != b.get(k)]
+    ram_a, ram_b = a.get("host_ram_gib"), b.get("host_ram_gib")
+    if ram_a is None or ram_b is None or abs(ram_a - ram_b) > RAM_SLACK * max(ram_a, ram_b):
+        differ.append(f"host_ram_gib {ram_a!r} there, {ram_b!r} here")
+    va, vb = theirs.get("versions") or {}, ours.get("versions") or {}
+    differ += [
+        f"{k} {va.get(k)!r} there, {vb.get(k)!r} here"
+        for k in sorted(set(va) | set(vb))
+        if k != "slidekit" and va.get(k) != vb.get(k)
+    ]
+    return differ
 
 
 def measured_runs(runs: Sequence[RunSpec], rows: Sequence[Mapping[str, Any]]) -> set[str]:

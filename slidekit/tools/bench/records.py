@@ -14,6 +14,8 @@ so every row of a suite is computed the same way:
 - ``does_not_fit``: a measured out-of-memory message made short, with its cause where the size of the
   failed allocation names it (the FP32 logits of a full-vocabulary loss, say).
 - ``versions``: the packages a record was measured with, read from their metadata (nothing imported).
+- ``machine``: what a suite ran on (GPU, its memory, CPU model and count, host RAM): a suite measured
+  over several calls must have run every call on one kind of machine (``continuing``).
 
 Test: ``pytest tests/test_bench.py``.
 """
@@ -21,8 +23,10 @@ Test: ``pytest tests/test_bench.py``.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import re
+import subprocess
 from collections.abc import Iterator, Sequence
 from statistics import median
 from typing import TYPE_CHECKING, Any
@@ -42,6 +46,7 @@ __all__ = [
     "PACKAGES",
     "does_not_fit",
     "lane_metrics",
+    "machine",
     "peak_gpu_gib",
     "peak_rss_gib",
     "run_header",
@@ -182,6 +187,49 @@ def lane_metrics(
     in_bwd = [t["bwd_busy"] / t["bwd_window"] for t in timings if t.get("bwd_window")]
     out["gpu_busy_bwd"] = round(median(in_bwd), 3) if in_bwd else None
     return out
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo's first "model name"; ``platform.processor()`` elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _nvidia_gpu() -> tuple[str | None, float | None]:
+    """The first NVIDIA GPU's name and memory in GiB, from ``nvidia-smi`` (the suite's own process stays out
+    of CUDA: its runs need the whole device); (None, None) where there is none or it does not answer."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        name, mib = (part.strip() for part in out.strip().splitlines()[0].rsplit(",", 1))
+        return name, round(float(mib) / 1024, 1)
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None, None
+
+
+def machine() -> dict[str, Any]:
+    """What this process runs on: the first GPU's name and memory (None where ``nvidia-smi`` finds none),
+    the CPU model and count, and the host RAM, in GiB to 0.1."""
+    gpu, mem = _nvidia_gpu()
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "gpu": gpu,
+        "gpu_mem_gib": mem,
+        "cpu_model": _cpu_model(),
+        "cpus": os.cpu_count(),
+        "host_ram_gib": round(ram / 2**30, 1),
+    }
 
 
 def versions() -> dict[str, str | None]:

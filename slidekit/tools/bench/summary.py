@@ -358,12 +358,14 @@ def suite_markdown(header: dict[str, Any], rows: Sequence[dict[str, Any]], *, re
     gpus = sorted({str(r["gpu"]) for r in ok if r.get("gpu")}) or sorted({str(r.get("device")) for r in ok})
     v = header.get("versions", {})
     versions = ", ".join(f"{k} {v[k]}" for k in v if v[k]) or "unknown"
+    m = header.get("machine") or {}
+    host = f" (host: {m.get('cpu_model')}, {m.get('cpus')} CPUs, {m.get('host_ram_gib')} GiB RAM)" if m else ""
     s = header.get("suite", {})
     lines = [
         f"## Suite {header.get('name')}: {header.get('model')}{size}, seq {s.get('seq')}",
         "",
         f"{_calls_line(header)}; measured on "
-        f"{', '.join(gpus) or 'nothing (no run measured)'}; {versions}. Raw records: "
+        f"{', '.join(gpus) or 'nothing (no run measured)'}{host}; {versions}. Raw records: "
         f"[{records_name}]({records_name}).",
         "",
         f"Each cell: tokens/s of {s.get('steps')} consecutive timed steps after {s.get('warmup')} warm-up "
