@@ -107,9 +107,11 @@ class EngineBuilding:
         """What this machine has for the run (measured once, unless given to the constructor); a
         data-parallel rank's share of it, agreed with the other ranks (``slidekit.distributed.planning``)."""
         if self._machine is None or (self.parallel is not None and not self._machine_shared):
-            here = self._machine or Machine.probe(self.device, self.config.engine.offload_dir, self.config.run.dir)
-            if self.parallel is not None:
-                here = rank_machine(here, self.parallel)
+            here = self._machine or Machine.probe(
+                self.device, self.config.engine.offload_dir, self.config.run.dir, rates=self.parallel is None
+            )
+            if self.parallel is not None:  # a GPU's rates probed after every rank read its free memory
+                here = rank_machine(here, self.parallel, None if self._machine else self.device)
                 self._machine_shared = True
             self._machine = here
         return self._machine

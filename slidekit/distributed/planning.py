@@ -12,7 +12,9 @@ would wait for each other forever. Two things make them agree:
   rank saw (which is also a barrier: no rank allocates before every rank has
   probed, so no probe sees another rank's buffers), and each rank takes its
   share of it: the ranks of one host split its RAM and disks, the ranks of
-  one GPU its memory (``Machine.share``).
+  one GPU its memory (``Machine.share``). Where the rates were probed (a GPU
+  no profile knows, ``slidekit.planning.probe``), a second collective takes
+  the slowest rank's measurements, so every rank prices layouts alike.
 * ``check_same_decisions``: before anything is allocated, the ranks compare a
   digest of their decisions, and refuse to start when they differ.
 
@@ -36,10 +38,12 @@ __all__ = ["check_same_decisions", "decisions", "rank_machine"]
 _FREE = ("device_free", "host_available", "disk_free", "run_dir_free")
 
 
-def rank_machine(machine: Machine, parallel: DataParallel) -> Machine:
-    """This rank's share of ``machine``, planned on the least free memory and disk any rank measured.
+def rank_machine(machine: Machine, parallel: DataParallel, device: object = None) -> Machine:
+    """This rank's share of ``machine``, planned on the least free memory and disk any rank measured, and
+    on rates every rank shares: where ``machine`` has none for a GPU no profile knows, each rank probes
+    its ``device`` once every rank has read its free memory, and all take the slowest measurements.
 
-    A collective on the ``control`` group: every rank calls it once, at the same point of its set-up.
+    Collectives on the ``control`` group: every rank calls it once, at the same point of its set-up.
     """
     seen = [getattr(machine, name) for name in _FREE]
     least = parallel.all_reduce([math.inf if v is None else float(v) for v in seen], op="min")
@@ -51,8 +55,32 @@ def rank_machine(machine: Machine, parallel: DataParallel) -> Machine:
         disk_free=disk_free,
         run_dir_free=run_dir_free,
     )
+    agreed = _agreed_rates(agreed, parallel, device)
     host, device = parallel.sharing()
     return agreed.share(host, device)
+
+
+def _agreed_rates(machine: Machine, parallel: DataParallel, device: object) -> Machine:
+    """The rates every rank plans with where they are probed (a GPU no profile knows; probed here, after
+    the free-memory collective, when ``machine`` has none and ``device`` is given): made of the slowest
+    rank's measurements, each figure the least any rank measured, so the ranks decide alike
+    (``check_same_decisions``). One collective on ``control``, whether or not this rank probed."""
+    import torch
+
+    from slidekit.planning.probe import Probed, measure, rates_from
+
+    probed = machine.probed
+    if probed is None and machine.rates is None and device is not None:
+        dev = torch.device(str(device))
+        if dev.type == "cuda":
+            probed = measure(dev)
+    width = len(Probed.__dataclass_fields__)
+    mine = [math.inf] * width if probed is None else probed.values()
+    least = parallel.all_reduce([float(v) for v in mine], op="min")
+    if any(math.isinf(v) for v in least):
+        return machine  # no rank probed: every rank has its profile's rates (or none)
+    probed = Probed.of(least)
+    return dataclasses.replace(machine, probed=probed, rates=rates_from(probed, machine.gpu))
 
 
 def decisions(layout: Layout) -> str:

@@ -2,7 +2,8 @@
 and (``rates``) what it sustains, for the step-time model.
 
 ``Machine.probe`` measures it (and takes the rates of a known GPU's profile,
-``slidekit.planning.profiles``); tests and what-if planning build one by hand
+``slidekit.planning.profiles``, or, for a GPU no profile knows, measures them
+in about a second, ``slidekit.planning.probe``); tests and what-if planning build one by hand
 (``what_if`` names the figures given rather than probed). A data-parallel
 rank plans on its share (``Machine.share``): the ranks of one host split its
 RAM and disks, the ranks of one GPU its memory.
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 from slidekit.telemetry import proc_sizes
 
 if TYPE_CHECKING:
+    from slidekit.planning.probe import Probed
     from slidekit.planning.rates import Rates
 
 __all__ = ["GIB", "Machine", "fmt_gib"]
@@ -45,6 +47,7 @@ class Machine:
     run_dir_checkpoints: int = 0  # step-* checkpoints already in the run directory
     run_dir_shares_disk: bool = False  # the run directory is on the offload directory's file system
     rates: Rates | None = None  # what it sustains (None: unknown, the planner then ranks by a fixed rule)
+    probed: Probed | None = None  # the measurements ``rates`` were made of, for a GPU no profile knows
     gpu: str = ""  # the GPU's name (a profile's name in a what-if)
     what_if: frozenset[str] = frozenset()  # the figures given, not probed: "gpu", "ram", "disk"
     host_ranks: int = 1  # data-parallel ranks sharing this host's RAM and disks (this is one rank's share)
@@ -76,14 +79,19 @@ class Machine:
         )
 
     @classmethod
-    def probe(cls, device: object, offload_dir: str | None, run_dir: str | None = None) -> Machine:
-        """Measure this machine, for ``device`` (a torch.device), ``offload_dir`` and ``run_dir``."""
+    def probe(
+        cls, device: object, offload_dir: str | None, run_dir: str | None = None, *, rates: bool = True
+    ) -> Machine:
+        """Measure this machine, for ``device`` (a torch.device), ``offload_dir`` and ``run_dir``; with
+        ``rates=False`` a GPU no profile knows is left without rates (a data-parallel rank measures them
+        once every rank has read its free memory: ``slidekit.distributed.planning.rank_machine``)."""
+        measure_rates = rates
         import torch
 
         dev = torch.device(str(device))
         free = total = None
         kind = "cpu"
-        gpu, rates = "", None
+        gpu, found, probed = "", None, None
         if dev.type == "cuda":
             from slidekit.planning.profiles import profile_for_device
 
@@ -91,7 +99,13 @@ class Machine:
             kind = "rocm" if torch.version.hip else "cuda"
             gpu = torch.cuda.get_device_name(dev)
             known = profile_for_device(gpu)
-            rates = known.rates if known is not None else None
+            if known is not None:
+                found = known.rates
+            elif measure_rates:  # measured after the free memory was read: the probe's own blocks never count
+                from slidekit.planning.probe import measure, rates_from
+
+                probed = measure(dev)
+                found = rates_from(probed, gpu)
         info = proc_sizes("/proc/meminfo")
         host_total = info.get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         host_available = info.get("MemAvailable", host_total)
@@ -116,7 +130,8 @@ class Machine:
             run_dir_free=run_free,
             run_dir_checkpoints=existing,
             run_dir_shares_disk=shared,
-            rates=rates,
+            rates=found,
+            probed=probed,
             gpu=gpu,
         )
 

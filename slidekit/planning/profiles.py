@@ -10,7 +10,8 @@ its memory, tensor rate, memory bandwidth and bus are NVIDIA's published
 figures scaled by the share of the H200's published figures that the H200
 achieved here, and its host (CPU, RAM bandwidth, disk) is an assumed 256 GB
 workstation; each source says which. ``Machine.probe`` takes a profile's
-rates when the GPU it finds has the profile's name in its own.
+rates when the GPU it finds has the profile's name in its own, and probes them for
+any other GPU (``slidekit.planning.probe``: five micro-benchmarks scaling these figures).
 
 Test: ``pytest tests/test_timing.py -k profile``.
 """

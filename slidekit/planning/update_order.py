@@ -13,7 +13,8 @@ backups), so the next forward's uploads overlap the updates still running.
 The bits are the same either way: each unit's update reads only its own
 gradient. "auto" is "forward" where the step-time model, on a GPU with
 known rates, predicts it faster and host RAM holds the buffers; without a
-prediction (the CPU, a GPU without rates) it is "arrival". The planner
+prediction (the CPU) it is "arrival"; a GPU no profile knows has its rates probed
+(``slidekit.planning.probe``). The planner
 plans memory and placements in the arrival order; ``order_layout`` then
 adds the buffers. A step that clips or skips non-finite steps defers its
 updates (or speculates) in forward order anyway, so a layout that keeps

@@ -83,3 +83,29 @@ def agreed_machine(rank: int, world: int, store: str) -> Any:
         return rank_machine(seen, parallel)
     finally:
         parallel.close()
+
+
+def agreed_probed_machine(rank: int, world: int, store: str) -> Any:
+    """The rates rank ``rank`` plans with when each rank probed its GPU and measured differently."""
+    import dataclasses
+
+    from slidekit.distributed.planning import rank_machine
+    from slidekit.planning import Machine
+    from slidekit.planning.probe import H200_PROBE, rates_from
+
+    probed = dataclasses.replace(H200_PROBE, matmul_tflops=700.0 + 50 * rank, host_gbps=90.0 - 10 * rank)
+    seen = Machine(
+        device_type="cuda",
+        device_free=70 * GIB,
+        device_total=80 * GIB,
+        host_available=60 * GIB,
+        host_total=64 * GIB,
+        rates=rates_from(probed, "Some GPU"),
+        probed=probed,
+        gpu="Some GPU",
+    )
+    parallel = _dp(rank, world, store)
+    try:
+        return rank_machine(seen, parallel)
+    finally:
+        parallel.close()

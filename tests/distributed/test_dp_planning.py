@@ -10,7 +10,7 @@ from __future__ import annotations
 import types
 
 import pytest
-from dp_plan_jobs import GIB, Build, agreed_machine, footprint_against_layout
+from dp_plan_jobs import GIB, Build, agreed_machine, agreed_probed_machine, footprint_against_layout
 from dp_ranks import run_ranks
 from planning_fixtures import cuda_machine, planner, tiny_spec
 
@@ -127,6 +127,18 @@ def test_ranks_plan_on_the_least_any_of_them_measured_and_split_the_host():
         assert m.host_available == 10 * GIB // 2  # rank 0 saw the least RAM; two ranks on this host
         assert m.disk_free == 99 * GIB // 2  # rank 1 saw the least disk
         assert m.run_dir_free is None and m.host_ranks == 2
+
+
+def test_ranks_that_probed_their_gpu_plan_with_the_slowest_measurements():
+    """A GPU no profile knows has its rates probed on every rank (``slidekit.planning.probe``); rates that
+    differ would make the ranks decide differently, so they agree on the least each figure measured."""
+    from slidekit.planning.probe import H200_PROBE
+
+    machines = [o.ok() for o in run_ranks(agreed_probed_machine, 2)]
+    for m in machines:
+        assert m.probed.matmul_tflops == 700.0 and m.probed.host_gbps == 80.0  # rank 0's and rank 1's
+        assert m.probed.device_gbps == H200_PROBE.device_gbps
+        assert m.rates == machines[0].rates and m.rates.name == "Some GPU (probed)"
 
 
 # ---------------------------------------------------------------------- every rank allocates its layout
