@@ -98,3 +98,14 @@ def test_machine_probe_on_a_gpu_has_rates_either_way():
         assert torch.cuda.memory_reserved() == 0 or torch.cuda.mem_get_info()[0] >= before - (256 << 20)
     else:
         assert machine.probed is None and machine.rates is profile_for_device(machine.gpu).rates
+
+
+def test_a_probe_that_cannot_run_warns_and_plans_without_rates(monkeypatch):
+    from slidekit.planning import probe
+
+    def out_of_memory(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    monkeypatch.setattr(probe, "_matmul_tflops", out_of_memory)
+    with pytest.warns(RuntimeWarning, match="could not measure the rates of cpu .*planning without rates"):
+        assert probe.measure_or_none(torch.device("cpu")) is None

@@ -102,10 +102,10 @@ class Machine:
             if known is not None:
                 found = known.rates
             elif measure_rates:  # measured after the free memory was read: the probe's own blocks never count
-                from slidekit.planning.probe import measure, rates_from
+                from slidekit.planning.probe import measure_or_none, rates_from
 
-                probed = measure(dev)
-                found = rates_from(probed, gpu)
+                probed = measure_or_none(dev)
+                found = None if probed is None else rates_from(probed, gpu)
         info = proc_sizes("/proc/meminfo")
         host_total = info.get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         host_available = info.get("MemAvailable", host_total)

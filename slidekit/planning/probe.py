@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -36,7 +37,7 @@ import torch
 
 from slidekit.planning.rates import Rates, UpdateRate
 
-__all__ = ["H200_PROBE", "Probed", "measure", "rates_from"]
+__all__ = ["H200_PROBE", "Probed", "measure", "measure_or_none", "rates_from"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -214,3 +215,20 @@ def rates_from(probed: Probed, gpu: str, *, base: Rates | None = None, base_prob
 
 def _pairs(a: Probed, b: Probed) -> list[tuple[str, float, float]]:
     return [(f.name, getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(Probed)]
+
+
+def measure_or_none(device: torch.device) -> Probed | None:
+    """``measure``, or None with a warning when it cannot run (the device's memory is taken, a copy
+    fails): the plan then has no rates and every "auto" keeps its fixed choice, as before probing."""
+    try:
+        return measure(device)
+    except (RuntimeError, OSError) as exc:  # torch.cuda.OutOfMemoryError is a RuntimeError
+        warnings.warn(
+            f"could not measure the rates of {device} ({exc}); planning without rates: the \"auto\" settings "
+            "keep their fixed choices (engine.update_order, optim.clip_overlap)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return None
