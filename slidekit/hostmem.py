@@ -37,6 +37,8 @@ import torch
 __all__ = ["CudaPages", "HostBuffers", "PageLocker", "registered_bytes"]
 
 _PAGE = mmap.PAGESIZE
+#: How long a thread waits for another's page-locking of the same buffer (a 10 GiB region locks in ~3 s).
+LOCK_WAIT_S = 300.0
 _REGISTERED = [0]  # bytes page-locked by every pool of this process, for leak checks
 
 
@@ -134,8 +136,12 @@ class HostBuffers:
             busy = self._locking.get(ptr)
             if busy is None:
                 done = self._locking[ptr] = threading.Event()
-        if busy is not None:
-            busy.wait()  # the other thread's cudaHostRegister returns (or raises) in bounded time
+        if busy is not None:  # another thread is locking it: wait for its cudaHostRegister, not forever
+            if not busy.wait(timeout=LOCK_WAIT_S):
+                raise TimeoutError(
+                    f"page-locking a {t.numel() * t.element_size()} byte host buffer took over {LOCK_WAIT_S:.0f} s in "
+                    "another thread; the CUDA driver may be stuck (check nvidia-smi)"
+                )
             return
         span = raw.numel() - _PAGE
         try:

@@ -137,3 +137,30 @@ def test_a_failed_lock_raises_leaves_the_buffer_usable_and_can_be_tried_again():
         pool.empty(100, torch.float32)  # locked at once: the failure drops the buffer again
     pool.close()
     assert pages.locked == {}
+
+
+def test_a_thread_waiting_for_a_stuck_lock_gives_up_naming_it(monkeypatch):
+    import slidekit.hostmem as hostmem
+
+    release = threading.Event()
+
+    inside = threading.Event()
+
+    class Stuck(_Pages):
+        def register(self, ptr: int, nbytes: int) -> None:
+            inside.set()
+            release.wait(10)
+            super().register(ptr, nbytes)
+
+    monkeypatch.setattr(hostmem, "LOCK_WAIT_S", 0.2)
+    pool = HostBuffers(pin=True, pages=Stuck())
+    buf = pool.empty(1000, torch.float32, lock_now=False)
+    first = threading.Thread(target=pool.lock, args=(buf,))
+    first.start()
+    assert inside.wait(10)  # the first thread is inside register
+    with pytest.raises(TimeoutError, match="page-locking a 4000 byte host buffer took over 0 s"):
+        pool.lock(buf)
+    release.set()
+    first.join(timeout=10)
+    assert pool.locked(buf)
+    pool.close()
