@@ -9,7 +9,8 @@ pages) and copies to and from it are still truly asynchronous.
 
 Page-locking is not free: ``cudaHostRegister`` touches every page, so
 locking the Adam moments of a 3B model (24.7 GB) took 7.1 s of its 14.2 s
-setup (docs/benchmarks/NOTES.md 34), for memory that only the CPU ever reads. ``empty(..., lock_now=False)`` hands out a buffer that is
+setup (docs/benchmarks/NOTES.md 34), for memory that only the CPU ever
+reads. ``empty(..., lock_now=False)`` hands out a buffer that is
 page-aligned but locked only when ``lock`` is called, by whoever is about to
 copy it to or from a device (the ram tier, on a region's first device
 transfer); a buffer never copied is never locked. Until then it is ordinary

@@ -3,7 +3,8 @@ and (``rates``) what it sustains, for the step-time model.
 
 ``Machine.probe`` measures it (and takes the rates of a known GPU's profile,
 ``slidekit.planning.profiles``, or, for a GPU no profile knows, measures them
-in about a second, ``slidekit.planning.probe``); tests and what-if planning build one by hand
+in about a second, ``slidekit.planning.probe``); tests and what-if planning
+build one by hand
 (``what_if`` names the figures given rather than probed). A data-parallel
 rank plans on its share (``Machine.share``): the ranks of one host split its
 RAM and disks, the ranks of one GPU its memory.
@@ -85,7 +86,6 @@ class Machine:
         """Measure this machine, for ``device`` (a torch.device), ``offload_dir`` and ``run_dir``; with
         ``rates=False`` a GPU no profile knows is left without rates (a data-parallel rank measures them
         once every rank has read its free memory: ``slidekit.distributed.planning.rank_machine``)."""
-        measure_rates = rates
         import torch
 
         dev = torch.device(str(device))
@@ -101,7 +101,7 @@ class Machine:
             known = profile_for_device(gpu)
             if known is not None:
                 found = known.rates
-            elif measure_rates:  # measured after the free memory was read: the probe's own blocks never count
+            elif rates:  # measured after the free memory was read: the probe's own blocks never count
                 from slidekit.planning.probe import measure_or_none, rates_from
 
                 probed = measure_or_none(dev)
