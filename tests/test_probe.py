@@ -109,3 +109,19 @@ def test_a_probe_that_cannot_run_warns_and_plans_without_rates(monkeypatch):
     monkeypatch.setattr(probe, "_matmul_tflops", out_of_memory)
     with pytest.warns(RuntimeWarning, match="could not measure the rates of cpu .*planning without rates"):
         assert probe.measure_or_none(torch.device("cpu")) is None
+
+
+def test_a_process_measures_each_device_once(monkeypatch):
+    from slidekit.planning import probe
+
+    calls = []
+
+    def fake(device):
+        calls.append(str(device))
+        return H200_PROBE
+
+    monkeypatch.setattr(probe, "measure_or_none", fake)
+    monkeypatch.setattr(probe, "_MEASURED", {})
+    cpu = torch.device("cpu")
+    assert probe.measure_once(cpu) is H200_PROBE and probe.measure_once(cpu) is H200_PROBE
+    assert calls == ["cpu"]

@@ -67,13 +67,13 @@ def _agreed_rates(machine: Machine, parallel: DataParallel, device: object) -> M
     (``check_same_decisions``). One collective on ``control``, whether or not this rank probed."""
     import torch
 
-    from slidekit.planning.probe import Probed, measure_or_none, rates_from
+    from slidekit.planning.probe import Probed, measure_once, rates_from
 
     probed = machine.probed
     if probed is None and machine.rates is None and device is not None:
         dev = torch.device(str(device))
         if dev.type == "cuda":
-            probed = measure_or_none(dev)  # None (a warning) where it cannot: the other ranks' figures
+            probed = measure_once(dev)  # None (a warning) where it cannot: the other ranks' figures
     width = len(Probed.__dataclass_fields__)
     mine = [math.inf] * width if probed is None else probed.values()
     least = parallel.all_reduce([float(v) for v in mine], op="min")

@@ -102,9 +102,9 @@ class Machine:
             if known is not None:
                 found = known.rates
             elif rates:  # measured after the free memory was read: the probe's own blocks never count
-                from slidekit.planning.probe import measure_or_none, rates_from
+                from slidekit.planning.probe import measure_once, rates_from
 
-                probed = measure_or_none(dev)
+                probed = measure_once(dev)
                 found = None if probed is None else rates_from(probed, gpu)
         info = proc_sizes("/proc/meminfo")
         host_total = info.get("MemTotal") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -16,9 +16,9 @@ the matrix product, the device passes with the copy, the bus with the copies, th
 rates and backups with the triad (they are bound by host memory). The per-step host overhead and the
 disk are the H200 host's, said so in their sources (the disk tier's own bandwidth test measures it).
 
-Machine.probe calls ``measure`` where no profile matches a CUDA device; a data-parallel run agrees
-on the slowest rank's measurements (``slidekit.distributed.planning.rank_machine``), so every rank
-plans with the same rates. Memory: ~1.4 GiB on the device and 1 GiB of host RAM (a quarter of it
+Machine.probe calls ``measure_once`` (once per device and process) where no profile matches a CUDA
+device; a data-parallel run agrees on the slowest rank's measurements
+(``slidekit.distributed.planning.rank_machine``), so every rank plans with the same rates. Memory: ~1.4 GiB on the device and 1 GiB of host RAM (a quarter of it
 page-locked), all given back before it returns. Time: ~0.3 s on an H200 plus the page-locking.
 
 Test: ``pytest tests/test_probe.py`` (the CPU runs ``measure`` at small sizes; the GPU gate on the GPU).
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -37,7 +38,7 @@ import torch
 
 from slidekit.planning.rates import Rates, UpdateRate
 
-__all__ = ["H200_PROBE", "Probed", "measure", "measure_or_none", "rates_from"]
+__all__ = ["H200_PROBE", "Probed", "measure", "measure_once", "measure_or_none", "rates_from"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -232,3 +233,21 @@ def measure_or_none(device: torch.device) -> Probed | None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return None
+
+
+#: What ``measure_once`` found per device in this process ("cuda:0" -> figures, or None when it could not).
+_MEASURED: dict[str, Probed | None] = {}
+_MEASURED_LOCK = threading.Lock()
+
+
+def measure_once(device: torch.device) -> Probed | None:
+    """``measure_or_none`` the first time a process asks about ``device``, the same figures after: a
+    process that builds several trainers (a benchmark's batches, a test suite) probes each GPU once, and
+    its plans agree with each other."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = str(device)
+    with _MEASURED_LOCK:
+        if key not in _MEASURED:
+            _MEASURED[key] = measure_or_none(device)
+        return _MEASURED[key]
