@@ -269,6 +269,32 @@ def test_a_suite_ahead_of_its_plan_takes_up_what_the_plan_left_out(tmp_path, mon
         assert "taken_up" not in by["slidekit (resident all)"]
 
 
+def test_on_a_host_slower_than_the_records_a_run_that_would_overrun_the_budget_is_not_started(tmp_path, monkeypatch):
+    """Every run takes twice its prediction (the records came from a faster host). The plan keeps all
+    three within the budget; after the first, the call's pace (2x) says the next would not finish
+    before the budget's end, so it is not started and the clock never runs past the budget, where
+    predictions alone would have started it and had it cut off."""
+    scripts, out = tmp_path / "scripts", tmp_path / "out"
+    scripts.mkdir()
+    fake_systems(scripts)
+    argv = ["bench", "--model", "tiny", "--batch", "2", "--seq", "16", "--steps", "2", "--warmup", "1"]
+    argv += ["--resident", "all,none,0.5", "--baselines", "", "--repeats", "1", "--commit", "c0ffee"]
+    argv += ["--baselines-dir", str(scripts), "--out", str(out), "--no-prebuild"]
+    the_suite = build_suite(build_parser().parse_args(argv))
+    predicted = [p.predicted_s for p in make_plan(the_suite, expand(the_suite), budget_s=None, prebuild=False).runs]
+    budget = sum(predicted) + 1.0
+    args = build_parser().parse_args([*argv, "--time-budget", str(budget)])
+    assert all(p.keep for p in make_plan(the_suite, expand(the_suite), budget_s=budget, prebuild=False).runs)
+    assert 2 * (predicted[0] + predicted[1]) > budget  # without the pace the second run would overrun
+    clock = clock_of_predictions(monkeypatch, 2.0)
+    rows = bench(args, watchdog=None, clock=clock)
+    assert clock() <= budget
+    assert rows[0]["status"] == "ok" and "pace" not in rows[0]  # nothing measured before the first run
+    skipped = [r for r in rows if r["status"] == "not run"]
+    assert skipped and all("at this call's pace 2.00x" in r["reason"] for r in skipped)
+    assert {r["status"] for r in rows} <= {"ok", "not run"}
+
+
 def test_a_missing_replacement_script_is_that_run_s_reason(tmp_path):
     argv = [
         "bench",

@@ -10,7 +10,11 @@
    x its batches. A run whose prediction is more than what is left of the budget is not started
    ("not run: time budget"). A run the plan left out starts after all when the suite is ahead of its
    plan: when its prediction, plus the predictions of the kept runs still to come, fits in what is
-   left (and it needs no build the plan did not make). Each JSON line a child prints becomes a row at once: printed as a
+   left (and it needs no build the plan did not make). Predictions come from other machines' records,
+   so once runs have finished each prediction is scaled by this call's pace: the seconds the runs
+   so far took over the seconds predicted for them (``pace``, 0.5-3x): on a host 1.5x slower than the
+   records', a run that would be cut off by the budget's end is not started, and its time goes to
+   the runs that fit. Each JSON line a child prints becomes a row at once: printed as a
    progress line on stderr and appended to the suite's JSONL, so a suite killed midway keeps what
    finished. Every batch a run printed nothing for gets a row saying why (timed out, exit code and
    last error line, host RAM exhausted); a record naming no batch speaks for every batch.
@@ -226,8 +230,11 @@ def run_suite(
     def left() -> float:
         return plan.budget_s - (clock() - start) if plan.budget_s is not None else math.inf
 
+    spent = [0.0, 0.0]  # seconds the runs started so far took, and their predicted seconds
     kept_after = [sum(p.predicted_s for p in plan.runs[i + 1 :] if p.keep) for i in range(len(plan.runs))]
     for i, planned in enumerate(plan.runs):
+        rate = pace(*spent)
+        need = planned.predicted_s * rate
         run = planned.run
         base = {"record": "run", "suite": suite.name, "model": suite.model, "seq": suite.seq, **identity}
         base |= {"system": run.system, "label": run.label, "kind": run.kind, "cost_key": run.cost_key}
@@ -236,20 +243,18 @@ def run_suite(
         base |= {"ranks": run.ranks, "family": run.family or run.label}
         if run.levers:  # only where the mode sets them: other suites' rows stay as they were
             base["levers"] = dict(run.levers)
-        ahead = not planned.keep and _taken_up(planned, plan, left() - kept_after[i])
-        if not (planned.keep or ahead) or planned.predicted_s > left() or left() < _MIN_RUN_S:
-            why = f"not run: time budget (predicted {planned.predicted_s:.0f} s; "
+        ahead = not planned.keep and _taken_up(planned, plan, left() - rate * kept_after[i], rate)
+        if not (planned.keep or ahead) or need > left() or left() < _MIN_RUN_S:
+            why = f"not run: time budget (predicted {planned.predicted_s:.0f} s"
+            why += f", {need:.0f} s at this call's pace {rate:.2f}x; " if rate != 1.0 else "; "
             why += f"{max(left(), 0):.0f} s were left)" if planned.keep else "the plan left it out)"
             for batch in run.batches:
                 recorder.add({**base, "batch": batch, "status": "not run", "reason": why})
             continue
         if watchdog is not None:  # a child killed before may still be giving its memory back
-            available = watchdog.settle(timeout_s=min(60.0, max(left() - planned.predicted_s, 0.0)))
+            available = watchdog.settle(timeout_s=min(60.0, max(left() - need, 0.0)))
             base["mem_available_at_start_gib"] = None if available is None else round(available / 2**30, 1)
-        if plan.budget_s is not None:
-            limit = min(left(), 2 * planned.predicted_s + 30)
-        else:
-            limit = args.timeout * len(run.batches)
+        limit = min(left(), 2 * need + 30) if plan.budget_s is not None else args.timeout * len(run.batches)
         cmd = _command(args, run, suite)
         if isinstance(cmd, str):
             for batch in run.batches:
@@ -260,16 +265,35 @@ def run_suite(
         env = child_env(suite, run)
         if env:
             base["env"] = env
+        if rate != 1.0:
+            base["pace"] = round(rate, 3)
+        t0 = clock()
         _one_run(run, cmd, limit, base, recorder, logs, watchdog, env)
+        spent[0] += clock() - t0
+        spent[1] += planned.predicted_s
     recorder.rewrite()
     return recorder.rows
 
 
-def _taken_up(planned: Planned, plan: Plan, spare_s: float) -> bool:
-    """Whether a run the plan left out starts after all: its prediction fits in ``spare_s`` (what is
-    left once the kept runs still to come have their predicted time) and every build it needs was made."""
+#: The range a call's pace is held to: a run that fails at once must not make every later one look short.
+PACE_RANGE = (0.5, 3.0)
+
+
+def pace(took_s: float, predicted_s: float) -> float:
+    """This call's pace: the seconds the runs so far took over their predicted seconds, within
+    ``PACE_RANGE``; 1 before any run has finished."""
+    if predicted_s <= 0:
+        return 1.0
+    low, high = PACE_RANGE
+    return min(max(took_s / predicted_s, low), high)
+
+
+def _taken_up(planned: Planned, plan: Plan, spare_s: float, rate: float = 1.0) -> bool:
+    """Whether a run the plan left out starts after all: its prediction at this call's ``rate`` fits in
+    ``spare_s`` (what is left once the kept runs still to come have their time) and every build it
+    needs was made."""
     built = not plan.prebuild or set(builds_for([planned.run])) <= set(plan.builds)
-    return planned.predicted_s <= spare_s and built
+    return planned.predicted_s * rate <= spare_s and built
 
 
 def _one_run(
