@@ -235,10 +235,9 @@ def test_a_suite_on_stand_ins_repeats_recipes_budget_watchdog_and_table(tmp_path
     assert "### Recipe: max_grad_norm 1" in text and "Commit `c0ffee`" in text
 
 
-@pytest.mark.parametrize("speed", [1.0, 0.25])
-def test_a_suite_ahead_of_its_plan_takes_up_what_the_plan_left_out(tmp_path, monkeypatch, speed):
-    """The plan keeps two of three runs; on time the third is left out, at a quarter of the predicted time
-    the suite is ahead when it comes to the third, which fits in what is left, and runs."""
+def _three_runs(tmp_path):
+    """A suite of three slidekit runs (resident all, none, 0.5) of the stand-in scripts, one batch each:
+    its argv (without a budget), the suite and each run's predicted seconds, in plan order."""
     scripts, out = tmp_path / "scripts", tmp_path / "out"
     scripts.mkdir()
     fake_systems(scripts)
@@ -246,9 +245,15 @@ def test_a_suite_ahead_of_its_plan_takes_up_what_the_plan_left_out(tmp_path, mon
     argv += ["--resident", "all,none,0.5", "--baselines", "", "--repeats", "1", "--commit", "c0ffee"]
     argv += ["--baselines-dir", str(scripts), "--out", str(out), "--no-prebuild"]
     the_suite = build_suite(build_parser().parse_args(argv))
-    predicted = [
-        p.predicted_s for p in make_plan(the_suite, expand(the_suite), budget_s=None, prebuild=False).runs
-    ]
+    plan = make_plan(the_suite, expand(the_suite), budget_s=None, prebuild=False)
+    return argv, the_suite, [p.predicted_s for p in plan.runs]
+
+
+@pytest.mark.parametrize("speed", [1.0, 0.25])
+def test_a_suite_ahead_of_its_plan_takes_up_what_the_plan_left_out(tmp_path, monkeypatch, speed):
+    """The plan keeps two of three runs; on time the third is left out, at a quarter of the predicted time
+    the suite is ahead when it comes to the third, which fits in what is left, and runs."""
+    argv, the_suite, predicted = _three_runs(tmp_path)
     budget = predicted[0] + predicted[1] + 0.5 * predicted[2]
     args = build_parser().parse_args([*argv, "--time-budget", str(budget)])
     assert [
@@ -274,14 +279,7 @@ def test_on_a_host_slower_than_the_records_a_run_that_would_overrun_the_budget_i
     three within the budget; after the first, the call's pace (2x) says the next would not finish
     before the budget's end, so it is not started and the clock never runs past the budget, where
     predictions alone would have started it and had it cut off."""
-    scripts, out = tmp_path / "scripts", tmp_path / "out"
-    scripts.mkdir()
-    fake_systems(scripts)
-    argv = ["bench", "--model", "tiny", "--batch", "2", "--seq", "16", "--steps", "2", "--warmup", "1"]
-    argv += ["--resident", "all,none,0.5", "--baselines", "", "--repeats", "1", "--commit", "c0ffee"]
-    argv += ["--baselines-dir", str(scripts), "--out", str(out), "--no-prebuild"]
-    the_suite = build_suite(build_parser().parse_args(argv))
-    predicted = [p.predicted_s for p in make_plan(the_suite, expand(the_suite), budget_s=None, prebuild=False).runs]
+    argv, the_suite, predicted = _three_runs(tmp_path)
     budget = sum(predicted) + 1.0
     args = build_parser().parse_args([*argv, "--time-budget", str(budget)])
     assert all(p.keep for p in make_plan(the_suite, expand(the_suite), budget_s=budget, prebuild=False).runs)
