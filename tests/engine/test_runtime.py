@@ -22,9 +22,16 @@ class Boom(Exception):
 
 def test_a_task_error_reaches_a_waiter_on_another_future():
     p = Pipeline(timeout_s=30)
-    gate = threading.Event()
-    slow = p.submit("h2d", gate.wait)  # runs until the gate opens, which only happens below
+    gate, started = threading.Event(), threading.Event()
+
+    def upload() -> None:
+        started.set()
+        gate.wait()
+
+    slow = p.submit("h2d", upload)  # runs until the gate opens, which only happens below
     try:
+        # Running before the failure: a task that starts after it is cancelled (finished) instead.
+        assert started.wait(30), "the upload lane never started its task"
 
         def explode():
             raise Boom("optimizer died")
