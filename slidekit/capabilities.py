@@ -4,15 +4,17 @@ A ``UnitOptimizer`` declares two capabilities (its docstring in
 ``slidekit.interfaces`` defines them): ``device_update`` (``step`` also runs
 on tensors on the compute device, so units can be resident there) and
 ``linear_state`` (its state is linear in the parameters, so a unit can be
-updated, and its state streamed, piece by piece), and may declare a third,
-optional one, ``fused_backup`` (``step`` also writes speculative clipping's
+updated, and its state streamed, piece by piece), and may declare two
+optional ones: ``fused_backup`` (``step`` also writes speculative clipping's
 backup, ``FusedBackupOptimizer``; ``fuses_backup`` reads it, False where it is
-not declared). The engine and the planner
+not declared) and ``fused_update_out`` (``step`` also writes the updated
+master and state into other buffers and leaves its inputs as they were,
+``updates_out_of_place`` reads it). The engine and the planner
 read the declarations and never probe. What can be checked without running
 the optimizer is checked here, once, when a run builds it
 (``slidekit.resolve.build_optimizer``):
 
-* both attributes are there and are bools; ``fused_backup``, where declared, is a bool;
+* both attributes are there and are bools; the optional ones, where declared, are bools;
 * ``linear_state = True`` agrees with the optimizer's own ``state_layout``:
   ``state_layout(a + m)`` is ``state_layout(a)`` followed by
   ``state_layout(m)`` (same names, same dtypes, sizes adding up) for offsets
@@ -45,12 +47,13 @@ __all__ = [
     "fuses_backup",
     "layout_nonlinearity",
     "state_is_linear",
+    "updates_out_of_place",
 ]
 
 #: The capability attributes every optimizer declares, each a bool.
 CAPABILITIES: Final = ("device_update", "linear_state")
 #: Capabilities an optimizer may declare, each a bool where declared (not declared: False).
-OPTIONAL_CAPABILITIES: Final = ("fused_backup",)
+OPTIONAL_CAPABILITIES: Final = ("fused_backup", "fused_update_out")
 
 _FIXES: Final = {
     "device_update": (
@@ -67,6 +70,11 @@ _FIXES: Final = {
         "declare fused_backup = True/False on the optimizer, or leave it out (True when step() takes "
         "backup_out and writes the old master and state there in its pass: "
         "slidekit.interfaces.FusedBackupOptimizer; False or absent, the engine copies the backup itself)"
+    ),
+    "fused_update_out": (
+        "declare fused_update_out = True/False on the optimizer, or leave it out (True when step() takes "
+        "update_out and writes the updated master and state there, leaving its inputs as they were: "
+        "slidekit.interfaces.FusedBackupOptimizer; False or absent, speculative clipping backs up in place)"
     ),
 }
 
@@ -146,6 +154,12 @@ def fuses_backup(optimizer: Any) -> bool:
     """Whether ``optimizer`` writes speculative clipping's backup itself (``fused_backup`` is True;
     an optimizer that does not declare it does not)."""
     return getattr(optimizer, "fused_backup", False) is True
+
+
+def updates_out_of_place(optimizer: Any) -> bool:
+    """Whether ``optimizer``'s step can write the updated master and state into other buffers and leave
+    its inputs untouched (``fused_update_out`` is True; an optimizer that does not declare it cannot)."""
+    return getattr(optimizer, "fused_update_out", False) is True
 
 
 def check_optimizer(optimizer: Any, *, who: str) -> None:

@@ -312,8 +312,9 @@ class UnitOptimizer(Protocol):
         state with blocks dividing it). Only then can a unit be updated, and its
         state streamed, piece by piece.
 
-    One optional capability, read with ``getattr(optimizer, "fused_backup", False)``
-    (``slidekit.capabilities.fuses_backup``), so an optimizer that does not declare it keeps working:
+    Two optional capabilities, read with ``getattr(optimizer, name, False)``
+    (``slidekit.capabilities.fuses_backup`` and ``updates_out_of_place``), so an optimizer that does not
+    declare them keeps working:
 
     ``fused_backup``
         ``step`` also takes ``backup_out`` (``FusedBackupOptimizer``): speculative clipping
@@ -321,6 +322,12 @@ class UnitOptimizer(Protocol):
         old master and state there in the update's own pass, instead of the engine copying each chunk
         first. Without it (False, or not declared) the engine copies, chunk by chunk, then calls ``step``
         without ``backup_out``: the same bits, more memory traffic.
+    ``fused_update_out``
+        ``step`` also takes ``update_out`` (``FusedBackupOptimizer``): speculative clipping then has the
+        updated master and state written into the unit's second set of buffers, its inputs left as they
+        were, and swaps the two sets when the bet wins; a step that clips finds the old values where they
+        were and restores nothing. Reads the inputs once and writes the outputs once: no more bytes than
+        an update in place.
     """
 
     name: str
@@ -352,6 +359,11 @@ class FusedBackupOptimizer(UnitOptimizer, Protocol):
     exactly as without ``backup_out`` (same bits). Bad buffers (a name missing or unknown, another
     dtype or size) are refused before anything is written, with an error naming the buffer. None:
     no backup, the plain ``UnitOptimizer.step``.
+
+    With ``fused_update_out = True`` too, ``step`` also takes ``update_out``, buffers as ``backup_out``'s:
+    it writes there the values an update in place would leave in ``master`` and ``state``, bit for bit,
+    and leaves ``master`` and ``state`` as they were (``lowp_out``, if given, gets the updated weights).
+    ``backup_out`` and ``update_out`` together are refused.
     """
 
     fused_backup: bool
@@ -367,6 +379,7 @@ class FusedBackupOptimizer(UnitOptimizer, Protocol):
         groups: Sequence[ParamGroupRange],
         lowp_out: Tensor | None = None,
         backup_out: Mapping[str, Tensor] | None = None,
+        update_out: Mapping[str, Tensor] | None = None,
     ) -> None: ...
 
 

@@ -233,7 +233,7 @@ def test_the_kit_passes_a_conforming_optimizer(check):
     try:
         check(momentum)
     except NotApplicable:
-        assert check is kit.check_fused_backup  # an optional capability it does not declare
+        assert check in (kit.check_fused_backup, kit.check_update_out)  # optional capabilities it lacks
     except unittest.SkipTest:
         assert check is kit.check_device_update and not torch.cuda.is_available()
 
@@ -268,6 +268,46 @@ def test_the_kit_catches_a_step_that_does_not_write_lowp_out():
 
     with pytest.raises(AssertionError, match="lowp_out against the updated master"):
         kit.check_step(lambda: NoCopy(OptimizerHyper()))
+
+
+class OutOfPlace(MomentumSGD):
+    """Momentum SGD declaring ``fused_update_out``: ``update_out`` gets a copy of the inputs, updated there
+    (``in_place``: the inputs are updated and then copied, which the kit must catch; ``both``: it takes
+    ``backup_out`` beside ``update_out``, ignoring it, which it must refuse)."""
+
+    fused_update_out = True
+
+    def __init__(self, *, in_place: bool = False, both: bool = False) -> None:
+        super().__init__(OptimizerHyper())
+        self.in_place, self.both = in_place, both
+
+    def step(self, master, grad, state, *, update_out=None, backup_out=None, **kw):
+        if update_out is None:
+            return super().step(master, grad, state, **kw)
+        if backup_out is not None and not self.both:
+            raise ValueError("pass backup_out or update_out, not both")
+        if self.in_place:
+            super().step(master, grad, state, **kw)
+        for k, t in {"master": master, **state}.items():
+            update_out[k].copy_(t)
+        if not self.in_place:
+            super().step(update_out["master"], grad, {k: update_out[k] for k in state}, **kw)
+        return None
+
+
+@pytest.mark.parametrize("fault", [None, "in_place", "both"])
+def test_the_kit_holds_update_out_to_its_word(fault):
+    make = {
+        None: OutOfPlace,
+        "in_place": lambda: OutOfPlace(in_place=True),
+        "both": lambda: OutOfPlace(both=True),
+    }
+    if fault is None:
+        kit.check_update_out(make[fault])
+        return
+    match = {"in_place": "which update_out leaves as it was", "both": "must refuse them"}[fault]
+    with pytest.raises(AssertionError, match=match):
+        kit.check_update_out(make[fault])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip on a machine without CUDA")

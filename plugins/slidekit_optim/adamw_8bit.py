@@ -70,11 +70,22 @@ or with ``impl="torch"``, they take the torch path on the device (also
 bitwise: each of its operations is correctly rounded on a GPU too). The maps
 go to each device once (1.4 MB for both) and are shared by every unit there.
 
-Speculative clipping's backup (``fused_backup = True``): ``step(..., backup_out=...)``, "master"
-and the four state buffers, receives the values before the update. The C++ kernel copies each
-block's master and codes (streaming stores where the build has AVX-512 or AVX, ``csrc/backup_copy.h``)
-and its two scales right before decoding it; the torch path and the Triton kernel copy first, then
-update. The backup is the old bytes, and the update the same bits, either way.
+Speculative clipping's buffers (``slidekit_optim.backup``), "master" and the four state buffers, one
+set per step (both at once are refused):
+
+* ``backup_out`` (``fused_backup = True``) receives the values before the update. The C++ kernel copies
+  each block's master and codes (streaming stores where the build has AVX-512 or AVX,
+  ``csrc/backup_copy.h``) and its two scales right before decoding it: 6 more bytes written per
+  parameter.
+* ``update_out`` (``fused_update_out = True``) receives the updated values, and ``master`` and
+  ``state`` keep theirs (``lowp_out`` gets the new weights as usual); the engine swaps the two sets
+  when its bet wins. The C++ kernel decodes and updates each block from master and state as in place,
+  but writes its new master and codes into an L1 scratch, which it streams out to ``update_out`` with
+  the new scales: the bytes of the update in place, the outputs written instead of the sources.
+
+The torch path and the Triton kernel copy the sources into the buffers first, then update in place: the
+sources for a backup, the copies for ``update_out``. Every bit written is what the update in place
+writes, and the backup is the old bytes.
 
 A resident unit costs 10.03 bytes per parameter of device memory in BF16
 training: the FP32 master (4), the state (2.03), the BF16 weights (2) and
@@ -85,7 +96,7 @@ per call (32 MiB by default). The first step from a zero state is AdamW's up to
 FP32 rounding: no quantization error enters until the moments are stored.
 
 Test: ``pytest tests/plugins/test_adamw_8bit.py tests/plugins/test_adamw8_kernel.py
-tests/plugins/test_adamw8_triton.py``.
+tests/plugins/test_adamw8_triton.py tests/plugins/test_fused_backup.py tests/plugins/test_update_out.py``.
 Speed: ``python benchmarks/optimizer_rate.py --numel 20000000``.
 """
 
@@ -104,7 +115,7 @@ from torch import Tensor
 
 from slidekit.hookspecs import hookimpl
 from slidekit.interfaces import Availability, OptimizerDescriptor, OptimizerHyper, ParamGroupRange
-from slidekit_optim.backup import check_backup_out, copy_backup
+from slidekit_optim.backup import check_step_buffers, copy_sources
 from slidekit_optim.kernel_build import CSRC, kernel_status, load_or_fallback, prepare_kernel
 from slidekit_optim.layer_adam import Impl, _check_hyper, _scalars, _Segment, _segments, _StepScalars
 from slidekit_optim.quant8 import (
@@ -175,6 +186,9 @@ class AdamW8bit:
     linear_state = True
     #: ``step`` takes ``backup_out`` (speculative clipping): the C++ kernel writes it block by block.
     fused_backup = True
+    #: ``step`` takes ``update_out`` (speculative clipping): the C++ kernel writes the update there block by
+    #: block instead of in place, in one pass that writes no more bytes than the update in place.
+    fused_update_out = True
     #: Tests only: send CPU tensors down the GPU path too (the Triton kernel then needs TRITON_INTERPRET=1).
     _device_path_on_cpu = False
 
@@ -219,9 +233,14 @@ class AdamW8bit:
         groups: Sequence[ParamGroupRange],
         lowp_out: Tensor | None = None,
         backup_out: Mapping[str, Tensor] | None = None,
+        update_out: Mapping[str, Tensor] | None = None,
     ) -> None:
-        """One update of the unit; ``backup_out`` ("master" and each state name, each as large as its
-        source) receives the values before it (``fused_backup``)."""
+        """One update of the unit, in place, ``lowp_out`` receiving the new weights.
+
+        Speculative clipping's buffers ("master" and each state name, each a contiguous vector of its
+        source's dtype and size, overlapping no input; one or neither): ``backup_out`` receives the
+        values before the update (``fused_backup``); ``update_out`` receives the updated values instead
+        of ``master`` and ``state``, which keep theirs (``fused_update_out``). Same bits either way."""
         if count < 1:
             raise ValueError(f"count is the 1-based update number, got {count}")
         _check_unit(
@@ -236,19 +255,20 @@ class AdamW8bit:
             device_fix="keep the unit on the host or on the GPU",
         )
         layout = {k: state[k] for k in self.state_layout(0)}
-        backup = (
-            None
-            if backup_out is None
-            else check_backup_out(
-                "adamw_8bit", backup_out, master, layout, {"grad": grad, "lowp_out": lowp_out}
-            )
+        extra, out_of_place = check_step_buffers(
+            "adamw_8bit",
+            master,
+            layout,
+            {"grad": grad, "lowp_out": lowp_out},
+            backup_out=backup_out,
+            update_out=update_out,
         )
         n = master.numel()
         grad = grad.reshape(-1)  # a view when contiguous
         segments = _segments(groups, n, lr)
         scalars = _scalars(self.hyper, lr, count)
         m_map, v_map = self._maps_on(master.device)
-        fused: tuple[Callable[..., object], tuple[Tensor, ...], tuple[int, ...]] | None = None
+        fused: tuple[Callable[..., object], tuple[Tensor, ...], tuple[object, ...]] | None = None
         if master.device.type != "cpu" or self._device_path_on_cpu:
             triton = None if self.requested_impl == "torch" else _device_kernel()
             if triton is not None:  # the Triton kernel reads quant8's two lookup tables
@@ -257,11 +277,14 @@ class AdamW8bit:
         elif self._kernel is not None:  # the C++ kernel reads their packed form, and takes a thread cap
             maps = tuple(t for q in (m_map, v_map) for t in (q.values, q.packed))
             fused = (self._kernel.adamw8_step_, maps, (self.hyper.threads or 0,))
-            if backup is not None:  # the kernel writes the backup in its pass
-                fused = (fused[0], maps, (*fused[2], *(backup[k] for k in ("master", *layout))))
-                backup = None
-        if backup is not None:  # the Triton kernel and the torch path: copy, then update
-            copy_backup(backup, master, layout)
+            if extra is not None:  # the kernel writes the backup, or the update out of place, in its pass
+                buffers = tuple(extra[k] for k in ("master", *layout))
+                fused = (fused[0], maps, (*fused[2], *buffers, out_of_place))
+                extra = None
+        if extra is not None:  # the Triton kernel and the torch path: copy, then update in place
+            copy_sources(extra, master, layout)
+            if out_of_place:  # the copies
+                master, state = extra["master"], {k: extra[k] for k in layout}
         if fused is not None:
             self._step_fused(*fused, master, grad, state, segments, scalars, lowp_out)
             return
@@ -296,7 +319,7 @@ class AdamW8bit:
         self,
         kernel: Callable[..., object],
         tables: tuple[Tensor, ...],
-        extra: tuple[int, ...],
+        extra: tuple[object, ...],
         master: Tensor,
         grad: Tensor,
         state: Mapping[str, Tensor],
@@ -306,7 +329,7 @@ class AdamW8bit:
     ) -> None:
         """The whole unit in one call of a fused kernel: the C++ one or the Triton one. Both take the
         same arguments but for the maps' ``tables`` (the C++ kernel reads the packed form) and the C++
-        kernel's thread cap in ``extra``."""
+        kernel's thread cap, and its speculative buffers and ``out_of_place`` if any, in ``extra``."""
         if master.numel() == 0:
             return
         direct = lowp_out is not None and lowp_out.dtype == torch.bfloat16 and lowp_out.is_contiguous()

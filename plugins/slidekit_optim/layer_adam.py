@@ -52,14 +52,26 @@ round once or twice depending on how torch was compiled, and torch's FP32
 torch path here takes its square root in FP64, which then rounds to the
 correctly rounded FP32 result).
 
-Speculative clipping's backup (``fused_backup = True``, ``slidekit.interfaces.FusedBackupOptimizer``):
-``step(..., backup_out={"master": ..., "exp_avg": ..., "exp_avg_sq": ...})`` also writes the
-values master and moments hold before the update there. The kernel does it in the update's pass,
-tile by tile (128 elements, L1-resident) right before updating the tile, with streaming stores where
-the build has AVX-512 or AVX (``csrc/backup_copy.h``): 12 more bytes written per parameter, 40 in
-all, where the engine's former copy added 24 of traffic and its cold reads. The torch path and
-tensors on a GPU copy first, then update. The backup is the old bytes and the update the same bits
-either way (``slidekit_optim.backup`` checks the buffers).
+Speculative clipping's buffers (``slidekit_optim.backup``; one of the two per step, refused together):
+
+* ``fused_backup = True`` (``slidekit.interfaces.FusedBackupOptimizer``):
+  ``step(..., backup_out={"master": ..., "exp_avg": ..., "exp_avg_sq": ...})`` also writes the values
+  master and moments hold before the update there. The kernel does it in the update's pass, tile by
+  tile (128 elements, L1-resident) right before updating the tile, with streaming stores where the
+  build has AVX-512 or AVX (``csrc/backup_copy.h``): 12 more bytes written per parameter, 40 in all,
+  where the engine's former copy added 24 of traffic and its cold reads.
+* ``fused_update_out = True``: ``step(..., update_out={...})``, the same names and sizes, receives the
+  updated master and moments, and ``master`` and ``state`` keep their values (``lowp_out`` gets the
+  new weights as usual); the engine swaps the two sets when its bet wins. The kernel updates each
+  tile from the sources into an L1 scratch, with the same per-element update as in place, and copies
+  the scratch out to ``update_out`` with streaming stores: it reads the sources and writes the
+  outputs, never the sources, so it moves the bytes of the update in place (28 per parameter with a
+  BF16 gradient and the BF16 copy, where the fused backup moves 40), and the streaming stores spare
+  the outputs' reads for ownership.
+
+The torch path and tensors on a GPU copy the sources into the buffers first, then update in place: the
+sources for a backup, the copies for ``update_out``. Either way every bit written is what the update
+in place writes, and the backup is the old bytes (``slidekit_optim.backup`` checks the buffers).
 
 Threads: the kernel runs on torch's intra-op pool (``at::parallel_for``, so
 ``torch.get_num_threads()`` threads), one contiguous slice per thread.
@@ -67,7 +79,7 @@ Threads: the kernel runs on torch's intra-op pool (``at::parallel_for``, so
 nothing global changes. The torch path cannot honour it without changing
 torch's global thread count, so it ignores it.
 
-Test: ``pytest tests/plugins/test_layer_adam.py``.
+Test: ``pytest tests/plugins/test_layer_adam.py tests/plugins/test_update_out.py``.
 Speed: ``python benchmarks/optimizer_rate.py --numel 20000000``.
 """
 
@@ -85,7 +97,7 @@ import torch
 
 from slidekit.hookspecs import hookimpl
 from slidekit.interfaces import Availability, OptimizerDescriptor, OptimizerHyper, ParamGroupRange
-from slidekit_optim.backup import check_backup_out, copy_backup
+from slidekit_optim.backup import check_step_buffers, copy_sources
 from slidekit_optim.kernel_build import (
     KERNEL_SOURCE,
     KernelUnavailable,
@@ -274,6 +286,9 @@ class LayerAdam:
     linear_state = True
     #: ``step`` takes ``backup_out`` (speculative clipping): the kernel writes it in the update's pass.
     fused_backup = True
+    #: ``step`` takes ``update_out`` (speculative clipping): the kernel writes the update there instead of
+    #: in place, in one pass that writes no more bytes than the update in place.
+    fused_update_out = True
 
     def __init__(
         self, hyper: OptimizerHyper, *, impl: Impl = "auto", kernel_source: Path | str | None = None
@@ -299,26 +314,35 @@ class LayerAdam:
         groups: Sequence[ParamGroupRange],
         lowp_out: torch.Tensor | None = None,
         backup_out: Mapping[str, torch.Tensor] | None = None,
+        update_out: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
-        """One update of the unit; ``backup_out`` ("master", "exp_avg", "exp_avg_sq", each as large as
-        its source) receives the values before it (``fused_backup``)."""
+        """One update of the unit, in place, ``lowp_out`` (BF16) receiving the new weights.
+
+        Speculative clipping's buffers ("master", "exp_avg", "exp_avg_sq", each a contiguous vector of
+        its source's dtype and size, overlapping no input; one or neither): ``backup_out`` receives the
+        values before the update (``fused_backup``); ``update_out`` receives the updated values instead
+        of ``master`` and ``state``, which keep theirs (``fused_update_out``). Same bits either way."""
         if count < 1:
             raise ValueError(f"count is the 1-based update number, got {count}")
         m, v = state["exp_avg"], state["exp_avg_sq"]
         _check_inputs(master, grad, m, v, lowp_out)
         moments = {"exp_avg": m, "exp_avg_sq": v}
-        backup = (
-            None
-            if backup_out is None
-            else check_backup_out(
-                "layer_adam", backup_out, master, moments, {"grad": grad, "lowp_out": lowp_out}
-            )
+        extra, out_of_place = check_step_buffers(
+            "layer_adam",
+            master,
+            moments,
+            {"grad": grad, "lowp_out": lowp_out},
+            backup_out=backup_out,
+            update_out=update_out,
         )
         segments = _segments(groups, master.numel(), lr)
         s = _scalars(self.hyper, lr, count)
-        if backup is not None and (master.device.type != "cpu" or self.impl == "torch"):
-            copy_backup(backup, master, moments)  # the paths without the kernel: copy, then update
-            backup = None
+        if extra is not None and (master.device.type != "cpu" or self.impl == "torch"):
+            # The paths without the kernel: copy, then update in place; out of place, the copies.
+            copy_sources(extra, master, moments)
+            if out_of_place:
+                master, m, v = extra["master"], extra["exp_avg"], extra["exp_avg_sq"]
+            extra = None
         if master.device.type != "cpu":
             fused = None if self.requested_impl == "torch" else _device_kernel()
             if fused is None:
@@ -330,8 +354,25 @@ class LayerAdam:
         if self.impl == "torch":
             _torch_update(master, grad, m, v, lowp_out, segments, s)
             return
+        self._kernel_update(master, grad, m, v, lowp_out, segments, s, extra, out_of_place)
+
+    def _kernel_update(
+        self,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        m: torch.Tensor,
+        v: torch.Tensor,
+        lowp_out: torch.Tensor | None,
+        segments: Sequence[_Segment],
+        s: _StepScalars,
+        extra: Mapping[str, torch.Tensor] | None,
+        out_of_place: bool,
+    ) -> None:
+        """The C++ kernel over each decay segment; ``extra`` (checked) is the backup, or with
+        ``out_of_place`` where the update goes, both written in the kernel's pass."""
         assert self._kernel is not None
         max_tasks = self.hyper.threads or 0
+        buffers = () if extra is None else tuple(extra[k] for k in ("master", "exp_avg", "exp_avg_sq"))
         for a, b, decay in segments:
             self._kernel.fused_adamw_(
                 *_slices(a, b, master, grad, m, v, lowp_out),
@@ -339,7 +380,8 @@ class LayerAdam:
                 1.0 if decay is None else decay,
                 *s.values(),
                 max_tasks,
-                *(() if backup is None else (backup[k][a:b] for k in ("master", "exp_avg", "exp_avg_sq"))),
+                *(t[a:b] for t in buffers),
+                out_of_place=out_of_place,
             )
 
 

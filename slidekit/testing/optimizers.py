@@ -43,7 +43,12 @@ What an optimizer is held to, beyond the ``UnitOptimizer`` docstring:
   CPU, so results never depend on where the engine kept a unit;
 * ``check_fused_backup`` (``fused_backup = True``, optional): ``step`` with
   ``backup_out`` leaves there the master and state as they were before the
-  step, bit for bit, and updates them bit for bit as without it.
+  step, bit for bit, and updates them bit for bit as without it;
+* ``check_update_out`` (``fused_update_out = True``, optional): ``step`` with
+  ``update_out`` writes there, bit for bit, what a step in place leaves in the
+  master and state, leaves those as they were, and refuses ``backup_out``
+  beside it. Step after step, the outputs taken as the next step's inputs, as
+  the engine's swap does.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ __all__ = [
     "check_linear_state",
     "check_optimizer",
     "check_step",
+    "check_update_out",
 ]
 
 OptimizerFactory = Callable[[], UnitOptimizer]
@@ -265,12 +271,52 @@ def check_fused_backup(make: OptimizerFactory) -> None:
             _assert_bits(bs[k], ps[k], f"{what}, step {count}: state {k!r} against a step without backup_out")
 
 
+def check_update_out(make: OptimizerFactory) -> None:
+    """With ``fused_update_out = True``: ``update_out`` receives exactly what a step in place leaves in the
+    master and state, ``lowp_out`` the same, the inputs stay as they were, and ``backup_out`` beside it is
+    refused. The outputs are the next step's inputs (the engine swaps them in)."""
+    opt = make()
+    name = _name(opt)
+    if getattr(opt, "fused_update_out", False) is not True:
+        raise NotApplicable(f"{name} does not declare fused_update_out = True: speculation backs up in place")
+    plain, out_of_place = make(), cast(FusedBackupOptimizer, make())
+    init, grads = _unit(4)
+    pm, om = init.clone(), init.clone()
+    ps, os_ = _zero_state(plain, NUMEL), _zero_state(out_of_place, NUMEL)
+    p_low, o_low = torch.empty(NUMEL, dtype=torch.bfloat16), torch.empty(NUMEL, dtype=torch.bfloat16)
+    what = f"{name} (fused_update_out = True)"
+    for count, grad in enumerate(grads, 1):
+        out = {"master": torch.full_like(om, 7.0), **{k: torch.full_like(t, 7) for k, t in os_.items()}}
+        before = {"master": om.clone(), **{k: t.clone() for k, t in os_.items()}}
+        plain.step(pm, grad, ps, lr=LR, count=count, groups=GROUPS, lowp_out=p_low)
+        out_of_place.step(om, grad, os_, lr=LR, count=count, groups=GROUPS, lowp_out=o_low, update_out=out)
+        _assert_bits(om, before["master"], f"{what}, step {count}: master, which update_out leaves as it was")
+        for k in os_:
+            kept = f"{what}, step {count}: state {k!r}, which update_out leaves as it was"
+            _assert_bits(os_[k], before[k], kept)
+        _assert_bits(out["master"], pm, f"{what}, step {count}: update_out['master'] against a step in place")
+        _assert_bits(o_low, p_low, f"{what}, step {count}: lowp_out against a step in place")
+        for k in ps:
+            _assert_bits(out[k], ps[k], f"{what}, step {count}: update_out[{k!r}] against a step in place")
+        om, os_ = out["master"], {k: out[k] for k in os_}  # the engine's swap
+    both = {"master": torch.empty_like(om), **{k: torch.empty_like(t) for k, t in os_.items()}}
+    copy = {k: torch.empty_like(t) for k, t in both.items()}
+    try:
+        out_of_place.step(
+            om, grads[0], os_, lr=LR, count=len(grads) + 1, groups=GROUPS, backup_out=both, update_out=copy
+        )
+    except ValueError:
+        return
+    raise AssertionError(f"{what}: step() took backup_out and update_out together; it must refuse them")
+
+
 CHECKS: tuple[Callable[[OptimizerFactory], None], ...] = (
     check_declarations,
     check_step,
     check_linear_state,
     check_device_update,
     check_fused_backup,
+    check_update_out,
 )
 
 

@@ -123,12 +123,18 @@ def check_all(impl: str, optimizer: str, threads: int | None) -> int:
     return cases
 
 
-@pytest.fixture(scope="module")
-def kernels():
+def fused_kernels() -> dict[str, UnitOptimizer]:
+    """Both optimizers on their C++ kernels (built here if need be), or a skip saying why they cannot be
+    built (test_update_out.py's fixture too)."""
     status = kernel_status()
     if status.startswith("pure torch (no C++ compiler") or status.startswith("pure torch (ninja"):
         pytest.skip(status)
     return {name: make(None) for name, make in _makers("cpp").items()}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return fused_kernels()
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -154,13 +160,14 @@ def _capabilities() -> list[str]:
     return ladder[: ladder.index(have)] if have in ladder else ["default"]
 
 
-@pytest.mark.parametrize("capability", _capabilities())
-def test_other_isa_builds(kernels, capability):
-    """The kernels built without vector ISA flags (memcpy) and for AVX2 (32-byte streaming stores): the
-    same checks, in a child process under that capability, at two threads."""
+def check_in_child(capability: str, module: str) -> int:
+    """``module``'s ``check_all`` (this file's, or test_update_out.py's) for both kernels at two threads, in a
+    child process under ATEN_CPU_CAPABILITY=``capability``, which builds the kernels for it; checks that
+    the child runs that capability and its stores (memcpy for "default", 32-byte streaming stores for
+    "avx2"), and returns the cases run."""
     code = (
         f"import sys, torch; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-        "import test_fused_backup as t; "
+        f"import {module} as t; "
         "from slidekit_optim.layer_adam import LayerAdam; from slidekit.interfaces import OptimizerHyper; "
         "print(torch.backends.cpu.get_cpu_capability()); "
         "print(LayerAdam(OptimizerHyper(), impl='cpp')._kernel.backup_stream_bytes()); "
@@ -176,7 +183,14 @@ def test_other_isa_builds(kernels, capability):
     got_capability, stream_bytes, cases = done.stdout.split()[-3:]
     assert got_capability.lower() == capability
     assert int(stream_bytes) == {"default": 0, "avx2": 32}[capability]
-    assert int(cases) == 2 * len(SIZES) * len(OFFSETS) * 2
+    return int(cases)
+
+
+@pytest.mark.parametrize("capability", _capabilities())
+def test_other_isa_builds(kernels, capability):
+    """The kernels built without vector ISA flags (memcpy) and for AVX2 (32-byte streaming stores): the
+    same checks, in a child process under that capability, at two threads."""
+    assert check_in_child(capability, "test_fused_backup") == 2 * len(SIZES) * len(OFFSETS) * 2
 
 
 def test_this_build_streams_where_the_cpu_has_avx512(kernels):

@@ -40,6 +40,18 @@ CASES = {
         "k.fused_adamw_(z(n), z(n), z(n), z(n), None, False, 1.0, 0.1, 0.95, 0.05, 1.0, 1e-8, -1e-3, 0, z(n))",
         "give backup_master, backup_exp_avg and backup_exp_avg_sq together",
     ),
+    "fused_adam: out of place without the buffers": (
+        "fused_adam.cpp",
+        "k.fused_adamw_(z(n), z(n), z(n), z(n), None, False, 1.0, 0.1, 0.95, 0.05, 1.0, 1e-8, -1e-3, 0,"
+        " out_of_place=True)",
+        "out_of_place writes the update into backup_master, backup_exp_avg and backup_exp_avg_sq",
+    ),
+    "adamw8: out of place without the buffers": (
+        "adamw8.cpp",
+        "k.adamw8_step_(z(n), z(n), u(n), z(2), u(n), z(2), None, z(256), i(8), z(256), i(8),"
+        " [n], [1.0], 0.1, 0.95, 0.05, 1.0, 1e-8, -1e-3, 0, out_of_place=True)",
+        "out_of_place writes the update into the five backup buffers",
+    ),
     "adamw8: a master of the wrong dtype": (
         "adamw8.cpp",
         "k.adamw8_step_(z(n, torch.float64), z(n), u(n), z(2), u(n), z(2), None, z(256), i(8), z(256), i(8),"

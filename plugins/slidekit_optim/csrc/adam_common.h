@@ -15,8 +15,11 @@
 //       p   = p + (neg_step * m) / den        neg_step = -lr / (1 - beta1^t)
 //       out[i] = bf16(p)                      round to nearest even, when an output is given
 //
-// * pick_update: adam_update for a gradient dtype, with or without decay and BF16 output, behind one
-//   function pointer type, so a kernel picks once per call and its loops stay branch-free;
+// * adam_update_to: the same update (the same per-element function, adam_element) reading master and
+//   moments from one set of arrays and writing them to another, for an out-of-place pass;
+// * pick_update / pick_update_to: adam_update / adam_update_to for a gradient dtype, with or without
+//   decay and BF16 output, behind one function pointer type each, so a kernel picks once per call and
+//   its loops stay branch-free;
 // * SLIDEKIT_CHECK, check_vector / check_grad: the argument checks, with messages naming the kernel
 //   and argument, thrown as std::runtime_error (Python sees a RuntimeError). The message is built
 //   by appending to a std::string (slidekit::message: integers through std::to_string, dtypes
@@ -139,6 +142,20 @@ struct AdamScalars {
   }
 };
 
+// One element's update, the sequence above: p, m and v before it in, after it out. Both loops below
+// run it, so an update in place and one out of place give the same bits.
+template <bool kDecay>
+inline void adam_element(float gi, float& p, float& m, float& v, float decay, const AdamScalars& s) {
+  if constexpr (kDecay) {
+    p = p * decay;
+  }
+  m = m + s.w1 * (gi - m);
+  v = v * s.beta2;
+  v = v + (s.sq_weight * gi) * gi;
+  const float denom = std::sqrt(v) * s.inv_b2 + s.eps;
+  p = p + (s.neg_step * m) / denom;
+}
+
 // The update of `n` consecutive elements, in place on p, m and v (and writing out when kLowp).
 // A plain loop over restrict pointers, calling nothing but std::sqrt, so that GCC vectorizes it
 // (-O3 -fno-math-errno); the remainder runs the very same operations.
@@ -153,16 +170,40 @@ void adam_update(
     float decay,
     const AdamScalars s) {
   for (int64_t i = 0; i < n; ++i) {
-    const float gi = load_grad(g, i);
     float pi = p[i];
-    if constexpr (kDecay) {
-      pi = pi * decay;
+    float mi = m[i];
+    float vi = v[i];
+    adam_element<kDecay>(load_grad(g, i), pi, mi, vi, decay, s);
+    p[i] = pi;
+    m[i] = mi;
+    v[i] = vi;
+    if constexpr (kLowp) {
+      out[i] = to_bf16(pi);
     }
-    const float mi = m[i] + s.w1 * (gi - m[i]);
-    float vi = v[i] * s.beta2;
-    vi = vi + (s.sq_weight * gi) * gi;
-    const float denom = std::sqrt(vi) * s.inv_b2 + s.eps;
-    pi = pi + (s.neg_step * mi) / denom;
+  }
+}
+
+// adam_update out of place: reads p_in, m_in and v_in, writes p, m and v (and out when kLowp), which
+// must be other arrays (restrict). fused_adam.cpp's out-of-place pass writes into an L1 scratch that
+// it then streams out, so the sources are read once and never written.
+template <typename G, bool kDecay, bool kLowp>
+void adam_update_to(
+    int64_t n,
+    const float* __restrict p_in,
+    const G* __restrict g,
+    const float* __restrict m_in,
+    const float* __restrict v_in,
+    float* __restrict p,
+    float* __restrict m,
+    float* __restrict v,
+    uint16_t* __restrict out,
+    float decay,
+    const AdamScalars s) {
+  for (int64_t i = 0; i < n; ++i) {
+    float pi = p_in[i];
+    float mi = m_in[i];
+    float vi = v_in[i];
+    adam_element<kDecay>(load_grad(g, i), pi, mi, vi, decay, s);
     p[i] = pi;
     m[i] = mi;
     v[i] = vi;
@@ -175,10 +216,22 @@ void adam_update(
 // adam_update with the gradient's type erased: (n, p, g, m, v, out, decay, scalars).
 using UpdateFn = void (*)(int64_t, float*, const void*, float*, float*, uint16_t*, float, AdamScalars);
 
+// adam_update_to with the gradient's type erased: (n, p_in, g, m_in, v_in, p, m, v, out, decay, scalars).
+using UpdateToFn = void (*)(
+    int64_t, const float*, const void*, const float*, const float*, float*, float*, float*, uint16_t*, float,
+    AdamScalars);
+
 template <typename G, bool kDecay, bool kLowp>
 void adam_update_erased(
     int64_t n, float* p, const void* g, float* m, float* v, uint16_t* out, float decay, AdamScalars s) {
   adam_update<G, kDecay, kLowp>(n, p, static_cast<const G*>(g), m, v, out, decay, s);
+}
+
+template <typename G, bool kDecay, bool kLowp>
+void adam_update_to_erased(
+    int64_t n, const float* p_in, const void* g, const float* m_in, const float* v_in, float* p, float* m,
+    float* v, uint16_t* out, float decay, AdamScalars s) {
+  adam_update_to<G, kDecay, kLowp>(n, p_in, static_cast<const G*>(g), m_in, v_in, p, m, v, out, decay, s);
 }
 
 template <typename G>
@@ -189,9 +242,22 @@ UpdateFn pick_update(bool decay, bool lowp) {
   return lowp ? &adam_update_erased<G, false, true> : &adam_update_erased<G, false, false>;
 }
 
+template <typename G>
+UpdateToFn pick_update_to(bool decay, bool lowp) {
+  if (decay) {
+    return lowp ? &adam_update_to_erased<G, true, true> : &adam_update_to_erased<G, true, false>;
+  }
+  return lowp ? &adam_update_to_erased<G, false, true> : &adam_update_to_erased<G, false, false>;
+}
+
 // The update for a BF16 (else FP32) gradient, with or without decay and BF16 output.
 inline UpdateFn pick_update(bool bf16_grad, bool decay, bool lowp) {
   return bf16_grad ? pick_update<uint16_t>(decay, lowp) : pick_update<float>(decay, lowp);
+}
+
+// The out-of-place update for a BF16 (else FP32) gradient, with or without decay and BF16 output.
+inline UpdateToFn pick_update_to(bool bf16_grad, bool decay, bool lowp) {
+  return bf16_grad ? pick_update_to<uint16_t>(decay, lowp) : pick_update_to<float>(decay, lowp);
 }
 
 // `t` is a contiguous CPU vector of `n` elements of `dtype`; else a RuntimeError naming `kernel` and `name`.

@@ -38,10 +38,21 @@
 // NaN: a NaN anywhere in a block makes its scale NaN, as in the torch path; which NaN (its sign
 // and payload) may differ from the torch path, so only non-NaN results are bitwise identical.
 //
-// Backup (speculative clipping, backup_copy.h): given the five backup buffers (master, both
-// moments' codes and scales), each block's old master and codes are copied there (streaming stores
-// where the ISA has them) and its two scales with plain stores, right before the block is decoded
-// and updated from L1: the backup is the old bytes, and the update's bits do not change.
+// Speculative clipping (backup_copy.h) takes five more buffers (master, both moments' codes and
+// scales), in one of two ways; either way a block's master and codes go there with streaming stores
+// where the ISA has them and its two scales with plain stores, and the block is updated by the same
+// code on the same values, so no bit of the update changes:
+//
+// * backup (out_of_place false): each block's old master, codes and scales are copied there right
+//   before the block is decoded and updated in place from L1; the backup is the old bytes. Cost:
+//   6 B/param more written (16 -> 22 B/param with a BF16 gradient and the BF16 copy: read 2 + 6,
+//   write 6 + 2; the scales add 0.03 per copy).
+// * out of place (out_of_place true): each block is decoded and updated from the unit's buffers as
+//   in place, but its new master and codes are written to an L1 scratch (the BF16 copy as usual),
+//   which is then copied out to the buffers, the new scales stored there; master and state are only
+//   read. (The portable loops update the master where they read it, so they copy it into the scratch
+//   first.) Cost: the update in place's 16 B/param: the outputs are written instead of the sources,
+//   and streaming stores write them without reading their lines first.
 //
 // The per-element update (and the BF16 rounding, the scalars and the argument checks) is in
 // adam_common.h, shared with fused_adam.cpp; this file decodes, encodes and walks the blocks.
@@ -50,7 +61,8 @@
 //
 // Built on first use by slidekit_optim/adamw_8bit.py (through layer_adam's load_kernel, i.e.
 // torch.utils.cpp_extension.load); tested by tests/plugins/test_adamw8_kernel.py (bitwise
-// against the pure-torch path) and tests/plugins/test_adamw8_encoder.py (the encoder).
+// against the pure-torch path), tests/plugins/test_adamw8_encoder.py (the encoder),
+// tests/plugins/test_fused_backup.py (the backup) and tests/plugins/test_update_out.py (out of place).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -64,6 +76,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -127,13 +140,15 @@ float encode_block(int64_t len, const float* __restrict x, uint32_t top, const P
   return amax;
 }
 
-// Where a speculative step's backup goes: the buffers' old values (all null: no backup).
+// A speculative step's five buffers (all null: none): they receive the old values (a backup) or,
+// `out_of_place`, the new ones.
 struct Backup {
   float* p;
   uint8_t* m_codes;
   float* m_absmax;
   uint8_t* v_codes;
   float* v_absmax;
+  bool out_of_place;
 };
 
 // Everything one call needs, shared read-only by the tasks.
@@ -164,6 +179,63 @@ void back_up_block(const Args& a, int64_t b, int64_t lo, int64_t len) {
   k.v_absmax[b] = a.v.absmax[b];
 }
 
+// One block as its update sees it: the master and codes it reads, where it writes them, and the old
+// scales. In place, it reads and writes the unit's own buffers; out of place, it reads them and writes
+// an L1 scratch (`Scratch`), which close_block then streams out.
+struct BlockData {
+  const float* p_in;
+  float* p;
+  const uint8_t* m_codes_in;
+  uint8_t* m_codes;
+  const uint8_t* v_codes_in;
+  uint8_t* v_codes;
+  float m_scale;
+  float v_scale;
+};
+
+// An out-of-place pass's output for one block: 1.5 KiB, L1-resident.
+struct Scratch {
+  alignas(64) float p[kBlock];
+  alignas(64) uint8_t m_codes[kBlock];
+  alignas(64) uint8_t v_codes[kBlock];
+};
+
+// Block b (elements [lo, lo + len)) made ready for its update: backed up first if there is a backup;
+// out of place, written to `scratch`, and with `copy_master` its master copied there first, for an
+// update that reads the master where it writes it (the portable loops' adam_update).
+BlockData open_block(const Args& a, int64_t b, int64_t lo, int64_t len, Scratch& scratch, bool copy_master) {
+  float* p = a.p + lo;
+  uint8_t* mc = a.m.codes + lo;
+  uint8_t* vc = a.v.codes + lo;
+  if (!a.backup.out_of_place) {
+    back_up_block(a, b, lo, len);
+    return BlockData{p, p, mc, mc, vc, vc, a.m.absmax[b], a.v.absmax[b]};
+  }
+  const float* p_in = p;
+  if (copy_master) {
+    std::memcpy(scratch.p, p, static_cast<size_t>(len) * sizeof(float));
+    p_in = scratch.p;
+  }
+  return BlockData{p_in, scratch.p, mc, scratch.m_codes, vc, scratch.v_codes, a.m.absmax[b], a.v.absmax[b]};
+}
+
+// Block b, updated, given its new scales: they are stored in place, or out of place the block is
+// streamed out of the scratch to the buffers and its scales stored there.
+void close_block(const Args& a, int64_t b, int64_t lo, int64_t len, const BlockData& d, float m_scale,
+                 float v_scale) {
+  const Backup& k = a.backup;
+  if (!k.out_of_place) {
+    a.m.absmax[b] = m_scale;
+    a.v.absmax[b] = v_scale;
+    return;
+  }
+  slidekit::backup_copy(k.p + lo, d.p, len * static_cast<int64_t>(sizeof(float)));
+  slidekit::backup_copy(k.m_codes + lo, d.m_codes, len);
+  slidekit::backup_copy(k.v_codes + lo, d.v_codes, len);
+  k.m_absmax[b] = m_scale;
+  k.v_absmax[b] = v_scale;
+}
+
 // The first decay segment that ends past element i.
 int64_t segment_of(const int64_t* seg_stop, int64_t segments, int64_t i) {
   return std::upper_bound(seg_stop, seg_stop + segments, i) - seg_stop;
@@ -175,11 +247,12 @@ template <typename G, bool kLowp>
 void run_blocks_avx512(int64_t b_lo, int64_t b_hi, const Args& a) {
   alignas(64) float m[kBlock];
   alignas(64) float v[kBlock];
+  Scratch scratch;
   int64_t seg = segment_of(a.seg_stop, a.segments, b_lo * kBlock);
   for (int64_t b = b_lo; b < b_hi; ++b) {
     const int64_t lo = b * kBlock;
     const int64_t len = std::min(a.n, lo + kBlock) - lo;
-    back_up_block(a, b, lo, len);
+    const BlockData d = open_block(a, b, lo, len, scratch, /*copy_master=*/false);
     // The decay factors of elements [lo + i, lo + i + 16): one broadcast unless a segment ends inside.
     auto decay = [&](int64_t i) {
       const int64_t at = lo + i;
@@ -199,18 +272,20 @@ void run_blocks_avx512(int64_t b_lo, int64_t b_hi, const Args& a) {
       return _mm512_load_ps(lane);
     };
     const slidekit::avx512::Block blk{len,
-                                      a.p + lo,
+                                      d.p_in,
+                                      d.p,
                                       static_cast<const G*>(a.g) + lo,
                                       a.out == nullptr ? nullptr : a.out + lo,
-                                      a.m.codes + lo,
-                                      a.v.codes + lo,
-                                      a.m.absmax[b],
-                                      a.v.absmax[b]};
+                                      d.m_codes_in,
+                                      d.v_codes_in,
+                                      d.m_scale,
+                                      d.v_scale};
     uint32_t m_top = 0;
     uint32_t v_top = 0;
     slidekit::avx512::update<G, kLowp>(blk, a.m.map.values, a.v.map.values, a.s, decay, m, v, m_top, v_top);
-    a.m.absmax[b] = encode_block(len, m, m_top, a.m.map.packed, a.m.codes + lo);
-    a.v.absmax[b] = encode_block(len, v, v_top, a.v.map.packed, a.v.codes + lo);
+    const float m_scale = encode_block(len, m, m_top, a.m.map.packed, d.m_codes);
+    const float v_scale = encode_block(len, v, v_top, a.v.map.packed, d.v_codes);
+    close_block(a, b, lo, len, d, m_scale, v_scale);
   }
 }
 #endif
@@ -232,13 +307,14 @@ void run_blocks(int64_t b_lo, int64_t b_hi, const Args& a, int64_t g_size, bool 
   int64_t seg = segment_of(a.seg_stop, a.segments, b_lo * kBlock);
   alignas(64) float m[kBlock];
   alignas(64) float v[kBlock];
+  Scratch scratch;
   for (int64_t b = b_lo; b < b_hi; ++b) {
     const int64_t lo = b * kBlock;
     const int64_t hi = std::min(a.n, lo + kBlock);
     const int64_t len = hi - lo;
-    back_up_block(a, b, lo, len);
-    decode(len, a.m.codes + lo, a.m.map.values, a.m.absmax[b], m);
-    decode(len, a.v.codes + lo, a.v.map.values, a.v.absmax[b], v);
+    const BlockData d = open_block(a, b, lo, len, scratch, /*copy_master=*/true);
+    decode(len, d.m_codes_in, a.m.map.values, d.m_scale, m);
+    decode(len, d.v_codes_in, a.v.map.values, d.v_scale, v);
     for (int64_t i = lo; i < hi;) {
       while (a.seg_stop[seg] <= i) {
         ++seg;
@@ -246,11 +322,13 @@ void run_blocks(int64_t b_lo, int64_t b_hi, const Args& a, int64_t g_size, bool 
       const int64_t j = std::min(hi, a.seg_stop[seg]);
       const float decay = a.seg_decay[seg];
       (decay != 1.0f ? decayed : plain)(
-          j - i, a.p + i, g + i * g_size, m + (i - lo), v + (i - lo), lowp ? a.out + i : nullptr, decay, a.s);
+          j - i, d.p + (i - lo), g + i * g_size, m + (i - lo), v + (i - lo), lowp ? a.out + i : nullptr,
+          decay, a.s);
       i = j;
     }
-    a.m.absmax[b] = encode_block(len, m, block_top(len, m), a.m.map.packed, a.m.codes + lo);
-    a.v.absmax[b] = encode_block(len, v, block_top(len, v), a.v.map.packed, a.v.codes + lo);
+    const float m_scale = encode_block(len, m, block_top(len, m), a.m.map.packed, d.m_codes);
+    const float v_scale = encode_block(len, v, block_top(len, v), a.v.map.packed, d.v_codes);
+    close_block(a, b, lo, len, d, m_scale, v_scale);
   }
 #endif
   if (a.backup.p != nullptr) {
@@ -267,11 +345,13 @@ Map check_map(const at::Tensor& values, const at::Tensor& packed, const char* na
   return Map{values.data_ptr<float>(), slidekit::read_packed(packed, kKernel, name)};
 }
 
-// One AdamW step over a whole unit, in place: master, both moments' codes and scales, and the
-// BF16 copy when `lowp_out` is given. `seg_stop`/`seg_decay` tile [0, n) in order; a decay of 1
-// means none. At most `max_tasks` threads of torch's intra-op pool take part (0: as many as torch
-// uses); the result does not depend on it. Returns how many threads took part. `backup_*`: all five
-// or none; each gets the old values of its buffer (the caller checks they overlap nothing).
+// One AdamW step over a whole unit, in place (or, `out_of_place`, into the backup buffers): master,
+// both moments' codes and scales, and the BF16 copy when `lowp_out` is given. `seg_stop`/`seg_decay`
+// tile [0, n) in order; a decay of 1 means none. At most `max_tasks` threads of torch's intra-op
+// pool take part (0: as many as torch uses); the result does not depend on it. Returns how many
+// threads took part. `backup_*`: all five or none (the caller checks they overlap nothing); each gets
+// the old values of its buffer, or with `out_of_place` the new ones, master and state then left
+// unchanged.
 //
 // at::parallel_for is a header template: its OpenMP form is compiled here, so this file is built
 // with -fopenmp but linked without an OpenMP runtime of its own. Its few OpenMP calls then bind
@@ -301,7 +381,8 @@ int64_t adamw8_step_(
     std::optional<at::Tensor> backup_m_codes,
     std::optional<at::Tensor> backup_m_absmax,
     std::optional<at::Tensor> backup_v_codes,
-    std::optional<at::Tensor> backup_v_absmax) {
+    std::optional<at::Tensor> backup_v_absmax,
+    bool out_of_place) {
   const int64_t n = master.numel();
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   check_vector(master, "master", at::kFloat, n);
@@ -319,7 +400,11 @@ int64_t adamw8_step_(
       backup == backup_m_codes.has_value() && backup == backup_m_absmax.has_value() &&
           backup == backup_v_codes.has_value() && backup == backup_v_absmax.has_value(),
       kKernel, ": give all five backup buffers (master, both moments' codes and absmax) or none");
-  Backup saved{nullptr, nullptr, nullptr, nullptr, nullptr};
+  SLIDEKIT_CHECK(
+      backup || !out_of_place, kKernel,
+      ": out_of_place writes the update into the five backup buffers (master, both moments' codes and ",
+      "absmax); give them");
+  Backup saved{nullptr, nullptr, nullptr, nullptr, nullptr, false};
   if (backup) {
     check_vector(*backup_master, "backup_master", at::kFloat, n);
     check_vector(*backup_m_codes, "backup_exp_avg_codes", at::kByte, n);
@@ -328,7 +413,7 @@ int64_t adamw8_step_(
     check_vector(*backup_v_absmax, "backup_exp_avg_sq_absmax", at::kFloat, blocks);
     saved = Backup{backup_master->data_ptr<float>(), backup_m_codes->data_ptr<uint8_t>(),
                    backup_m_absmax->data_ptr<float>(), backup_v_codes->data_ptr<uint8_t>(),
-                   backup_v_absmax->data_ptr<float>()};
+                   backup_v_absmax->data_ptr<float>(), out_of_place};
   }
   const Map m_map = check_map(m_values, m_packed, "the exp_avg map");
   const Map v_map = check_map(v_values, v_packed, "the exp_avg_sq map");
@@ -395,7 +480,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def(
       "adamw8_step_",
       &adamw8_step_,
-      "One 8-bit AdamW step over a unit, in place, optionally writing a BF16 copy",
+      "One 8-bit AdamW step over a unit, in place (or, out_of_place, into the backup buffers), "
+      "optionally writing a BF16 copy",
       pybind11::arg("master"),
       pybind11::arg("grad"),
       pybind11::arg("m_codes"),
@@ -421,6 +507,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       pybind11::arg("backup_m_absmax") = pybind11::none(),
       pybind11::arg("backup_v_codes") = pybind11::none(),
       pybind11::arg("backup_v_absmax") = pybind11::none(),
+      pybind11::arg("out_of_place") = false,
       // The update runs for tens of milliseconds: let the engine's other Python threads run.
       pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def(

@@ -27,16 +27,31 @@
 // The update itself (and the BF16 rounding, the scalars and the argument checks) is in
 // adam_common.h, shared with adamw8.cpp; this file splits a range into tasks and binds it to Python.
 //
-// Backup (speculative clipping, backup_copy.h): given backup_master / backup_exp_avg /
-// backup_exp_avg_sq, each task walks its slice in tiles of kBackupTile elements, copying the tile's
-// master and moments there (streaming stores where the ISA has them) right before updating it from
-// L1. The update is the same adam_update on the same elements, so its bits do not change; the
-// backup is the old bytes. Cost: 12 B/param more written (28 -> 40 B/param in all), where a separate
-// copy reads 12 and writes 12 (and reads those 12 lines first, without streaming stores), and the
-// update then reads the 12 again from wherever the copy left them.
+// Speculative clipping (backup_copy.h) takes three more buffers, backup_master / backup_exp_avg /
+// backup_exp_avg_sq, in one of two ways. Either way each task walks its slice in tiles of
+// kBackupTile elements (L1-resident) and stores to those buffers with streaming stores where the ISA
+// has them, and the tile is updated by the same per-element update (adam_common.h's adam_element)
+// on the same values, so no bit of the update changes:
+//
+// * backup (out_of_place false): the tile's master and moments are copied there right before they
+//   are updated in place from L1; the backup is the old bytes. Cost: 12 B/param more written
+//   (28 -> 40 B/param in all), where a separate copy reads 12 and writes 12 (and reads those 12 lines
+//   first, without streaming stores), and the update then reads the 12 again from wherever the copy
+//   left them.
+// * out of place (out_of_place true): the tile is updated from master and moments into an L1
+//   scratch (adam_update_to; the BF16 copy written as usual), and the scratch is copied out to the
+//   three buffers, which receive the new values; master, exp_avg and exp_avg_sq are only read. Cost:
+//   the update in place's 28 B/param (read 2 + 12, write 12 + 2): the outputs are written instead of
+//   the sources, and streaming stores write them without reading their lines first. Measured on the
+//   2-core Xeon (AVX-512) test machine, 20 M parameters, where the pass is bound by the cores (two
+//   threads take half the time), not by memory: 1.11-1.17x the update in place (one run of ten
+//   1.28x), the backup 1.31-1.37x; the remainder is the scratch's copy out. Copying the sources into the scratch and
+//   updating it in place instead cost 1.28-1.35x. Tiles of 128 and 256 cost least (one run, one
+//   thread: 64 and 512 +8-10%, 32 +14%, 2048 +23%).
 //
 // Built on first use by slidekit_optim/layer_adam.py (torch.utils.cpp_extension.load);
-// tested by tests/plugins/test_layer_adam.py (bitwise against the pure-torch path).
+// tested by tests/plugins/test_layer_adam.py (bitwise against the pure-torch path),
+// tests/plugins/test_fused_backup.py (the backup) and tests/plugins/test_update_out.py (out of place).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -48,18 +63,70 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 
 namespace {
 
 constexpr const char* kKernel = "fused_adamw";
 
-// Updates master, exp_avg and exp_avg_sq in place (and writes lowp_out) for one range that
-// shares its weight decay; `decay` is applied when `apply_decay`. The buffers must not overlap
-// (the caller checks). At most `max_tasks` threads of torch's intra-op pool take part (0: as
-// many as torch uses); the result does not depend on it. Returns how many threads took part.
-// `backup_*`: all three or none; each gets the old values of its buffer (the caller checks they
-// overlap nothing).
+// One call's vectors and update, which the tasks of a backed or out-of-place pass walk tile by tile.
+struct Pass {
+  float* p;
+  const char* g;   // FP32 or BF16, g_size bytes per element
+  int64_t g_size;
+  float* m;
+  float* v;
+  uint16_t* out;   // the BF16 copy, or nullptr
+  float* bp;       // backup_master, backup_exp_avg, backup_exp_avg_sq
+  float* bm;
+  float* bv;
+  slidekit::UpdateFn fn;       // in place
+  slidekit::UpdateToFn fn_to;  // out of place: the same per-element update (adam_element)
+  float decay;
+  slidekit::AdamScalars s;
+};
+
+constexpr int64_t kFloatBytes = sizeof(float);
+
+// Elements [lo, hi) with a backup: each tile's old master and moments copied to bp/bm/bv, then updated
+// in place from L1.
+void update_backed(const Pass& t, int64_t lo, int64_t hi) {
+  for (int64_t a = lo; a < hi; a += slidekit::kBackupTile) {
+    const int64_t len = std::min(hi, a + slidekit::kBackupTile) - a;
+    slidekit::backup_copy(t.bp + a, t.p + a, len * kFloatBytes);
+    slidekit::backup_copy(t.bm + a, t.m + a, len * kFloatBytes);
+    slidekit::backup_copy(t.bv + a, t.v + a, len * kFloatBytes);
+    t.fn(len, t.p + a, t.g + a * t.g_size, t.m + a, t.v + a, t.out ? t.out + a : nullptr, t.decay, t.s);
+  }
+  slidekit::backup_fence();
+}
+
+// Elements [lo, hi) out of place: each tile updated from master and moments into an L1 scratch (the
+// same per-element update as in place, so the same bits), then streamed out to bp/bm/bv. The sources
+// are only read.
+void update_out_of_place(const Pass& t, int64_t lo, int64_t hi) {
+  alignas(64) float p[slidekit::kBackupTile];
+  alignas(64) float m[slidekit::kBackupTile];
+  alignas(64) float v[slidekit::kBackupTile];
+  for (int64_t a = lo; a < hi; a += slidekit::kBackupTile) {
+    const int64_t len = std::min(hi, a + slidekit::kBackupTile) - a;
+    t.fn_to(len, t.p + a, t.g + a * t.g_size, t.m + a, t.v + a, p, m, v, t.out ? t.out + a : nullptr, t.decay,
+            t.s);
+    slidekit::backup_copy(t.bp + a, p, len * kFloatBytes);
+    slidekit::backup_copy(t.bm + a, m, len * kFloatBytes);
+    slidekit::backup_copy(t.bv + a, v, len * kFloatBytes);
+  }
+  slidekit::backup_fence();
+}
+
+// Updates master, exp_avg and exp_avg_sq in place, or out of place into the backup_* buffers (and
+// writes lowp_out either way), for one range that shares its weight decay; `decay` is applied when
+// `apply_decay`. The buffers must not overlap (the caller checks). At most `max_tasks` threads of
+// torch's intra-op pool take part (0: as many as torch uses); the result does not depend on it.
+// Returns how many threads took part. `backup_*`: all three or none (the caller checks they overlap
+// nothing); each gets the old values of its buffer, or with `out_of_place` the new ones, master and
+// moments then left unchanged.
 //
 // at::parallel_for is a header template: its OpenMP form is compiled here, so this file is built
 // with -fopenmp but linked without an OpenMP runtime of its own. Its few OpenMP calls then bind
@@ -81,7 +148,8 @@ int64_t fused_adamw_(
     int64_t max_tasks,
     std::optional<at::Tensor> backup_master,
     std::optional<at::Tensor> backup_exp_avg,
-    std::optional<at::Tensor> backup_exp_avg_sq) {
+    std::optional<at::Tensor> backup_exp_avg_sq,
+    bool out_of_place) {
   const int64_t n = master.numel();
   slidekit::check_vector(master, kKernel, "master", at::kFloat, n);
   slidekit::check_grad(grad, kKernel, n);
@@ -95,6 +163,9 @@ int64_t fused_adamw_(
   SLIDEKIT_CHECK(
       backup == backup_exp_avg.has_value() && backup == backup_exp_avg_sq.has_value(), kKernel,
       ": give backup_master, backup_exp_avg and backup_exp_avg_sq together, or none of them");
+  SLIDEKIT_CHECK(
+      backup || !out_of_place, kKernel,
+      ": out_of_place writes the update into backup_master, backup_exp_avg and backup_exp_avg_sq; give them");
   if (backup) {
     slidekit::check_vector(*backup_master, kKernel, "backup_master", at::kFloat, n);
     slidekit::check_vector(*backup_exp_avg, kKernel, "backup_exp_avg", at::kFloat, n);
@@ -123,20 +194,16 @@ int64_t fused_adamw_(
   // array), at least kMinPerTask elements each: small ranges run on fewer threads, down to one.
   constexpr int64_t kAlign = 64;
   constexpr int64_t kMinPerTask = int64_t{1} << 15;
+  const slidekit::UpdateToFn fn_to = slidekit::pick_update_to(bf16_grad, apply_decay, lowp);
+  const Pass t{p, g, g_size, m, v, out, bp, bm, bv, fn, fn_to, decay_f, s};
   return slidekit::run_in_tasks(n, kMinPerTask, kAlign, max_tasks, [&](int64_t lo, int64_t hi) {
     if (!backup) {
       fn(hi - lo, p + lo, g + lo * g_size, m + lo, v + lo, out ? out + lo : nullptr, decay_f, s);
-      return;
+    } else if (out_of_place) {
+      update_out_of_place(t, lo, hi);
+    } else {
+      update_backed(t, lo, hi);
     }
-    constexpr int64_t kBytes = sizeof(float);
-    for (int64_t a = lo; a < hi; a += slidekit::kBackupTile) {
-      const int64_t len = std::min(hi, a + slidekit::kBackupTile) - a;
-      slidekit::backup_copy(bp + a, p + a, len * kBytes);
-      slidekit::backup_copy(bm + a, m + a, len * kBytes);
-      slidekit::backup_copy(bv + a, v + a, len * kBytes);
-      fn(len, p + a, g + a * g_size, m + a, v + a, out ? out + a : nullptr, decay_f, s);
-    }
-    slidekit::backup_fence();
   });
 }
 
@@ -149,7 +216,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def(
       "fused_adamw_",
       &fused_adamw_,
-      "One AdamW step over a contiguous range, in place, optionally writing a BF16 copy",
+      "One AdamW step over a contiguous range, in place (or, out_of_place, into the backup buffers), "
+      "optionally writing a BF16 copy",
       pybind11::arg("master"),
       pybind11::arg("grad"),
       pybind11::arg("exp_avg"),
@@ -167,6 +235,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
       pybind11::arg("backup_master") = pybind11::none(),
       pybind11::arg("backup_exp_avg") = pybind11::none(),
       pybind11::arg("backup_exp_avg_sq") = pybind11::none(),
+      pybind11::arg("out_of_place") = false,
       // The update runs for tens of milliseconds: let the engine's other Python threads run.
       pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -107,17 +107,18 @@ inline __m512 load_grad(const uint16_t* g, __mmask16 k) {
 
 // One block's tensors (offset to the block) and its old scales.
 struct Block {
-  int64_t len;       // elements, 1..256
-  float* p;          // master, in place
-  const void* g;     // gradient, FP32 or BF16
-  uint16_t* out;     // BF16 copy, or nullptr
-  uint8_t* m_codes;  // read here, written by encode_block
-  uint8_t* v_codes;
+  int64_t len;             // elements, 1..256
+  const float* p_in;       // master, read here ...
+  float* p;                // ... and written here: the same array in place, a scratch out of place
+  const void* g;           // gradient, FP32 or BF16
+  uint16_t* out;           // BF16 copy, or nullptr
+  const uint8_t* m_codes;  // read here; the new codes are written by encode_block
+  const uint8_t* v_codes;
   float m_scale;
   float v_scale;
 };
 
-// Pass 1 over one block: decode, update, write the master (and BF16 copy); the new moments go to
+// Pass 1 over one block: decode, update, write the master (and BF16 copy) to b.p; the new moments go to
 // m_buf / v_buf (256 floats each) and the maxima of their |x| bit patterns to m_top / v_top.
 // decay(i) is the vector of the decay factors of the block's elements [i, i + 16).
 template <typename G, bool kLowp, typename DecayAt>
@@ -143,7 +144,7 @@ inline void update(const Block& b, const float* m_values, const float* v_values,
     const __m512 gi = load_grad(g + i, k);
     const __m512 m0 = _mm512_mul_ps(lookup<8>(m_values, mc), m_scale);
     const __m512 v0 = _mm512_mul_ps(lookup<8>(v_values, vc), v_scale);
-    __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, b.p + i), decay(i));
+    __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, b.p_in + i), decay(i));
     const __m512 m = _mm512_add_ps(m0, _mm512_mul_ps(w1, _mm512_sub_ps(gi, m0)));
     __m512 v = _mm512_mul_ps(v0, beta2);
     v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_mul_ps(w2, gi), gi));
