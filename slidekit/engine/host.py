@@ -26,9 +26,15 @@ device's cast of an uploaded FP32 master rounds, so training is bitwise the
 same either way.
 
 Speculative clipping (``slidekit.engine.speculation``): each sliding unit whose
-state is mapped in host RAM has a backup of its master and state (plain
-pageable memory, allocated once when ``Layout.clip_backup``), which a step
-that clips restores before its exact update.
+state is mapped in host RAM has a second set of buffers for its master and
+state (allocated once when ``Layout.clip_backup``). With an optimizer that
+updates in place, they are a backup (plain pageable memory) of the values
+before a speculative update, which a step that clips restores before its
+exact update. With one that updates out of place (``fused_update_out``), the
+speculative update writes the new values there and leaves the master and
+state as they were: a won bet swaps the two sets (``swap_backup``), a lost one
+finds the old values in place and restores nothing. The second master is then
+page-locked like the first, since after a swap uploads read it.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from collections.abc import Sequence
 
 import torch
 
+from slidekit.capabilities import updates_out_of_place
 from slidekit.engine.runtime import Pipeline
 from slidekit.engine.state import StateStore
 from slidekit.hostmem import HostBuffers
@@ -117,6 +124,8 @@ class HostStore:
         ]
         self._pieces = [list(place.pieces) for place in layout.units]  # of the rank's shard
         self._grad_dtype = grad_dtype
+        # Speculative updates write the new values into the backup buffers and swap them in (module doc).
+        self.out_of_place = updates_out_of_place(optimizer)
         self._backups: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         for place in layout.backed_up():  # this rank's part: as long as the master it holds
             if self.can_back_up(place.index):
@@ -154,9 +163,10 @@ class HostStore:
         return unit in self._backups
 
     def backup(self, unit: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The unit's backup: an FP32 master and one buffer per state buffer, of the same sizes. Allocated
-        up front for the layout's backed-up units (``Layout.clip_backup``), else on first use (a step asked
-        to speculate directly)."""
+        """The unit's second master and state buffers, of the same sizes (module doc): the backup, or
+        where an out-of-place update writes. Allocated up front for the layout's backed-up units
+        (``Layout.clip_backup``), else on first use (a step asked to speculate directly). Out of place, the
+        master's is page-locked where the first is (uploads read it once it is swapped in)."""
         got = self._backups.get(unit)
         if got is None:
             mapped = self.state.mapped(unit)
@@ -164,15 +174,33 @@ class HostStore:
                 raise ValueError(
                     f"unit {unit} cannot be backed up: its master or state is not mapped in host RAM"
                 )
+            n = self.masters[unit].numel()
+            master = (
+                self.memory.empty(n, torch.float32)
+                if self.out_of_place
+                else torch.empty(n, dtype=torch.float32)
+            )
             got = self._backups[unit] = (
-                torch.empty(self.masters[unit].numel(), dtype=torch.float32),
+                master,
                 {name: torch.empty(t.numel(), dtype=t.dtype) for name, t in mapped.items()},
             )
         return got
 
+    def swap_backup(self, unit: int) -> None:
+        """An out-of-place update's new master and state become the unit's, and its old ones the buffers
+        the next one writes (the bet won). Only while no thread updates, uploads or saves the unit."""
+        master, state = self._backups[unit]
+        old_state = self.state.swap(unit, state)
+        self._backups[unit] = (self.masters[unit], old_state)
+        self.masters[unit] = master
+
     def restore(self, unit: int) -> None:
         """Put the unit's master and state back as its backup holds them (optimizer thread), and its upload
-        copy as the master's cast: the speculated update wrote the copy too."""
+        copy as the master's cast: the speculated update wrote the copy too. Out of place, the master and
+        state were never written: only the copy is cast again."""
+        if self.out_of_place:
+            self.refresh_copy(unit)
+            return
         master, state = self._backups[unit]
         self.masters[unit].copy_(master)
         self.refresh_copy(unit)

@@ -22,15 +22,24 @@ a fine-tune do not clip, so this module bets that the step will not:
   backup's slices as ``backup_out``: one call per piece. For any other, right
   before each chunk of ``BACKUP_CHUNK`` parameters is updated, the optimizer
   thread copies that chunk's master and state into the backup, so the bytes
-  the update then reads are hot in cache (``update_backed``). The gradient
-  stays in the unit's own buffer (``HostStore.unit_grad``), as the deferred
-  path keeps it;
+  the update then reads are hot in cache (``update_backed``). An optimizer that
+  declares ``fused_update_out`` (both bundled ones) updates *out of place*
+  instead: the new master and state go into the unit's second buffers
+  (``HostStore.backup``) and the old ones stay where they are, so the pass moves
+  no more bytes than an update in place. The unit is then done only once the
+  bet is settled: a taker that finishes after the norm is known swaps the new
+  buffers in itself when the bet won (``_swap_or_hold``), one that finishes
+  before leaves that to the main thread at the step's end (``StepState.held``,
+  ``_release_held``), and no upload reads the unit's master until then. The
+  gradient stays in the unit's own buffer (``HostStore.unit_grad``), as the
+  deferred path keeps it;
 * at the end of the step, when the global norm is known: with scale exactly
   1.0 and a finite norm the bet was right and the speculated units are done;
   the others (streamed state, units the bet stopped for) get their deferred
   update as today. Otherwise the step *rolls back*: per unit, in the order
   the next forward needs them, the optimizer thread restores master and state
-  from the backup and applies today's deferred update with the clip scale, so
+  from the backup (out of place: they were never written, only the upload copy
+  is cast again) and applies today's deferred update with the clip scale, so
   every bit equals the deferred path's. The unit's version is bumped, so no
   cache unit uploaded from a speculated master is taken as current, and the
   next forward's upload of the unit waits for that restore-and-update. A
@@ -51,7 +60,9 @@ The trade-off (``OptimConfig.clip_overlap``): "speculate" holds a backup of
 adamw_8bit) for every backed-up unit, in host RAM, and costs writing those
 bytes per update, in the update's pass with ``fused_backup``, else a copy
 (``benchmarks/clip_backup.py`` measures both, docs/benchmarks/NOTES.md 15 and
-23); a step that clips pays a restore and the whole deferred update at its
+23); out of place (``fused_update_out``) the same memory (its master page-locked)
+and no more bytes per update than an update in place (NOTES.md 36). A step that
+clips pays a restore (none out of place) and the whole deferred update at its
 end, more than the deferred path. "defer" is the deferred path. "auto" speculates where the
 planner found host RAM for the backups and, on a GPU with known rates, where
 the step-time model predicts a speculating step faster than a deferring one
@@ -75,7 +86,7 @@ from typing import Any, cast
 
 import torch
 
-from slidekit.capabilities import fuses_backup
+from slidekit.capabilities import fuses_backup, updates_out_of_place
 from slidekit.engine.state import slice_groups
 from slidekit.engine.step_state import StepState
 from slidekit.engine.updates import Updates
@@ -133,15 +144,35 @@ def update_backed(
     span: Span | None,
     chunk: int = BACKUP_CHUNK,
     lowp_out: torch.Tensor | None = None,
+    out_of_place: bool = False,
 ) -> None:
     """Back up and update one range of a unit with scale 1: ``saved_*`` receive its master and state as
     they were. An optimizer with ``fused_backup`` gets them as ``backup_out`` and writes them in its update's
     pass, the range in one call. Any other is called ``chunk`` parameters at a time, each chunk's master and
     state copied to ``saved_*`` right before the optimizer reads them (so it reads them from cache).
+    ``out_of_place`` (an optimizer with ``fused_update_out``): ``saved_*`` receive the *updated* master and
+    state instead (``update_out``), ``master`` and ``state`` stay as they were.
     ``span(lo, hi)``: name -> (dtype, first, count) of the state of parameters [lo, hi) of the range, for
     linear state; None (state that is not linear): the range in one go. ``lowp_out``: the range's upload
     copy, written with the update (not backed up: ``HostStore.restore`` casts it again from the restored
     master). Either way the same bits."""
+    if out_of_place:
+        if not updates_out_of_place(optimizer):
+            raise ValueError(
+                f"optimizer {getattr(optimizer, 'name', type(optimizer).__name__)!r} does not declare "
+                "fused_update_out: it cannot update out of place; back it up in place (out_of_place=False)"
+            )
+        cast(FusedBackupOptimizer, optimizer).step(
+            master,
+            grad,
+            state,
+            lr=lr,
+            count=count,
+            groups=groups,
+            lowp_out=lowp_out,
+            update_out={"master": saved_master, **{k: saved_state[k][: t.numel()] for k, t in state.items()}},
+        )
+        return
     if fuses_backup(optimizer):
         cast(FusedBackupOptimizer, optimizer).step(
             master,
@@ -210,6 +241,7 @@ class Speculation(Updates):
         if unit not in c.speculative:
             super()._queue_update(unit, download, c, scale)
             return
+        self._release_held(unit, c)
         if not c.rolled_back and unit not in c.halted_units:
             self.updated[unit] = c.bet_done[unit]
             return
@@ -219,9 +251,23 @@ class Speculation(Updates):
             "optim", self._settle, unit, download, c, self.updates_applied + 1, scale, unit=unit
         )
 
+    def _release_held(self, unit: int, c: StepState) -> None:
+        """Main thread, the norm known: a unit updated out of place before it was (``StepState.held``) gets
+        its new master and state swapped in if the bet won, and its ``bet_done``. The optimizer thread is
+        done with it, and no upload reads it before ``bet_done``."""
+        with c.lock:
+            held = unit in c.held
+            c.held.discard(unit)
+        if held:
+            if not c.rolled_back:
+                self.host.swap_backup(unit)
+            c.bet_done[unit].set_result(None)
+
     def _drop_deferred(self, c: StepState) -> None:
         """A non-finite step: restore the speculated units, wait for the other downloads, apply nothing."""
         c.rolled_back = bool(c.speculative)
+        for unit in sorted(c.speculative):
+            self._release_held(unit, c)  # nothing swapped in: the old master and state stay
         for unit, download in c.take_deferred().items():
             if unit not in c.speculative:
                 self.pipeline.result(download, f"the gradient download of unit {unit}")
@@ -294,10 +340,28 @@ class Speculation(Updates):
         done = c.bet_done[unit]
         try:
             self._speculate(unit, handoff, c, count)
+            held = self._swap_or_hold(unit, c)
         except BaseException as exc:
             done.set_exception(exc)
             raise
-        done.set_result(None)
+        if not held:
+            done.set_result(None)
+
+    def _swap_or_hold(self, unit: int, c: StepState) -> bool:
+        """Optimizer thread, after ``unit``'s update: one made out of place (``HostStore.out_of_place``) is
+        settled here if the norm is known (its new master and state swapped in if the bet won; if it lost,
+        the old ones are where they were and the step's end redoes the update), else held for the main
+        thread (``_release_held``). True when held: ``bet_done`` then waits for the main thread."""
+        if not (self.host.out_of_place and unit in c.speculated):
+            return False
+        with c.lock:
+            if not c.known:
+                c.held.add(unit)
+                return True
+            won = c.known_scale == 1.0
+        if won:
+            self.host.swap_backup(unit)
+        return False
 
     def _speculate(
         self, unit: int, handoff: list[Future[tuple[int, float]]], c: StepState, count: int
@@ -377,6 +441,7 @@ class Speculation(Updates):
                 groups=slice_groups(groups, a, b),
                 span=functools.partial(_relative_span, store.span, unit, a) if store.linear else None,
                 lowp_out=None if copy is None else copy[a:b],
+                out_of_place=self.host.out_of_place,
             )
 
         store.update(unit, step, start, stop)

@@ -4,7 +4,11 @@ A unit's state (the buffers its optimizer's ``state_layout`` names) lives in
 regions of one storage tier. Two ways to reach it:
 
 * **mapped**: the tier hands out host tensors aliasing its regions (RAM);
-  the optimizer updates them in place, in one call per unit;
+  the optimizer updates them in place, in one call per unit. Speculative
+  clipping's out-of-place updates (``slidekit.engine.speculation``) write a
+  unit's new state into buffers of the engine's and then ``swap`` them in:
+  from then on the unit's state is those buffers, not the tier's regions,
+  so every read goes through the mapped tensors (``read_buffer`` too);
 * **streamed**: otherwise (files, GPUDirect) the unit is updated in chunks
   of ``chunk`` parameters: while chunk *j* is updated, chunk *j+1* is being
   read and chunk *j-1* written back, through three rotating sets of staging
@@ -220,10 +224,33 @@ class StateStore:
         """The unit's state as host tensors, when its tier maps them (None when streamed)."""
         return self._mapped[unit]
 
+    def swap(self, unit: int, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Make ``buffers`` the mapped state of ``unit`` (each of its buffer's dtype and size) and return
+        the ones they replace: speculative clipping's out-of-place update wrote the new state there. Only
+        while no thread updates or reads the unit's state."""
+        mapped = self._mapped[unit]
+        if mapped is None:
+            raise ValueError(f"unit {unit}'s state is streamed through its tier: there is nothing to swap")
+        if set(buffers) != set(mapped):
+            raise ValueError(f"unit {unit}: swap needs the buffers {sorted(mapped)}, got {sorted(buffers)}")
+        for name, t in buffers.items():
+            old = mapped[name]
+            if t.dtype != old.dtype or t.numel() != old.numel() or t.device != old.device:
+                raise ValueError(
+                    f"unit {unit}: buffer {name!r} to swap in is {t.dtype} x {t.numel()} on {t.device}, its "
+                    f"state is {old.dtype} x {old.numel()} on {old.device}"
+                )
+        self._mapped[unit] = dict(buffers)
+        return mapped
+
     def read_buffer(self, unit: int, name: str) -> torch.Tensor:
         """A copy of one whole state buffer in a new (pageable) host tensor."""
         dtype, numel = self._layouts[unit][name]
         out = torch.empty(numel, dtype=dtype)
+        mapped = self._mapped[unit]
+        if mapped is not None:  # the mapped tensors, which a swap may have moved off the tier's regions
+            out.copy_(mapped[name])
+            return out
         fut = self.tiers[unit].read(self.key(unit, name), out)
         self._pipeline.result(fut, f"reading {name} of unit {unit}")
         return out

@@ -45,6 +45,9 @@ class StepState:
     # taken but not updated: the bet had stopped (the optimizer thread found clipping certain, or a
     # non-finite norm); once it holds one, the rest of the step defers
     halted_units: set[int] = field(default_factory=set)
+    # updated out of place before the norm was known: their bet_done waits for the main thread, which swaps
+    # their new master and state in (the bet won) or not (it lost), then completes it
+    held: set[int] = field(default_factory=set)
     known: bool = False  # the step's norm is known (the main thread, at the step's end)
     known_scale: float | None = None  # then: its clip factor; None: not finite
     # orders the optimizer thread's choice for a unit against the main thread's ``known``

@@ -32,7 +32,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from slidekit.capabilities import fuses_backup
+from slidekit.capabilities import fuses_backup, updates_out_of_place
 from slidekit.config import resident_fraction, upload_copy_dtype_error
 from slidekit.errors import ConfigError
 from slidekit.models.base import ArchSpec
@@ -86,8 +86,9 @@ class Planner(Recommendations):
     optimizer can update units on the device (only then can units be resident). ``keep_grads``: every
     unit's gradients stay on the host until the step ends (global-norm clipping, skipping non-finite
     steps). ``device_tier``: the tier resident units keep their state on. ``optimizer`` (its name, for
-    its update rate), ``clip`` (clipping by the global norm) and ``fused_backup`` (the optimizer writes
-    speculative clipping's backups in its update's pass) are what the step-time model needs.
+    its update rate), ``clip`` (clipping by the global norm), ``fused_backup`` (the optimizer writes
+    speculative clipping's backups in its update's pass) and ``out_of_place`` (it updates out of place
+    instead, ``fused_update_out``) are what the step-time model needs.
     ``recompute`` (``engine.recompute``) and ``fused_kernels`` (the kernel set keeps only its inputs,
     ``estimate.kept_bytes``): which layers keep their activations (``keeps``).
     """
@@ -117,6 +118,7 @@ class Planner(Recommendations):
         optimizer: str = "",
         clip: bool = False,
         fused_backup: bool = True,
+        out_of_place: bool = False,
         world: int = 1,
         rank: int = 0,
         recompute: str = "auto",
@@ -136,6 +138,7 @@ class Planner(Recommendations):
         self.workload = dataclasses.replace(workload, keep_grads=workload.keep_grads or keep_grads)
         self.itemsize = compute_itemsize
         self.device_type = device_type
+
         def first(medium: str) -> str | None:  # without roles resolved: the first tier of the medium
             return next((t for t, m in media.items() if m == medium), None)
 
@@ -165,6 +168,7 @@ class Planner(Recommendations):
         self.optimizer = optimizer
         self.clip = clip
         self.fused_backup = fused_backup
+        self.out_of_place = out_of_place
         self.recompute = recompute
         self.fused_kernels = fused_kernels
 
@@ -223,6 +227,7 @@ class Planner(Recommendations):
             optimizer=optimizer.name,
             clip=oc.max_grad_norm is not None,
             fused_backup=fuses_backup(optimizer),
+            out_of_place=updates_out_of_place(optimizer),
             world=world,
             rank=rank,
             recompute=ec.recompute,
@@ -440,6 +445,7 @@ class Planner(Recommendations):
             state_bytes_per_param=self.state_per_param,
             clip=self.clip,
             fused_backup=self.fused_backup,
+            out_of_place=self.out_of_place,
         )
 
     def predict(self, layout: Layout, machine: Machine) -> StepPrediction | None:

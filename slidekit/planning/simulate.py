@@ -17,14 +17,15 @@ engine has work:
   order and releases the buffers; the cache unit is free again when the last piece is down;
 * clipping or skipping (``defer``): the gradients come down whole into the unit's own buffer, and
   every update is queued at the end of the step in forward order, under the next forward pass;
-* speculative clipping (a deferring step, a unit whose pieces back up: ``Piece.backup_s``): the
+* speculative clipping (a deferring step, a unit whose pieces speculate: ``Piece.speculates``): the
   unit's gradients come down piece by piece into its own buffer (no ring buffer to wait for) and one
   taker per unit is queued on the optimizer thread; each taker, when the thread gets to it, takes of
   the units handed on whose first piece is down the one the next forward needs first (the lowest
   index), else the first handed on, and updates it piece by piece as it comes down: backed up while
   the norm is unknown (until the main thread has waited for the backward's end), plainly after. A
   step that clips (``rollback``) leaves a unit taken after the norm is known to the step's end, and
-  restores (``Piece.restore_s``) and updates again every unit it backed up, both in forward order with
+  restores (``Piece.restore_s``: zero out of place) and updates again every unit it backed up, both in
+  forward order with
   the deferred updates (``slidekit.engine.speculation``; the early stop, which depends on the
   gradients' norms, is not replayed: every unit taken before the norm is known is backed up);
 * the updates in forward order (``takes``, a step that does not defer: ``engine.update_order``): as a
@@ -63,6 +64,7 @@ class Piece:
     disk_s: float = 0.0  # its optimizer state read and written back (streamed state)
     backup_s: float = 0.0  # its update takes this longer writing its backup (speculative clipping)
     restore_s: float = 0.0  # its master and state copied back from the backup (a step that clips)
+    speculates: bool = False  # its unit speculates in a deferring step (backup_s is 0 out of place)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -287,7 +289,7 @@ class _Sim:
             c.resident_due.append(u)
             return
         self.version[u] += 1
-        if (self.defer and any(p.backup_s for p in cost.pieces)) or (self.takes and not self.defer):
+        if (self.defer and any(p.speculates for p in cost.pieces)) or (self.takes and not self.defer):
             down = self._speculate(u, cost, computed, c)
         elif self.defer:  # whole into its own buffer; updated at the end of the step
             down = self._run("d2h", sum(p.down_s for p in cost.pieces), "grad copy", self.main, computed)
@@ -454,7 +456,7 @@ def simulate(
 ) -> SimResult:
     """Replay steps until two in a row take the same time (at most ``max_steps``) and report the last:
     its period, the drain after it, and its parts. ``rollback``: every step clips, so the units that
-    speculated (pieces with ``backup_s``) are restored and updated again at its end (module docstring).
+    speculated (pieces that ``speculates``) are restored and updated again at its end (module docstring).
     ``takes``: a step that does not defer keeps each unit's gradients in its own buffer and takes the
     updates in the next forward's order, as a speculating step does (``engine.update_order="forward"``)."""
     if max_steps < 3:

@@ -46,7 +46,8 @@ Costs per unit and step (``StepWork``: the model's shape and the run's tokens):
                 update's pass, fused_backup) or backup_copy_gbps (one whose backups are copied),
                 host_gbps where the rates have neither, with each update taken before the norm is
                 known (NOTES.md 31: 24 B/param for layer_adam at an effective 257 GB/s fused on the
-                H200 host, 35 GB/s copied); the same bytes at host_gbps to restore a step that clips
+                H200 host, 35 GB/s copied); the same bytes at host_gbps to restore a step that clips.
+                None of it for an optimizer that updates out of place (fused_update_out: NOTES.md 36)
     streamed    state on a disk tier: read and written back at disk_read/write_gbps, the update
                 taking the longer of that and its CPU time
     activations on a tier: each recomputing layer's input written in the forward, read in the backward,
@@ -104,6 +105,7 @@ class StepWork:
     state_bytes_per_param: float  # for an optimizer without a rate
     clip: bool  # clipping by the global norm: one more pass over each gradient before its update
     fused_backup: bool = True  # the optimizer writes speculative clipping's backups in its update's pass
+    out_of_place: bool = False  # ... or updates out of place (``fused_update_out``): no backup bytes at all
 
     @classmethod
     def of(
@@ -115,6 +117,7 @@ class StepWork:
         state_bytes_per_param: float,
         clip: bool,
         fused_backup: bool = True,
+        out_of_place: bool = False,
     ) -> StepWork:
         return cls(
             tokens=workload.tokens,
@@ -128,6 +131,7 @@ class StepWork:
             state_bytes_per_param=state_bytes_per_param,
             clip=clip,
             fused_backup=fused_backup,
+            out_of_place=out_of_place,
         )
 
     def layer_flops(self, numel: int) -> float:
@@ -258,11 +262,13 @@ def unit_costs(layout: Layout, rates: Rates, work: StepWork) -> list[UnitCost]:
 
 
 def backup_costs(
-    costs: Sequence[UnitCost], layout: Layout, rates: Rates, *, fused: bool = True
+    costs: Sequence[UnitCost], layout: Layout, rates: Rates, *, fused: bool = True, out_of_place: bool = False
 ) -> list[UnitCost]:
     """``costs`` (``unit_costs``) with each backed-up unit's pieces (``Layout.backed_up``) priced for
     speculative clipping: master (4 B/param) and state bytes, read and written, backed up at
-    ``Rates.backup_rate_gbps(fused)`` and restored at ``host_gbps``. Unchanged without backups."""
+    ``Rates.backup_rate_gbps(fused)`` and restored at ``host_gbps``; out of place (``fused_update_out``: the
+    update writes its new values elsewhere, the same bytes as in place, and a step that clips finds the old
+    ones where they were) neither costs anything. Unchanged without backups."""
     backed = {u.index for u in layout.backed_up()}
     if not backed:
         return list(costs)
@@ -272,9 +278,11 @@ def backup_costs(
         if u.index not in backed:
             out.append(cost)
             continue
-        moved = 2 * (4 + (u.state_bytes / u.own if u.own else 0.0))
+        moved = 0.0 if out_of_place else 2 * (4 + (u.state_bytes / u.own if u.own else 0.0))
         pieces = tuple(
-            replace(p, backup_s=(b - a) * moved / backup_bw, restore_s=(b - a) * moved / restore_bw)
+            replace(
+                p, backup_s=(b - a) * moved / backup_bw, restore_s=(b - a) * moved / restore_bw, speculates=True
+            )
             for p, (a, b) in zip(cost.pieces, u.pieces, strict=True)
         )
         out.append(replace(cost, pieces=pieces))
@@ -297,7 +305,13 @@ def replay_step(layout: Layout, rates: Rates, work: StepWork, *, rollback: bool 
     """The step-time model's replay of ``layout`` (``slidekit.planning.simulate``): what ``predict_step``
     reads its prediction from, with what else the replay keeps (the takes, the busy and exposed lanes).
     ``rollback``: the step clips, and what was updated speculatively is restored."""
-    costs = backup_costs(unit_costs(layout, rates, work), layout, rates, fused=work.fused_backup)
+    costs = backup_costs(
+        unit_costs(layout, rates, work),
+        layout,
+        rates,
+        fused=work.fused_backup,
+        out_of_place=work.out_of_place,
+    )
     return _replay(costs, layout, rates, work, rollback=rollback)
 
 
@@ -321,7 +335,13 @@ def _replay(
 def predict_step(layout: Layout, rates: Rates, work: StepWork) -> StepPrediction:
     """The steady step of ``layout`` on ``rates`` for ``work`` (see the module doc); with backups, also
     the steady step of a run whose every step clips (``clipped_s``)."""
-    costs = backup_costs(unit_costs(layout, rates, work), layout, rates, fused=work.fused_backup)
+    costs = backup_costs(
+        unit_costs(layout, rates, work),
+        layout,
+        rates,
+        fused=work.fused_backup,
+        out_of_place=work.out_of_place,
+    )
     result = _replay(costs, layout, rates, work, rollback=False)
     clipped = (
         _replay(costs, layout, rates, work, rollback=True)

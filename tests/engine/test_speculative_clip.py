@@ -235,7 +235,7 @@ class LateNaN:
 @pytest.mark.parametrize("recompute", ["all", "none"])
 @pytest.mark.parametrize("clip", [None, 1e6])
 def test_nonfinite_step_rolls_back_and_skips(tiny_model, monkeypatch, clip, recompute):
-    """The speculating run hands each unit on only once the takers are done with the ones before it, so the
+    """The speculating run hands each unit on only once the takers have updated the ones before it, so the
     units above the poisoned layer are updated with a backup before its NaN comes down and the NaN step
     has them to restore wherever it runs. Left to timing, a GPU can have the norm before any taker starts
     (the GPU gate of 2026-12-06): nothing is speculated, so nothing is restored. Layers that recompute and
@@ -246,8 +246,12 @@ def test_nonfinite_step_rolls_back_and_skips(tiny_model, monkeypatch, clip, reco
 
     def lockstep(eng, unit, slot, done, unit_sq, c):
         with c.lock:
-            before = list(c.bet_done.values())
-        assert not wait(before, timeout=_Held.WAIT_S).not_done, "the takers did not finish"
+            before = dict(c.bet_done)
+        deadline = time.monotonic() + _Held.WAIT_S
+        # Updated: done, or updated out of place and held until the norm is known (StepState.held).
+        while not all(f.done() or u in c.held for u, f in before.items()):
+            assert time.monotonic() < deadline, "the takers did not finish"
+            time.sleep(1e-3)
         return hand_on(eng, unit, slot, done, unit_sq, c)
 
     runs = {}
@@ -315,10 +319,11 @@ def test_checkpoint_after_a_rollback_resumes_bitwise(tiny_model, tmp_path):
     assert_states_equal(got, want)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "copy"])
-def test_speculating_takes_the_fused_backup_or_copies(tiny_model, monkeypatch, fused):
-    """layer_adam declares ``fused_backup``: a speculating step hands it the backup (``backup_out``) and
-    never copies; without the capability the engine copies and calls ``step`` without it. Both are
+@pytest.mark.parametrize("mode", ["out_of_place", "fused", "copy"])
+def test_speculating_updates_out_of_place_takes_the_fused_backup_or_copies(tiny_model, monkeypatch, mode):
+    """layer_adam declares ``fused_update_out`` and ``fused_backup``: a speculating step has it write the new
+    values elsewhere (``update_out``), never a backup; without the first it hands it the backup
+    (``backup_out``); without either the engine copies and calls ``step`` with neither. All three are
     bitwise the deferred path, rollbacks included."""
     from slidekit_optim.layer_adam import LayerAdam
 
@@ -326,61 +331,69 @@ def test_speculating_takes_the_fused_backup_or_copies(tiny_model, monkeypatch, f
     batches = random_batches(128, steps=6, seed=10)
     clip = _alternating(model_dir, batches)
     want = _train(model_dir, batches, policy="defer", clip=clip)
-    calls: list[bool] = []  # per step() call: was backup_out given
+    calls: list[str] = []  # per step() call: which of the speculation's buffers it was given
     inner = LayerAdam.step
 
-    def step(self, *args, backup_out=None, **kw):
-        calls.append(backup_out is not None)
-        inner(self, *args, **kw, **({} if backup_out is None else {"backup_out": backup_out}))
+    def step(self, *args, **kw):
+        calls.append(next((k for k in ("update_out", "backup_out") if kw.get(k) is not None), "plain"))
+        inner(self, *args, **kw)
 
     monkeypatch.setattr(LayerAdam, "step", step)
-    if not fused:
+    if mode != "out_of_place":
+        monkeypatch.setattr(LayerAdam, "fused_update_out", False)
+    if mode == "copy":
         monkeypatch.setattr(LayerAdam, "fused_backup", False)
     got = _train(model_dir, batches, policy="speculate", clip=clip)
     _same(want, got)
     assert 0 < got[0].rollbacks < got[0].speculated == 6
-    assert any(calls) is fused  # speculated updates carry the backup only with the capability
-    assert not all(calls)  # the deferred and rolled-back updates never do
+    given = {"out_of_place": "update_out", "fused": "backup_out", "copy": None}[mode]
+    assert set(calls) - {"plain"} == ({given} if given else set())  # speculated updates, as capable
+    assert "plain" in calls  # the deferred and rolled-back updates get neither
 
 
 class _Counted:
-    """An optimizer whose ``step`` calls are counted; ``fused`` False: as one lacking ``fused_backup`` (a
-    third-party one, whose ``step`` takes no ``backup_out``)."""
+    """An optimizer whose ``step`` calls are counted, declaring what ``mode`` says: "out_of_place"
+    (``fused_update_out`` and ``fused_backup``), "fused" (``fused_backup`` only) or "copy" (neither: a
+    third-party one, whose ``step`` takes no ``backup_out`` nor ``update_out``)."""
 
-    def __init__(self, inner, fused: bool) -> None:
+    def __init__(self, inner, mode: str) -> None:
         self.inner, self.name = inner, inner.name
         self.device_update, self.linear_state = inner.device_update, inner.linear_state
-        if fused:
+        takes = {"out_of_place": {"update_out", "backup_out"}, "fused": {"backup_out"}, "copy": set()}
+        self.takes = takes[mode]
+        if "backup_out" in self.takes:
             self.fused_backup = True
+        if "update_out" in self.takes:
+            self.fused_update_out = True
         self.calls = 0
 
     def state_layout(self, numel):
         return self.inner.state_layout(numel)
 
-    def step(self, master, grad, state, *, lr, count, groups, lowp_out=None, **backup_out):
-        assert set(backup_out) <= ({"backup_out"} if hasattr(self, "fused_backup") else set())
+    def step(self, master, grad, state, *, lr, count, groups, lowp_out=None, **out):
+        assert set(out) <= self.takes
         self.calls += 1
-        self.inner.step(
-            master, grad, state, lr=lr, count=count, groups=groups, lowp_out=lowp_out, **backup_out
-        )
+        self.inner.step(master, grad, state, lr=lr, count=count, groups=groups, lowp_out=lowp_out, **out)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "copy"])
+@pytest.mark.parametrize("mode", ["out_of_place", "fused", "copy"])
 @pytest.mark.parametrize("optimizer", ["layer_adam", "adamw_8bit"])
-def test_backed_update_in_chunks_is_the_whole_update(optimizer, fused):
-    """``update_backed``: the same bits as one whole-unit update, and the backup holds the master and
-    state exactly as they were before; in one call with the optimizer's ``fused_backup``, else over
-    several chunks (the tiny models' units fit in one chunk)."""
+def test_backed_update_in_chunks_is_the_whole_update(optimizer, mode):
+    """``update_backed``: the same bits as one whole-unit update. In place, the backup holds the master
+    and state exactly as they were before: in one call with the optimizer's ``fused_backup``, else over
+    several chunks (the tiny models' units fit in one chunk). Out of place, the second buffers hold the
+    update's result and the master and state are as they were, in one call."""
     from slidekit import Plugins
-    from slidekit.capabilities import fuses_backup
+    from slidekit.capabilities import fuses_backup, updates_out_of_place
     from slidekit.engine.speculation import update_backed
     from slidekit.interfaces import OptimizerHyper, ParamGroupRange
     from slidekit.planning.placement import GRANULE
 
     reg = next(r for r in Plugins().drivers("optimizer") if r.name == optimizer)
     opt = reg.descriptor.factory(OptimizerHyper(weight_decay=0.1))
-    backed = _Counted(opt, fused)
-    assert fuses_backup(backed) is fused
+    backed = _Counted(opt, mode)
+    out_of_place = mode == "out_of_place"
+    assert fuses_backup(backed) is (mode != "copy") and updates_out_of_place(backed) is out_of_place
     n = 5 * GRANULE + 123
     gen = torch.Generator().manual_seed(0)
     groups = [
@@ -405,11 +418,35 @@ def test_backed_update_in_chunks_is_the_whole_update(optimizer, fused):
         saved_m, saved_s = torch.empty_like(gm), {k: torch.empty_like(t) for k, t in gs.items()}
         update_backed(
             backed, gm, grad, gs, saved_m, saved_s, lr=1e-3, count=count, groups=groups, span=span,
-            chunk=GRANULE,
+            chunk=GRANULE, out_of_place=out_of_place,
         )  # fmt: skip
-        assert gm.equal(wm) and all(gs[k].equal(ws[k]) for k in ws)
-        assert saved_m.equal(before_m) and all(saved_s[k].equal(before_s[k]) for k in before_s)
-    assert backed.calls == (3 if fused else 3 * 6)  # fused: one call; else per chunk (5 granules, a tail)
+        new_m, new_s = (saved_m, saved_s) if out_of_place else (gm, gs)
+        old_m, old_s = (gm, gs) if out_of_place else (saved_m, saved_s)
+        assert new_m.equal(wm) and all(new_s[k].equal(ws[k]) for k in ws)
+        assert old_m.equal(before_m) and all(old_s[k].equal(before_s[k]) for k in before_s)
+        if out_of_place:  # the engine's swap: the new values are the unit's from here on
+            gm, gs = saved_m, saved_s
+    # fused or out of place: one call; else per chunk (5 granules and a tail)
+    assert backed.calls == (3 * 6 if mode == "copy" else 3)
+
+
+def test_an_optimizer_without_update_out_is_not_asked_to_update_out_of_place():
+    from slidekit import Plugins
+    from slidekit.engine.speculation import update_backed
+    from slidekit.interfaces import OptimizerHyper, ParamGroupRange
+
+    reg = next(r for r in Plugins().drivers("optimizer") if r.name == "layer_adam")
+    opt = _Counted(reg.descriptor.factory(OptimizerHyper()), "fused")
+    m = torch.zeros(8)
+    state = {k: torch.zeros(c, dtype=dt) for k, (dt, c) in opt.state_layout(8).items()}
+    groups = [ParamGroupRange(start=0, stop=8, weight_decay=0.0)]
+    saved = {k: t.clone() for k, t in state.items()}
+    with pytest.raises(ValueError, match="does not declare fused_update_out"):
+        update_backed(
+            opt, m, torch.ones(8), state, m.clone(), saved, lr=1e-3, count=1, groups=groups, span=None,
+            out_of_place=True,
+        )  # fmt: skip
+    assert opt.calls == 0
 
 
 class _Step:
@@ -434,7 +471,8 @@ class _Held:
       to the step's end when it does.
 
     ``order`` lists, per step, the units in the order they were taken; ``backed`` counts the optimizer
-    calls given a backup; ``halted`` the units per step the bet stopped for, as the step's end saw them."""
+    calls given a backup (or, out of place, buffers for the new values); ``halted`` the units per step the
+    bet stopped for, as the step's end saw them."""
 
     WAIT_S = 60.0
 
@@ -483,8 +521,11 @@ class _Held:
         def held_known(eng, c, scale):
             if id(c) in steps or c.speculative:
                 seen(c).over.set()
-                if mode == "takers":
-                    until(lambda: all(f.done() for f in c.bet_done.values()) and not c.waiting, "the takers")
+                if mode == "takers":  # updated: done, or updated out of place and held for the norm
+                    until(
+                        lambda: not c.waiting and all(f.done() or u in c.held for u, f in c.bet_done.items()),
+                        "the takers",
+                    )
             known(eng, c, scale)
 
         def seen_queue(eng, unit, download, c, scale):
@@ -492,9 +533,9 @@ class _Held:
                 self.halted.append(len(c.halted_units))
             queue(eng, unit, download, c, scale)
 
-        def counted_step(opt, *args, backup_out=None, **kw):
-            self.backed += backup_out is not None
-            step(opt, *args, **kw, **({} if backup_out is None else {"backup_out": backup_out}))
+        def counted_step(opt, *args, **kw):
+            self.backed += kw.get("backup_out") is not None or kw.get("update_out") is not None
+            step(opt, *args, **kw)
 
         monkeypatch.setattr(Speculation, "_take", held_take)
         monkeypatch.setattr(Speculation, "_norm_known", held_known)
@@ -525,6 +566,49 @@ def test_units_are_taken_in_the_forwards_order(tiny_model, monkeypatch, mode, cl
     else:  # the norm known first: no backup, nothing halted, nothing to restore
         assert held.backed == 0 and held.halted == [0] * 4
         assert all("restore" not in t for t in got[0].timings)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_out_of_place_updates_are_swapped_in_only_when_the_bet_wins(tiny_model, monkeypatch, when):
+    """Out of place, a unit updated speculatively keeps its master and state until the bet is settled: the
+    main thread swaps the new ones in where the update finished before the norm was known ("before": every
+    taker done first), the optimizer thread itself where it finished after ("after": the first backed-up
+    update of each step held until the norm is known); a step that clips swaps nothing. Bitwise the
+    deferred path either way."""
+    from slidekit.engine.host import HostStore
+
+    model_dir = tiny_model("llama")
+    batches = random_batches(128, steps=4, seed=11)
+    clip = _alternating(model_dir, batches)
+    want = _train(model_dir, batches, policy="defer", clip=clip)
+    swaps: list[str] = []  # the thread of each swap
+    swap_backup = HostStore.swap_backup
+
+    def swap(store, unit):
+        swaps.append(threading.current_thread().name)
+        swap_backup(store, unit)
+
+    monkeypatch.setattr(HostStore, "swap_backup", swap)
+    if when == "before":
+        _Held(monkeypatch, "takers")
+    else:
+        swap_or_hold = Speculation._swap_or_hold
+
+        def late(eng, unit, c):
+            deadline = time.monotonic() + _Held.WAIT_S
+            while not c.known:
+                assert time.monotonic() < deadline, "held too long waiting for the norm"
+                time.sleep(1e-3)
+            return swap_or_hold(eng, unit, c)
+
+        monkeypatch.setattr(Speculation, "_swap_or_hold", late)
+    got = _train(model_dir, batches, policy="speculate", clip=clip)
+    _same(want, got)
+    clipped = sum(clip / (n + 1e-6) < 1.0 for n in want[0].grad_norms)
+    assert got[0].rollbacks == clipped == 2 and got[0].speculated == 4
+    assert swaps, "the steps that did not clip swap their speculated units in"
+    on_main = [name == threading.main_thread().name for name in swaps]
+    assert all(on_main) if when == "before" else not any(on_main), swaps
 
 
 def test_a_halted_unit_of_a_step_that_does_not_clip_is_updated(tiny_model, monkeypatch):
