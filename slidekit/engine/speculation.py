@@ -156,24 +156,13 @@ def update_backed(
     linear state; None (state that is not linear): the range in one go. ``lowp_out``: the range's upload
     copy, written with the update (not backed up: ``HostStore.restore`` casts it again from the restored
     master). Either way the same bits."""
-    if out_of_place:
-        if not updates_out_of_place(optimizer):
-            raise ValueError(
-                f"optimizer {getattr(optimizer, 'name', type(optimizer).__name__)!r} does not declare "
-                "fused_update_out: it cannot update out of place; back it up in place (out_of_place=False)"
-            )
-        cast(FusedBackupOptimizer, optimizer).step(
-            master,
-            grad,
-            state,
-            lr=lr,
-            count=count,
-            groups=groups,
-            lowp_out=lowp_out,
-            update_out={"master": saved_master, **{k: saved_state[k][: t.numel()] for k, t in state.items()}},
+    if out_of_place and not updates_out_of_place(optimizer):
+        raise ValueError(
+            f"optimizer {getattr(optimizer, 'name', type(optimizer).__name__)!r} does not declare "
+            "fused_update_out: it cannot update out of place; back it up in place (out_of_place=False)"
         )
-        return
-    if fuses_backup(optimizer):
+    if out_of_place or fuses_backup(optimizer):  # the optimizer writes the second buffers in its pass
+        buffers = {"master": saved_master, **{k: saved_state[k][: t.numel()] for k, t in state.items()}}
         cast(FusedBackupOptimizer, optimizer).step(
             master,
             grad,
@@ -182,7 +171,7 @@ def update_backed(
             count=count,
             groups=groups,
             lowp_out=lowp_out,
-            backup_out={"master": saved_master, **{k: saved_state[k][: t.numel()] for k, t in state.items()}},
+            **{"update_out" if out_of_place else "backup_out": buffers},
         )
         return
     n = master.numel()

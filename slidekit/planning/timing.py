@@ -301,17 +301,18 @@ def _cast_s(kind: str, numel: int, device_bps: float, weights_slide: bool) -> fl
     return (2 if kind == "layer" else 1) * numel * CAST_BYTES / device_bps
 
 
+def _priced(layout: Layout, rates: Rates, work: StepWork) -> list[UnitCost]:
+    """Every unit's costs (``unit_costs``), speculative clipping's backups priced as the optimizer takes them."""
+    return backup_costs(
+        unit_costs(layout, rates, work), layout, rates, fused=work.fused_backup, out_of_place=work.out_of_place
+    )
+
+
 def replay_step(layout: Layout, rates: Rates, work: StepWork, *, rollback: bool = False) -> SimResult:
     """The step-time model's replay of ``layout`` (``slidekit.planning.simulate``): what ``predict_step``
     reads its prediction from, with what else the replay keeps (the takes, the busy and exposed lanes).
     ``rollback``: the step clips, and what was updated speculatively is restored."""
-    costs = backup_costs(
-        unit_costs(layout, rates, work),
-        layout,
-        rates,
-        fused=work.fused_backup,
-        out_of_place=work.out_of_place,
-    )
+    costs = _priced(layout, rates, work)
     return _replay(costs, layout, rates, work, rollback=rollback)
 
 
@@ -335,13 +336,7 @@ def _replay(
 def predict_step(layout: Layout, rates: Rates, work: StepWork) -> StepPrediction:
     """The steady step of ``layout`` on ``rates`` for ``work`` (see the module doc); with backups, also
     the steady step of a run whose every step clips (``clipped_s``)."""
-    costs = backup_costs(
-        unit_costs(layout, rates, work),
-        layout,
-        rates,
-        fused=work.fused_backup,
-        out_of_place=work.out_of_place,
-    )
+    costs = _priced(layout, rates, work)
     result = _replay(costs, layout, rates, work, rollback=False)
     clipped = (
         _replay(costs, layout, rates, work, rollback=True)
