@@ -274,7 +274,8 @@ def check_fused_backup(make: OptimizerFactory) -> None:
 def check_update_out(make: OptimizerFactory) -> None:
     """With ``fused_update_out = True``: ``update_out`` receives exactly what a step in place leaves in the
     master and state, ``lowp_out`` the same, the inputs stay as they were, and ``backup_out`` beside it is
-    refused. The outputs are the next step's inputs (the engine swaps them in)."""
+    refused (where ``fused_backup`` is declared too). The outputs are the next step's inputs (the engine
+    swaps them in)."""
     opt = make()
     name = _name(opt)
     if getattr(opt, "fused_update_out", False) is not True:
@@ -299,6 +300,8 @@ def check_update_out(make: OptimizerFactory) -> None:
         for k in ps:
             _assert_bits(out[k], ps[k], f"{what}, step {count}: update_out[{k!r}] against a step in place")
         om, os_ = out["master"], {k: out[k] for k in os_}  # the engine's swap
+    if getattr(out_of_place, "fused_backup", False) is not True:
+        return  # its step takes no backup_out at all
     both = {"master": torch.empty_like(om), **{k: torch.empty_like(t) for k, t in os_.items()}}
     copy = {k: torch.empty_like(t) for k, t in both.items()}
     try:
