@@ -271,11 +271,13 @@ def test_the_kit_catches_a_step_that_does_not_write_lowp_out():
 
 
 class OutOfPlace(MomentumSGD):
-    """Momentum SGD declaring ``fused_update_out``: ``update_out`` gets a copy of the inputs, updated there
-    (``in_place``: the inputs are updated and then copied, which the kit must catch; ``both``: it takes
-    ``backup_out`` beside ``update_out``, ignoring it, which it must refuse)."""
+    """Momentum SGD declaring ``fused_update_out`` and ``fused_backup``: ``update_out`` gets a copy of the
+    inputs, updated there, ``backup_out`` the inputs before an update in place (``in_place``: the inputs are
+    updated and then copied, which the kit must catch; ``both``: it takes ``backup_out`` beside
+    ``update_out``, ignoring it, which it must refuse)."""
 
     fused_update_out = True
+    fused_backup = True
 
     def __init__(self, *, in_place: bool = False, both: bool = False) -> None:
         super().__init__(OptimizerHyper())
@@ -283,6 +285,8 @@ class OutOfPlace(MomentumSGD):
 
     def step(self, master, grad, state, *, update_out=None, backup_out=None, **kw):
         if update_out is None:
+            for k, t in ({"master": master, **state} if backup_out is not None else {}).items():
+                backup_out[k].copy_(t)
             return super().step(master, grad, state, **kw)
         if backup_out is not None and not self.both:
             raise ValueError("pass backup_out or update_out, not both")
@@ -304,6 +308,7 @@ def test_the_kit_holds_update_out_to_its_word(fault):
     }
     if fault is None:
         kit.check_update_out(make[fault])
+        kit.check_fused_backup(make[fault])
         return
     match = {"in_place": "which update_out leaves as it was", "both": "must refuse them"}[fault]
     with pytest.raises(AssertionError, match=match):
