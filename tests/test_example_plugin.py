@@ -117,8 +117,9 @@ def test_the_optimizer_passes_the_optimizer_checks(installed_example):
     make = _sgd(installed_example, betas=(0.8, 0.999))
     assert (make().device_update, make().linear_state) == (True, True)
     outcome = check_optimizer(make, allow_skips=DEVICE_CHECKS)  # runs on a CUDA machine
-    # It declares both required capabilities, so each is checked; not the optional fused_backup.
-    assert list(outcome.not_applicable) == ["check_fused_backup"]
+    # It declares both required capabilities, so each is checked; not the optional fused_backup and
+    # fused_update_out.
+    assert list(outcome.not_applicable) == ["check_fused_backup", "check_update_out"]
 
 
 def test_the_optimizer_follows_torch_sgd(installed_example):
