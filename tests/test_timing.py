@@ -665,8 +665,8 @@ def test_plan_predicts_the_clipped_step_the_engine_runs(capsys, monkeypatch):
 
 def test_the_plan_prices_backups_fused_or_copied_as_the_optimizer_declares(capsys, monkeypatch):
     """``fused_backup`` and ``fused_update_out`` reach the step-time model from the optimizer's declaration:
-    layer_adam updates out of place (and could write its backups in its update's pass), adamw_fp8 declares
-    neither, so its backups are priced as copies."""
+    layer_adam updates out of place (and could write its backups in its update's pass), adamw_fp8 updates
+    out of place and writes no backups (its in-place backups would be priced as copies)."""
     seen = set()
     predict = Planner.predict
 
@@ -677,7 +677,7 @@ def test_the_plan_prices_backups_fused_or_copied_as_the_optimizer_declares(capsy
     monkeypatch.setattr(Planner, "predict", spy)
     for optimizer in ("layer_adam", "adamw_fp8"):
         _plan_3b_b32(capsys, "--clip-overlap", "speculate", "--optimizer", optimizer)
-    assert seen == {("layer_adam", True, True), ("adamw_fp8", False, False)}
+    assert seen == {("layer_adam", True, True), ("adamw_fp8", False, True)}
 
 
 def test_out_of_place_speculation_is_predicted_at_the_unclipped_step(capsys, monkeypatch):

@@ -269,6 +269,8 @@ class AdamW8bit:
         scalars = _scalars(self.hyper, lr, count)
         m_map, v_map = self._maps_on(master.device)
         fused: tuple[Callable[..., object], tuple[Tensor, ...], tuple[object, ...]] | None = None
+        # Where the new weights end up, for a lowp_out the kernel cannot write: out of place, update_out's.
+        updated = extra["master"] if extra is not None and out_of_place else master
         if master.device.type != "cpu" or self._device_path_on_cpu:
             triton = None if self.requested_impl == "torch" else _device_kernel()
             if triton is not None:  # the Triton kernel reads quant8's two lookup tables
@@ -286,7 +288,7 @@ class AdamW8bit:
             if out_of_place:  # the copies
                 master, state = extra["master"], {k: extra[k] for k in layout}
         if fused is not None:
-            self._step_fused(*fused, master, grad, state, segments, scalars, lowp_out)
+            self._step_fused(*fused, master, grad, state, segments, scalars, lowp_out, updated)
             return
         scratch = _Scratch.allocate(min(self.chunk, n), master.device)
         for start in range(0, n, self.chunk):
@@ -326,10 +328,13 @@ class AdamW8bit:
         segments: Sequence[_Segment],
         s: _StepScalars,
         lowp_out: Tensor | None,
+        updated: Tensor,
     ) -> None:
         """The whole unit in one call of a fused kernel: the C++ one or the Triton one. Both take the
         same arguments but for the maps' ``tables`` (the C++ kernel reads the packed form) and the C++
-        kernel's thread cap, and its speculative buffers and ``out_of_place`` if any, in ``extra``."""
+        kernel's thread cap, and its speculative buffers and ``out_of_place`` if any, in ``extra``.
+        ``updated``: the master the update leaves its new weights in (``master``, or out of place
+        ``update_out``'s), cast into a ``lowp_out`` the kernel cannot write itself."""
         if master.numel() == 0:
             return
         direct = lowp_out is not None and lowp_out.dtype == torch.bfloat16 and lowp_out.is_contiguous()
@@ -348,7 +353,7 @@ class AdamW8bit:
             *extra,
         )
         if lowp_out is not None and not direct:  # another dtype or layout: cast after the update
-            lowp_out.copy_(master.view(lowp_out.shape))
+            lowp_out.copy_(updated.view(lowp_out.shape))
 
     def _step_chunk(
         self,

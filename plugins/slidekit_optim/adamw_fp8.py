@@ -61,11 +61,26 @@ block makes that block's scales NaN in both paths, as ``adamw_8bit``; only
 the non-NaN results are bitwise alike. ``lowp_out`` of another dtype than
 BF16, or not contiguous, is cast from the master after the update.
 
+Speculative clipping out of place (``fused_update_out = True``,
+``slidekit_optim.backup``): ``step(..., update_out=...)``, "master" and the
+four state buffers, each of its source's dtype and size, receives the values
+an update in place would leave in master and state, bit for bit; ``master``
+and ``state`` keep theirs (``lowp_out`` gets the new weights as usual), and
+the engine swaps the two sets when its bet wins. The C++ kernel decodes and
+updates each block from master and state as in place, but writes its new
+master and codes into an L1 scratch, which it streams out to ``update_out``
+with the new scales: the 16 bytes per parameter of the update in place
+(BF16 gradient and copy), the outputs written instead of the sources. The
+torch path copies master and state into ``update_out`` first, then updates
+the copies in place. There is no ``backup_out`` (``fused_backup``): with
+``fused_update_out`` the engine never asks for one.
+
 Measured on the H200 host (16 threads, a 233M unit, ``benchmarks/fp8_codec.py
 rate``, NOTES section 21): the kernel 5.687 G params/s, 1.56x adamw_8bit's
 3.663 at the same 2.03 B/param of state, 1.43x layer_adam's 4.015.
 
-Test: ``pytest tests/plugins/test_adamw_fp8.py tests/plugins/test_fp8_codec.py``.
+Test: ``pytest tests/plugins/test_adamw_fp8.py tests/plugins/test_fp8_codec.py
+tests/plugins/test_update_out.py``.
 Speed: ``python benchmarks/optimizer_rate.py --numel 20000000``.
 """
 
@@ -82,6 +97,7 @@ from torch import Tensor
 from slidekit.hookspecs import hookimpl
 from slidekit.interfaces import Availability, OptimizerDescriptor, OptimizerHyper, ParamGroupRange
 from slidekit_optim.adamw_8bit import DEFAULT_CHUNK, _check_chunk, _check_unit
+from slidekit_optim.backup import check_buffers, copy_sources
 from slidekit_optim.fp8 import STATE_KEYS, reference_step
 from slidekit_optim.kernel_build import CSRC, kernel_status, load_or_fallback, prepare_kernel
 from slidekit_optim.layer_adam import Impl, _check_hyper, _scalars, _Segment, _segments, _StepScalars
@@ -127,6 +143,9 @@ class AdamWFp8:
     #: of it, is codes [a, a + m) and scales [a / 256, a / 256 + ceil(m / 256)); blocks never straddle
     #: a piece, and each block's update reads and writes only its own codes and scales.
     linear_state = True
+    #: ``step`` takes ``update_out`` (speculative clipping): the C++ kernel writes the update there block by
+    #: block instead of in place, in one pass that writes no more bytes than the update in place.
+    fused_update_out = True
 
     def __init__(
         self,
@@ -165,7 +184,14 @@ class AdamWFp8:
         count: int,
         groups: Sequence[ParamGroupRange],
         lowp_out: Tensor | None = None,
+        update_out: Mapping[str, Tensor] | None = None,
     ) -> None:
+        """One update of the unit, in place, ``lowp_out`` receiving the new weights.
+
+        ``update_out`` (speculative clipping, ``fused_update_out``): "master" and each state name, each a
+        contiguous vector of its source's dtype and size, overlapping no input, receives the updated
+        values instead of ``master`` and ``state``, which keep theirs; the same bits as in place. It is
+        checked before anything is written (``backup.check_buffers``: errors name ``update_out[...]``)."""
         if count < 1:
             raise ValueError(f"count is the 1-based update number, got {count}")
         n = master.numel()
@@ -180,6 +206,12 @@ class AdamWFp8:
             where="on the host (CPU) only (device_update = False)",
             device_fix=_HOST_ONLY,
         )
+        layout = {k: state[k] for k in STATE_KEYS}
+        out = None
+        if update_out is not None:
+            out = check_buffers(
+                NAME, "update_out", update_out, master, layout, {"grad": grad, "lowp_out": lowp_out}
+            )
         if n == 0:
             return
         grad = grad.reshape(-1)  # a view when contiguous
@@ -190,12 +222,16 @@ class AdamWFp8:
         if lowp_out is not None and lowp_out.dtype == torch.bfloat16 and lowp_out.is_contiguous():
             direct = lowp_out.view(-1)
         if self._kernel is not None:
-            self._step_kernel(master, grad, state, segments, scalars, direct)
+            self._step_kernel(master, grad, layout, segments, scalars, direct, out)
         else:
-            self._step_torch(master, grad, state, segments, scalars)
+            if out is not None:  # copy, then update the copies in place
+                copy_sources(out, master, layout)
+                master, layout = out["master"], {k: out[k] for k in STATE_KEYS}
+            self._step_torch(master, grad, layout, segments, scalars)
             direct = None  # the torch path casts the whole unit once, below
-        if lowp_out is not None and direct is None:
-            lowp_out.copy_(master.view(lowp_out.shape))
+        if lowp_out is not None and direct is None:  # from the updated master, wherever it went
+            updated = master if out is None else out["master"]
+            lowp_out.copy_(updated.view(lowp_out.shape))
 
     def _step_kernel(
         self,
@@ -205,9 +241,12 @@ class AdamWFp8:
         segments: Sequence[_Segment],
         s: _StepScalars,
         lowp_out: Tensor | None,
+        update_out: Mapping[str, Tensor] | None,
     ) -> None:
-        """The whole unit in one call of the fused kernel (it releases the GIL)."""
+        """The whole unit in one call of the fused kernel (it releases the GIL); with ``update_out``
+        (checked), out of place: the kernel writes the update there, in the same pass."""
         assert self._kernel is not None
+        out_of_place = () if update_out is None else (*(update_out[k] for k in ("master", *STATE_KEYS)), True)
         self._kernel.adamwfp8_step_(
             master,
             grad if grad.is_contiguous() else grad.contiguous(),
@@ -217,6 +256,7 @@ class AdamWFp8:
             [1.0 if decay is None else decay for _, _, decay in segments],  # times 1 changes no bits
             *s.values(),
             self.hyper.threads or 0,
+            *out_of_place,
         )
 
     def _step_torch(

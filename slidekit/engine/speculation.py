@@ -23,7 +23,7 @@ a fine-tune do not clip, so this module bets that the step will not:
   before each chunk of ``BACKUP_CHUNK`` parameters is updated, the optimizer
   thread copies that chunk's master and state into the backup, so the bytes
   the update then reads are hot in cache (``update_backed``). An optimizer that
-  declares ``fused_update_out`` (both bundled ones) updates *out of place*
+  declares ``fused_update_out`` (the three bundled ones) updates *out of place*
   instead: the new master and state go into the unit's second buffers
   (``HostStore.backup``) and the old ones stay where they are, so the pass moves
   no more bytes than an update in place. The unit is then done only once the

@@ -251,7 +251,10 @@ def check_fused_backup(make: OptimizerFactory) -> None:
     opt = make()
     name = _name(opt)
     if getattr(opt, "fused_backup", False) is not True:
-        raise NotApplicable(f"{name} does not declare fused_backup = True: the engine copies its backups")
+        raise NotApplicable(
+            f"{name} does not declare fused_backup = True: the engine copies its backups (where it does not "
+            "update out of place, fused_update_out)"
+        )
     plain, backed = make(), cast(FusedBackupOptimizer, make())
     init, grads = _unit(3)
     pm, bm = init.clone(), init.clone()

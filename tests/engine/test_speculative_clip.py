@@ -3,12 +3,13 @@
 Each run is trained with ``optim.clip_overlap`` "defer" (updates queued at the step's end, the exact
 path) and "speculate" / "auto" (host units updated during the backward as if unclipped, rolled back
 when the step clips); parameters, optimizer state, losses and norms must be equal bit for bit. Runs
-where every step clips, where none does and where clipping alternates; both bundled optimizers; half
+where every step clips, where none does and where clipping alternates; the bundled optimizers; half
 the units resident; state streamed from the posix tier; accumulation; a non-finite step skipped after
 speculating; a checkpoint right after a rollback; and the transformers + torch.optim.AdamW +
-clip_grad_norm_ reference loop. The bundled optimizers write the backup in their update's pass
-(``fused_backup``); the copy path an optimizer without it takes is run too, in the engine and in
-``update_backed``.
+clip_grad_norm_ reference loop. The bundled optimizers update out of place (``fused_update_out``: the
+new values into the second buffers, swapped in when the bet wins, in either order of the norm and the
+update); the in-place backup written in the update's pass (``fused_backup``) and the copy path an
+optimizer with neither takes are run too, in the engine and in ``update_backed``.
 
 Test: ``pytest tests/engine/test_speculative_clip.py``.
 """
@@ -97,7 +98,7 @@ def _unclipped_norms(model_dir, batches, **kw) -> list[float]:
     return _train(model_dir, batches, policy="defer", clip=None, **kw)[0].grad_norms
 
 
-@pytest.mark.parametrize("optimizer", ["layer_adam", "adamw_8bit"])
+@pytest.mark.parametrize("optimizer", ["layer_adam", "adamw_8bit", "adamw_fp8"])
 def test_every_step_clips(tiny_model, optimizer):
     model_dir = tiny_model("llama")
     batches = random_batches(128, steps=4, seed=1)
@@ -114,7 +115,7 @@ def test_every_step_clips(tiny_model, optimizer):
     assert all("restore" not in t for t in spec[0].timings)
 
 
-@pytest.mark.parametrize("optimizer", ["layer_adam", "adamw_8bit"])
+@pytest.mark.parametrize("optimizer", ["layer_adam", "adamw_8bit", "adamw_fp8"])
 def test_no_step_clips(tiny_model, optimizer):
     model_dir = tiny_model("qwen2")
     batches = random_batches(128, steps=4, seed=2)
@@ -133,7 +134,7 @@ def _alternating(model_dir, batches, **kw) -> float:
     return statistics.median(_unclipped_norms(model_dir, batches, **kw))
 
 
-@pytest.mark.parametrize("optimizer", ["layer_adam", "adamw_8bit"])
+@pytest.mark.parametrize("optimizer", ["layer_adam", "adamw_8bit", "adamw_fp8"])
 def test_clipping_alternates(tiny_model, optimizer):
     model_dir = tiny_model("mistral")
     batches = random_batches(128, steps=8, seed=3)

@@ -160,11 +160,13 @@ def _capabilities() -> list[str]:
     return ladder[: ladder.index(have)] if have in ladder else ["default"]
 
 
-def check_in_child(capability: str, module: str) -> int:
-    """``module``'s ``check_all`` (this file's, or test_update_out.py's) for both kernels at two threads, in a
-    child process under ATEN_CPU_CAPABILITY=``capability``, which builds the kernels for it; checks that
-    the child runs that capability and its stores (memcpy for "default", 32-byte streaming stores for
-    "avx2"), and returns the cases run."""
+def check_in_child(
+    capability: str, module: str, optimizers: tuple[str, ...] = ("layer_adam", "adamw_8bit")
+) -> int:
+    """``module``'s ``check_all`` (this file's, or test_update_out.py's) for the ``optimizers``' kernels at
+    two threads, in a child process under ATEN_CPU_CAPABILITY=``capability``, which builds the kernels for
+    it; checks that the child runs that capability and its stores (memcpy for "default", 32-byte streaming
+    stores for "avx2"), and returns the cases run."""
     code = (
         f"import sys, torch; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
         f"import {module} as t; "
@@ -172,7 +174,7 @@ def check_in_child(capability: str, module: str) -> int:
         "print(torch.backends.cpu.get_cpu_capability()); "
         "print(LayerAdam(OptimizerHyper(), impl='cpp')._kernel.backup_stream_bytes()); "
         "torch.set_num_threads(2); "
-        "print(sum(t.check_all('cpp', o, 2) for o in ('layer_adam', 'adamw_8bit')))"
+        f"print(sum(t.check_all('cpp', o, 2) for o in {optimizers!r}))"
     )
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
     # The timeout only turns a hang into a failure: the child may build both kernels from cold.

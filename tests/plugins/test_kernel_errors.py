@@ -63,6 +63,30 @@ CASES = {
         "k.adamwfp8_step_(z(n), z(n), u(n), z(1), u(n), z(2), None, [n], [1.0], 0.1, 0.95, 0.05, 1.0, 1e-8, -1e-3, 0)",
         "exp_avg_absmax has 1 elements, expected 2",
     ),
+    "adamwfp8: out of place without the buffers": (
+        "adamwfp8.cpp",
+        "k.adamwfp8_step_(z(n), z(n), u(n), z(2), u(n), z(2), None, [n], [1.0], 0.1, 0.95, 0.05, 1.0, 1e-8, -1e-3, 0,"
+        " out_of_place=True)",
+        "out_of_place writes the update into the five backup buffers",
+    ),
+    "adamwfp8: the buffers without out_of_place": (
+        "adamwfp8.cpp",
+        "k.adamwfp8_step_(z(n), z(n), u(n), z(2), u(n), z(2), None, [n], [1.0], 0.1, 0.95, 0.05, 1.0, 1e-8, -1e-3, 0,"
+        " z(n), u(n), z(2), u(n), z(2))",
+        "the five backup buffers receive the update out of place; pass out_of_place=True",
+    ),
+    "adamwfp8: four of the five buffers": (
+        "adamwfp8.cpp",
+        "k.adamwfp8_step_(z(n), z(n), u(n), z(2), u(n), z(2), None, [n], [1.0], 0.1, 0.95, 0.05, 1.0, 1e-8, -1e-3, 0,"
+        " z(n), u(n), z(2), u(n), out_of_place=True)",
+        "give all five backup buffers (master, both moments' codes and absmax) or none",
+    ),
+    "adamwfp8: a short output absmax": (
+        "adamwfp8.cpp",
+        "k.adamwfp8_step_(z(n), z(n), u(n), z(2), u(n), z(2), None, [n], [1.0], 0.1, 0.95, 0.05, 1.0, 1e-8, -1e-3, 0,"
+        " z(n), u(n), z(2), u(n), z(1), True)",
+        "backup_exp_avg_sq_sqrt_absmax has 1 elements, expected 2",
+    ),
     "adamwfp8: segments that do not tile the unit": (
         "adamwfp8.cpp",
         "k.adamwfp8_step_(z(n), z(n), u(n), z(2), u(n), z(2), None, [n - 1], [1.0], 0.1, 0.95, 0.05, 1.0, 1e-8,"

@@ -1,17 +1,19 @@
 """The out-of-place update (``fused_update_out``, ``step(update_out=)``) is the update in place, elsewhere.
 
-For layer_adam and adamw_8bit, fused C++ kernels and torch paths: a step given ``update_out`` writes
-there, bit for bit, what the same step in place writes into master and state, writes ``lowp_out`` alike,
-and leaves master and state as they were. Several steps in a row, each reading the previous one's
+For layer_adam, adamw_8bit and adamw_fp8, fused C++ kernels and torch paths: a step given ``update_out``
+writes there, bit for bit, what the same step in place writes into master and state, writes ``lowp_out``
+alike, and leaves master and state as they were. Several steps in a row, each reading the previous one's
 outputs (the engine swaps the two sets of buffers when its bet wins). Sizes around the 128-element
-tile of layer_adam's kernel and the 256-element block of adamw_8bit's (1, 127, 128, 129, 256, 1000)
-and one (70_001) that two threads split into two tasks; slices at odd offsets of larger buffers
+tile of layer_adam's kernel and the 256-element block of adamw_8bit's and adamw_fp8's (1, 127, 128, 129,
+256, 1000) and one (70_001) that two threads split into two tasks; slices at odd offsets of larger buffers
 (sources and outputs neither aligned nor aligned alike); one and two threads; BF16 and FP32
-gradients; with and without the BF16 copy; groups with different weight decays and a tail in none; a
-unit updated in pieces at granule offsets, sliced as the engine slices it. The kernels' portable build (memcpy) and AVX2 build
-(32-byte streaming stores) run the same checks in a child process (test_fused_backup's mechanism). Bad
-buffers, and ``update_out`` with ``backup_out``, are refused before anything is written, naming the
-buffer as ``update_out[...]``.
+gradients; with and without the BF16 copy (and, for adamw_fp8, a copy of another dtype or layout, cast
+after the update); groups with different weight decays and a tail in none; a unit updated in pieces at
+granule offsets, sliced as the engine slices it. The kernels' portable build (memcpy) and AVX2 build
+(32-byte streaming stores), both of them adamw_fp8's portable loops instead of its AVX-512 pass, run
+the same checks in a child process (test_fused_backup's mechanism). Bad buffers, and ``update_out`` with
+``backup_out`` (where ``fused_backup`` is declared too; adamw_fp8's step takes no ``backup_out``), are
+refused before anything is written, naming the buffer as ``update_out[...]``.
 
 Test: ``pytest tests/plugins/test_update_out.py``.
 """
@@ -25,31 +27,47 @@ from test_fused_backup import (
     _capabilities,
     _groups,
     _inputs,
-    _makers,
     _same_bits,
     _unit,
     _view,
     check_in_child,
     fused_kernels,
 )
+from test_fused_backup import (
+    _makers as _backup_makers,
+)
 
-from slidekit.capabilities import GRANULE, updates_out_of_place
+from slidekit.capabilities import GRANULE, fuses_backup, updates_out_of_place
 from slidekit.engine.state import slice_groups
-from slidekit.interfaces import UnitOptimizer
+from slidekit.interfaces import OptimizerHyper, UnitOptimizer
 from slidekit_optim.adamw_8bit import AdamW8bit
+from slidekit_optim.adamw_fp8 import AdamWFp8
 from slidekit_optim.layer_adam import LayerAdam
 
-#: Around layer_adam's 128-element tile and adamw_8bit's 256-element block, and large enough
-#: (70_001 > 2 x 32 Ki) that two threads each take a task.
+#: The optimizers that declare fused_update_out.
+OPTIMIZERS = ("layer_adam", "adamw_8bit", "adamw_fp8")
+
+#: Around layer_adam's 128-element tile and the 256-element block of adamw_8bit and adamw_fp8, and
+#: large enough (70_001 > 2 x 32 Ki) that two threads each take a task.
 SIZES = (1, 127, 128, 129, 256, 1000, 70_001)
 #: (source offset, output offset) in elements of the buffers the views are cut from.
 OFFSETS = ((0, 0), (3, 5), (1, 0))
 STEPS = 3
 
 
+def _makers(impl: str) -> dict[str, Make]:
+    """test_fused_backup's optimizers, and adamw_fp8 (no fused_backup), its torch path in chunks of 4096."""
+    return _backup_makers(impl) | {
+        "adamw_fp8": lambda threads: AdamWFp8(
+            OptimizerHyper(weight_decay=0.1, threads=threads), impl=impl, chunk=4096
+        ),
+    }
+
+
 @pytest.fixture(scope="module")
 def kernels():
-    return fused_kernels()
+    """Every optimizer of OPTIMIZERS on its C++ kernel (built here if need be), or a skip saying why not."""
+    return fused_kernels() | {"adamw_fp8": _makers("cpp")["adamw_fp8"](None)}
 
 
 def _grad(n: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -125,7 +143,7 @@ def check_all(impl: str, optimizer: str, threads: int | None) -> int:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("optimizer", ["layer_adam", "adamw_8bit"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_kernel_update_out_is_the_update_in_place(kernels, optimizer, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # two tasks even on one core: the split is what is under test
@@ -135,7 +153,7 @@ def test_kernel_update_out_is_the_update_in_place(kernels, optimizer, threads):
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("optimizer", ["layer_adam", "adamw_8bit"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_torch_path_update_out_is_the_update_in_place(optimizer):
     check_all("torch", optimizer, None)
 
@@ -144,7 +162,45 @@ def test_torch_path_update_out_is_the_update_in_place(optimizer):
 def test_other_isa_builds(kernels, capability):
     """The kernels built without vector ISA flags (memcpy) and for AVX2 (32-byte streaming stores): the
     same checks, in a child process under that capability, at two threads."""
-    assert check_in_child(capability, "test_update_out") == 2 * len(SIZES) * len(OFFSETS) * 2
+    cases = check_in_child(capability, "test_update_out", OPTIMIZERS)
+    assert cases == len(OPTIMIZERS) * len(SIZES) * len(OFFSETS) * 2
+
+
+@pytest.mark.parametrize("name", ["adamw_8bit", "adamw_fp8"])
+@pytest.mark.parametrize("impl", ["cpp", "torch"])
+@pytest.mark.parametrize(
+    "lowp", ["float16", "float32", "strided"], ids=["fp16", "fp32", "bf16-not-contiguous"]
+)
+def test_a_copy_cast_after_the_update_is_cast_from_the_update(kernels, name, impl, lowp):
+    """adamw_8bit and adamw_fp8 write a BF16 contiguous ``lowp_out`` in their pass and cast any other from
+    the master after the update: out of place, from ``update_out['master']``, the sources staying as they
+    were (layer_adam refuses such a ``lowp_out``)."""
+    n = 1000
+    ref_opt, opt = _makers(impl)[name](None), _makers(impl)[name](None)
+    ref_master, ref_state = _unit(ref_opt, n, 0)
+    master, state = _unit(opt, n, 0)
+    src = {"master": master, **state}
+    out = _outputs(src, 3)
+
+    def copy() -> torch.Tensor:
+        if lowp == "strided":
+            return torch.zeros(2 * n, dtype=torch.bfloat16)[::2]
+        return torch.zeros(n, dtype=getattr(torch, lowp))
+
+    ref_low, low = copy(), copy()
+    gen, groups = torch.Generator().manual_seed(5), _groups(n)
+    for count in (1, 2):
+        grad = _grad(n, torch.bfloat16, gen)
+        before = {k: t.clone() for k, t in src.items()}
+        ref_opt.step(ref_master, grad, ref_state, lr=1e-3, count=count, groups=groups, lowp_out=ref_low)
+        opt.step(
+            src["master"], grad, {k: src[k] for k in state}, lr=1e-3, count=count, groups=groups,
+            lowp_out=low, update_out=out,
+        )  # fmt: skip
+        what = f"{name} ({impl}) lowp_out {lowp}, step {count}"
+        _assert_step(what, out, {"master": ref_master, **ref_state}, src, before)
+        assert _same_bits(low.contiguous(), ref_low.contiguous()), f"{what}: lowp_out differs from in place's"
+        src, out = out, src
 
 
 # --------------------------------------------------------------------------- a unit in pieces
@@ -160,7 +216,7 @@ def _piece(opt: UnitOptimizer, whole: dict[str, torch.Tensor], lo: int, hi: int)
 
 
 @pytest.mark.parametrize("impl", ["cpp", "torch"])
-@pytest.mark.parametrize("optimizer", ["layer_adam", "adamw_8bit"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_pieces_sliced_as_the_engine_slices_them(kernels, optimizer, impl):
     """A unit updated out of place in three pieces at granule offsets, the sources and the outputs sliced
     from whole buffers alike: two steps, outputs swapped in between, each the same bits as the whole unit
@@ -197,9 +253,11 @@ def test_pieces_sliced_as_the_engine_slices_them(kernels, optimizer, impl):
 # --------------------------------------------------------------------------- bad buffers
 
 
-def test_both_optimizers_declare_it():
+def test_the_optimizers_declare_it():
     assert LayerAdam.fused_update_out is True and AdamW8bit.fused_update_out is True
     assert LayerAdam.fused_backup is True and AdamW8bit.fused_backup is True  # the protocol it extends
+    assert AdamWFp8.fused_update_out is True  # out of place only: the engine then never backs up in place
+    assert not fuses_backup(AdamWFp8(OptimizerHyper(), impl="torch"))
 
 
 def _overlapping_view(of: torch.Tensor, dtype: torch.dtype, numel: int) -> torch.Tensor:
@@ -209,7 +267,7 @@ def _overlapping_view(of: torch.Tensor, dtype: torch.dtype, numel: int) -> torch
 
 
 @pytest.mark.parametrize("impl", ["cpp", "torch"])
-@pytest.mark.parametrize("optimizer", ["layer_adam", "adamw_8bit"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
 def test_bad_update_buffers_are_refused_before_any_write(kernels, optimizer, impl):
     opt = _makers(impl)[optimizer](None)
     state_name = next(iter(opt.state_layout(1)))
@@ -220,16 +278,19 @@ def test_bad_update_buffers_are_refused_before_any_write(kernels, optimizer, imp
     start = {k: t.clone() for k, t in written.items()}
 
     def refused(update_out, error, match, backup_out=None):
+        backup = {} if backup_out is None else {"backup_out": backup_out}  # adamw_fp8's step takes none
         with pytest.raises(error, match=match):
             opt.step(
-                master, grad, state, lr=1e-3, count=1, groups=_groups(1000), backup_out=backup_out,
-                update_out=update_out,
+                master, grad, state, lr=1e-3, count=1, groups=_groups(1000), update_out=update_out, **backup
             )  # fmt: skip
         for k, t in written.items():
             assert _same_bits(t, start[k]), f"a refused step must write nothing; it wrote {k}"
 
     spare = {k: torch.empty_like(t) for k, t in good.items()}
-    refused(good, ValueError, "both backup_out and update_out; pass one", backup_out=spare)
+    if fuses_backup(opt):
+        refused(good, ValueError, "both backup_out and update_out; pass one", backup_out=spare)
+    else:
+        refused(good, TypeError, "backup_out", backup_out=spare)
     lacking = {k: t for k, t in good.items() if k != state_name}
     refused(lacking, ValueError, rf"update_out must name 'master'.*lacks \['{state_name}'\]")
     refused({**good, "momentum": torch.empty(1000)}, ValueError, r"update_out .*unknown \['momentum'\]")

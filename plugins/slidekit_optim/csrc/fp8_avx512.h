@@ -15,7 +15,8 @@
 // masks; what masked-off lanes compute is never stored.
 //
 // Compiled only where the build enables AVX-512 F/BW/DQ/VL (kernel_build.py's AVX512 capability);
-// elsewhere adamwfp8.cpp runs its portable loops. Tested by tests/plugins/test_fp8_codec.py.
+// elsewhere adamwfp8.cpp runs its portable loops. Tested by tests/plugins/test_fp8_codec.py and
+// tests/plugins/test_update_out.py (out of place).
 
 #pragma once
 
@@ -90,13 +91,15 @@ inline void encode_block(int64_t len, const float* __restrict x, float f, uint8_
 }
 
 // Pass 1 over one block's elements [0, len) (pointers offset to the block): decode with the block's
-// dm = A_m / 448 and dr = A_r / 496, update, write the master (and BF16 copy); the new m and r go to
-// m_buf / r_buf (256 floats each) and the maxima of their |x| bit patterns to m_top / r_top.
-// decay(i) is the vector of the decay factors of the block's elements [i, i + 16).
+// dm = A_m / 448 and dr = A_r / 496, update the master read from p_in and write it to p (the same
+// array in place; out of place, adamwfp8.cpp's L1 scratch, so the source is only read), and the BF16
+// copy; the new m and r go to m_buf / r_buf (256 floats each) and the maxima of their |x| bit
+// patterns to m_top / r_top. decay(i) is the vector of the decay factors of the block's elements
+// [i, i + 16).
 template <typename G, bool kLowp, typename DecayAt>
-inline void update(int64_t len, float* p, const G* g, uint16_t* out, const uint8_t* mc, const uint8_t* rc,
-                   float dm, float dr, const AdamScalars& s, DecayAt&& decay, float* __restrict m_buf,
-                   float* __restrict r_buf, uint32_t& m_top, uint32_t& r_top) {
+inline void update(int64_t len, const float* p_in, float* p, const G* g, uint16_t* out, const uint8_t* mc,
+                   const uint8_t* rc, float dm, float dr, const AdamScalars& s, DecayAt&& decay,
+                   float* __restrict m_buf, float* __restrict r_buf, uint32_t& m_top, uint32_t& r_top) {
   const __m512 m_scale = _mm512_set1_ps(dm * 256.0f);  // exact: a power of two, never overflowing
   const __m512 r_scale = _mm512_set1_ps(dr * 256.0f);
   const __m512 w1 = _mm512_set1_ps(s.w1);
@@ -113,7 +116,7 @@ inline void update(int64_t len, float* p, const G* g, uint16_t* out, const uint8
     const __m512 m0 = _mm512_mul_ps(decode_e4m3_scaled(_mm_maskz_loadu_epi8(k, mc + i)), m_scale);
     const __m512 r0 = _mm512_mul_ps(decode_ue4m4_scaled(_mm_maskz_loadu_epi8(k, rc + i)), r_scale);
     const __m512 gi = slidekit::avx512::load_grad(g + i, k);
-    __m512 pi = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, p + i), decay(i));
+    __m512 pi = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, p_in + i), decay(i));
     const __m512 m = _mm512_add_ps(m0, _mm512_mul_ps(w1, _mm512_sub_ps(gi, m0)));
     __m512 v = _mm512_mul_ps(_mm512_mul_ps(r0, r0), beta2);
     v = _mm512_add_ps(v, _mm512_mul_ps(_mm512_mul_ps(w2, gi), gi));
