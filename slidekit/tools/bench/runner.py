@@ -230,10 +230,10 @@ def run_suite(
     def left() -> float:
         return plan.budget_s - (clock() - start) if plan.budget_s is not None else math.inf
 
-    spent = [0.0, 0.0]  # seconds the runs started so far took, and their predicted seconds
+    took_s = predicted_so_far_s = 0.0  # seconds the runs started so far took, and their predictions
     kept_after = [sum(p.predicted_s for p in plan.runs[i + 1 :] if p.keep) for i in range(len(plan.runs))]
     for i, planned in enumerate(plan.runs):
-        rate = pace(*spent)
+        rate = pace(took_s, predicted_so_far_s)
         need = planned.predicted_s * rate
         run = planned.run
         base = {"record": "run", "suite": suite.name, "model": suite.model, "seq": suite.seq, **identity}
@@ -269,8 +269,8 @@ def run_suite(
             base["pace"] = round(rate, 3)
         t0 = clock()
         _one_run(run, cmd, limit, base, recorder, logs, watchdog, env)
-        spent[0] += clock() - t0
-        spent[1] += planned.predicted_s
+        took_s += clock() - t0
+        predicted_so_far_s += planned.predicted_s
     recorder.rewrite()
     return recorder.rows
 
