@@ -1,11 +1,12 @@
-"""README.md's suite table is the committed suite's: every figure traced to its raw records.
+"""README.md's suite tables are the committed suites': every figure traced to its raw records.
 
 Issue 15 asks that the README quote only tables of ``slidekit bench`` suites, each from committed raw
-records. This test regenerates the suite's page from its committed JSONL (``suite_markdown``, the
-code that wrote it) and compares it with the committed page, then reads README's table of that suite
-and checks every cell against the page: tokens/s (the median over the repeats), model TFLOPS, the
-offload efficiency in parentheses, "does not fit" where the run was unavailable, and the last row's
-ratio against the best HF recipe. A README edit that drifts from the records, or records edited
+records. For each suite README quotes (``QUOTED``), this test regenerates the suite's page from its committed
+JSONL (``suite_markdown``, the code that wrote it) and compares it with the committed page, then reads
+README's table of that suite and checks every cell against the page: tokens/s (the median over the
+repeats), model TFLOPS, the offload efficiency in parentheses, "one run" exactly where the cell has a
+single repeat, "does not fit" where the run was unavailable, "not run" where the suite has no run
+there or its time budget left it out, and the last row's ratio against the best HF recipe. A README edit that drifts from the records, or records edited
 after the page was written, fails here.
 
 Test: ``pytest tests/test_readme_figures.py``.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,9 +24,25 @@ import pytest
 from slidekit.tools.bench.summary import suite_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
-SUITE_DIR = ROOT / "docs/benchmarks/raw/2026-12-04-s16/suite-1.5b-call3"
-RECORDS = SUITE_DIR / "suite-qwen2.5-1.5b.jsonl"
-PAGE = SUITE_DIR / "suite-qwen2.5-1.5b.md"
+
+
+@dataclass(frozen=True)
+class Quoted:
+    """A suite table README quotes: its first header cell and the suite's committed page and records."""
+
+    header: str
+    records: Path
+
+    @property
+    def page(self) -> Path:
+        return self.records.with_suffix(".md")
+
+
+RAW = ROOT / "docs/benchmarks/raw"
+QUOTED = [
+    Quoted("Qwen2.5-1.5B", RAW / "2026-12-04-s16/suite-1.5b-call3/suite-qwen2.5-1.5b.jsonl"),
+    Quoted("Qwen2.5-3B, H100 80 GB", RAW / "2026-12-06-s22/suite-qwen2.5-3b-h100/suite-qwen2.5-3b.jsonl"),
+]
 #: README's row labels -> the suite page's run names.
 ROWS = {
     "slidekit, every unit resident": "slidekit (resident all)",
@@ -35,6 +53,8 @@ ROWS = {
     "HF + Liger, checkpointing": "HF + Liger (GC)",
     "plain HF, checkpointing": "HF (GC)",
 }
+#: A README cell: tokens/s, optionally (TFLOPS) or (offload efficiency), optionally marked a single run.
+CELL = re.compile(r"([\d,]+)(?: \((?:(\d+) TFLOPS|([\d.]+)(?: of all-resident)?)\))?(, one run)?")
 
 
 def _table(text: str, first_header: str) -> list[list[str]]:
@@ -49,30 +69,39 @@ def _table(text: str, first_header: str) -> list[list[str]]:
     return rows
 
 
-def _page_cells() -> dict[tuple[str, int], list[str]]:
+def _page_cells(page: Path) -> dict[tuple[str, int], dict[str, str]]:
     """(run, batch) -> its cells, in the page's first table (the recipe without clipping)."""
-    rows = _table(PAGE.read_text(), "run")
+    rows = _table(page.read_text(), "run")
     header = rows[0]
-    return {(r[0], int(r[1])): dict(zip(header, r, strict=True)) for r in rows[2:]}
+    return {(r[0], int(r[1])): dict(zip(header, r, strict=True)) for r in rows[2:] if r[1].isdigit()}
 
 
-def test_the_suite_page_is_what_its_committed_records_give():
-    lines = [json.loads(line) for line in RECORDS.read_text().splitlines() if line.strip()]
+@pytest.mark.parametrize("quoted", QUOTED, ids=lambda q: q.header)
+def test_the_suite_page_is_what_its_committed_records_give(quoted):
+    lines = [json.loads(line) for line in quoted.records.read_text().splitlines() if line.strip()]
     header, rows = lines[0], lines[1:]
     assert header["record"] == "suite"
-    assert suite_markdown(header, rows, records_name=RECORDS.name).strip() == PAGE.read_text().strip()
+    page = suite_markdown(header, rows, records_name=quoted.records.name)
+    assert page.strip() == quoted.page.read_text().strip()
 
 
 def _number(text: str) -> float:
     return float(text.replace(",", ""))
 
 
-def test_readmes_table_is_the_suites_cells():
+def _repeats(tokens: str) -> int:
+    """How many repeats a page's tokens/s cell has: its "(n)" after the [min-max]."""
+    return int(re.match(r"[\d,]+ \[[\d,]+-[\d,]+\] \((\d+)\)", tokens).group(1))
+
+
+@pytest.mark.parametrize("quoted", QUOTED, ids=lambda q: q.header)
+def test_readmes_table_is_the_suites_cells(quoted):
     readme = (ROOT / "README.md").read_text()
-    assert f"]({PAGE.relative_to(ROOT).as_posix()})" in readme and f"]({RECORDS.relative_to(ROOT).as_posix()})" in readme
-    table = _table(readme, "Qwen2.5-1.5B")
+    for path in (quoted.page, quoted.records):
+        assert f"]({path.relative_to(ROOT).as_posix()})" in readme, path
+    table = _table(readme, quoted.header)
     batches = [int(re.search(r"batch (\d+)", h).group(1)) for h in table[0][1:]]
-    cells = _page_cells()
+    cells = _page_cells(quoted.page)
     seen = 0
     for row in table[2:]:
         label, values = row[0], row[1:]
@@ -84,23 +113,27 @@ def test_readmes_table_is_the_suites_cells():
             continue
         run = ROWS[label]
         for batch, value in zip(batches, values, strict=True):
-            cell = cells[(run, batch)]
+            cell = cells.get((run, batch))
+            seen += 1
+            if value == "not run":  # not in the suite at this batch, or left out by the time budget
+                assert cell is None or cell["tokens/s median [min-max] (n)"].startswith("not run"), (run, batch)
+                continue
+            assert cell is not None, (run, batch, value)
             tokens = cell["tokens/s median [min-max] (n)"]
             if value.startswith("does not fit"):
                 assert tokens.startswith("unavailable: does not fit"), (run, batch, tokens)
-                seen += 1
                 continue
-            m = re.fullmatch(r"([\d,]+)(?: \((?:(\d+) TFLOPS|([\d.]+)(?: of all-resident)?)\))?", value)
+            m = CELL.fullmatch(value)
             assert m, (label, value)
             assert tokens.split(" ")[0] == m.group(1), (run, batch, value, tokens)
+            assert (_repeats(tokens) == 1) == bool(m.group(4)), (run, batch, value, tokens)  # "one run" marked
             if m.group(2):
                 assert cell["TFLOPS"] == m.group(2), (run, batch)
             if m.group(3):
                 assert cell["offload efficiency"] == m.group(3), (run, batch)
-            seen += 1
-    assert seen == (len(ROWS) + 1) * len(batches)
+    assert seen == (len(table) - 2) * len(batches)
 
 
-@pytest.mark.parametrize("path", [RECORDS, PAGE])
+@pytest.mark.parametrize("path", [p for q in QUOTED for p in (q.records, q.page)], ids=str)
 def test_the_records_are_committed(path):
     assert path.is_file() and path.stat().st_size > 0
