@@ -111,16 +111,25 @@ def check_case(
     assert not _same_bits(bm, before["master"]) or n == 0, f"{what}: the master never moved"
 
 
-def check_all(impl: str, optimizer: str, threads: int | None) -> int:
-    """Every size, offset pair, gradient dtype, with and without lowp_out; returns the cases run."""
-    make = _makers(impl)[optimizer]
+def each_case(
+    check: Callable[..., None], make: Make, sizes: tuple[int, ...], offsets: tuple[tuple[int, int], ...],
+    threads: int | None,
+) -> int:  # fmt: skip
+    """``check(make, n, offsets, grad_dtype, lowp=, threads=)`` for every size, offset pair and gradient
+    dtype, lowp_out on every other (size, offsets) pair; returns the cases run (this file's ``check_all``
+    and test_update_out.py's)."""
     cases = 0
-    for i, n in enumerate(SIZES):
-        for j, offsets in enumerate(OFFSETS):
+    for i, n in enumerate(sizes):
+        for j, pair in enumerate(offsets):
             for grad_dtype in (torch.bfloat16, torch.float32):
-                check_case(make, n, offsets, grad_dtype, lowp=(i + j) % 2 == 0, threads=threads)
+                check(make, n, pair, grad_dtype, lowp=(i + j) % 2 == 0, threads=threads)
                 cases += 1
     return cases
+
+
+def check_all(impl: str, optimizer: str, threads: int | None) -> int:
+    """Every size, offset pair, gradient dtype, with and without lowp_out; returns the cases run."""
+    return each_case(check_case, _makers(impl)[optimizer], SIZES, OFFSETS, threads)
 
 
 def fused_kernels() -> dict[str, UnitOptimizer]:

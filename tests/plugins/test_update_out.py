@@ -31,6 +31,7 @@ from test_fused_backup import (
     _unit,
     _view,
     check_in_child,
+    each_case,
     fused_kernels,
 )
 from test_fused_backup import (
@@ -132,14 +133,7 @@ def check_case(
 
 def check_all(impl: str, optimizer: str, threads: int | None) -> int:
     """Every size, offset pair, gradient dtype, with and without lowp_out; returns the cases run."""
-    make = _makers(impl)[optimizer]
-    cases = 0
-    for i, n in enumerate(SIZES):
-        for j, offsets in enumerate(OFFSETS):
-            for grad_dtype in (torch.bfloat16, torch.float32):
-                check_case(make, n, offsets, grad_dtype, lowp=(i + j) % 2 == 0, threads=threads)
-                cases += 1
-    return cases
+    return each_case(check_case, _makers(impl)[optimizer], SIZES, OFFSETS, threads)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
