@@ -325,13 +325,16 @@ class Planner(Recommendations):
         device holds) or, where the model predicts a step more than ``RESIDENCY_GAIN`` shorter, fewer
         resident units (``RESIDENCY_CANDIDATES`` host counts up to all of them, spread as ``plan_residency``
         spreads them) whose freed device memory keeps more layers' activations (``keeps``, recompute
-        "auto"), of those whose layout fits the machine. Without rates, on the CPU, or with a recompute
-        that memory does not change (``most`` is then the fastest): ``most``."""
+        "auto"), of those whose layout fits the machine. Without rates, on the CPU, with a recompute
+        that memory does not change, or where every layer keeps its activations already: ``most``."""
         most = list(most)
         units, host_most = len(most), most.count(False)
         if machine.rates is None or self.device_type == "cpu" or self.recompute != "auto" or host_most == units:
             return most
-        base = self.predict(self.layout(placement, machine, resident=most), machine)
+        full = self.layout(placement, machine, resident=most)
+        if all(u.keeps for u in full.units if u.kind == "layer"):
+            return most  # every layer keeps its activations already: memory has nothing to buy
+        base = self.predict(full, machine)
         if base is None:
             return most
         best, best_s = most, base.seconds * (1 - RESIDENCY_GAIN)
