@@ -18,7 +18,14 @@ gradient (the CPU engine's; BF16 on the GPU) and weight decay 0.1:
 * ``backed_<chunk>``: the copy path, ``update_backed`` with each chunk size of ``--chunks``, the
   optimizer's ``fused_backup`` hidden (as for an optimizer without it; the path before the fused one);
 * ``fused``: ``update_backed`` with the capability: one call, the backup written in the pass;
-* ``copy_then_update``: the whole unit copied first, then updated (the naive backup).
+* ``copy_then_update``: the whole unit copied first, then updated (the naive backup);
+* ``out_of_place``: ``update_backed`` with ``out_of_place`` (an optimizer declaring
+  ``fused_update_out``: the new master and state written into the second buffers, the sources only
+  read; NOTES.md 36), one call.
+
+``--bf16``: a BF16 gradient and a BF16 upload copy written by every contender (the GPU engine's
+host update) instead of an FP32 gradient and no copy. ``ATEN_CPU_CAPABILITY=avx2`` (or ``default``)
+in front builds and times the kernels' portable loops instead of their AVX-512 ones.
 
 ``--repeat`` interleaved rounds (a change of background load hits all alike),
 median per contender; prints one JSON line with seconds, each contender's
@@ -55,6 +62,16 @@ class _CopyPath:
         self.step = opt.step
 
 
+class _InPlace:
+    """``opt`` without its ``fused_update_out``: ``update_backed`` hands it the in-place backup (``backup_out``)."""
+
+    def __init__(self, opt: UnitOptimizer) -> None:
+        self.opt = opt
+        self.name, self.device_update, self.linear_state = opt.name, opt.device_update, opt.linear_state
+        self.state_layout, self.fused_backup = opt.state_layout, True
+        self.step = opt.step
+
+
 def _unit(opt, n: int):
     master = torch.randn(n, generator=torch.Generator().manual_seed(1))
     state = {k: torch.zeros(c, dtype=dt) for k, (dt, c) in opt.state_layout(n).items()}
@@ -63,8 +80,10 @@ def _unit(opt, n: int):
     return master, state, saved_master, saved_state
 
 
-def _contenders(opt, n: int, chunks: list[int]) -> dict[str, Step]:
+def _contenders(opt, n: int, chunks: list[int], bf16: bool = False) -> dict[str, Step]:
     grad = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    grad = grad.bfloat16() if bf16 else grad
+    copy = torch.empty(n, dtype=torch.bfloat16) if bf16 else None
     groups = [ParamGroupRange(start=0, stop=n, weight_decay=0.1)]
     master, state, saved_master, saved_state = _unit(opt, n)
     count = [0]
@@ -75,14 +94,15 @@ def _contenders(opt, n: int, chunks: list[int]) -> dict[str, Step]:
 
     def update() -> None:
         count[0] += 1
-        opt.step(master, grad, state, lr=1e-6, count=count[0], groups=groups, lowp_out=None)
+        opt.step(master, grad, state, lr=1e-6, count=count[0], groups=groups, lowp_out=copy)
 
-    def backed(chunk: int, via: UnitOptimizer) -> Step:
+    def backed(chunk: int, via: UnitOptimizer, out_of_place: bool = False) -> Step:
         def step() -> None:
             count[0] += 1
             update_backed(
                 via, master, grad, state, saved_master, saved_state,
-                lr=1e-6, count=count[0], groups=groups, span=span, chunk=chunk,
+                lr=1e-6, count=count[0], groups=groups, span=span, chunk=chunk, lowp_out=copy,
+                out_of_place=out_of_place,
             )  # fmt: skip
 
         return step
@@ -96,7 +116,9 @@ def _contenders(opt, n: int, chunks: list[int]) -> dict[str, Step]:
     out = {"update": update, "copy_then_update": copy_then_update}
     out |= {f"backed_{c}": backed(c, _CopyPath(opt)) for c in chunks}
     if getattr(opt, "fused_backup", False) is True:
-        out["fused"] = backed(BACKUP_CHUNK, opt)  # the chunk is not used: one call
+        out["fused"] = backed(BACKUP_CHUNK, _InPlace(opt))  # the chunk is not used: one call
+    if getattr(opt, "fused_update_out", False) is True:
+        out["out_of_place"] = backed(BACKUP_CHUNK, opt, out_of_place=True)
     return out
 
 
@@ -106,6 +128,8 @@ def main() -> None:
     p.add_argument("--chunks", default=f"{BACKUP_CHUNK // 16},{BACKUP_CHUNK},{BACKUP_CHUNK * 16}")
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--bf16", action="store_true", help="a BF16 gradient and a BF16 upload copy (the GPU engine's)")
+    p.add_argument("--optimizers", default="layer_adam,adamw_8bit", help="which drivers (comma-separated)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -114,10 +138,10 @@ def main() -> None:
     steps: dict[str, Step] = {}
     stream_bytes = None
     for reg in Plugins().drivers("optimizer"):
-        if reg.name in ("layer_adam", "adamw_8bit"):
+        if reg.name in args.optimizers.split(","):
             opt = reg.descriptor.factory(hyper, impl="cpp")
             stream_bytes = opt._kernel.backup_stream_bytes()
-            steps |= {f"{reg.name}_{k}": s for k, s in _contenders(opt, args.numel, chunks).items()}
+            steps |= {f"{reg.name}_{k}": s for k, s in _contenders(opt, args.numel, chunks, args.bf16).items()}
     for step in steps.values():
         step()  # warm-up: first touch, kernel caches
     times: dict[str, list[float]] = {k: [] for k in steps}
@@ -134,6 +158,7 @@ def main() -> None:
         "default_chunk": BACKUP_CHUNK,
         "repeat": args.repeat,
         "backup_stream_bytes": stream_bytes,
+        "bf16": args.bf16,
     }
     out |= {f"{k}_s": round(v, 5) for k, v in secs.items()}
     for name in secs:

@@ -181,6 +181,23 @@ case "${1:-tests}" in
     done
     tar -cf "$OUT/traces-order.tar" -C /tmp/sk-order .  # one file: a call brings back at most 8
     ;;
+  residency)  # NOTES 38, "auto" residency trading units for kept activations: bash benchmarks/run_h200.sh residency
+    # "MODEL BATCHES"... (BATCHES comma-separated); per model and batch, REPEATS (default 2) rounds of resident all, auto,
+    # none, one process each, 10 whole steps after 2 warm-up (the record's resident_units and kept_layers say what auto kept)
+    shift; build_layer_adam; B="$OUT/residency.jsonl"
+    for spec in "$@"; do
+      set -- $spec
+      for b in ${2//,/ }; do
+        for r in $(seq "${REPEATS:-2}"); do
+          for res in all auto none; do
+            timeout 240 python3 -m slidekit.tools.bench --model "$1" --batch "$b" --seq 1024 --resident "$res" --steps 10 \
+              --warmup 2 --out "$B" 2>&1 | tail -1 | cut -c1-300
+            echo "$1-b$b-$res round $r: at ${SECONDS}s"
+          done
+        done
+      done
+    done
+    ;;
   setup35)  # NOTES 34-35, forced offload at 3B batch 8 (after the gate of the commit that has them): where the setup
     # goes, what update order "auto" takes (the record's forward_updates), and BF16 upload copies in the forward order;
     # 10 whole steps after 2 warm-up, one process each

@@ -126,7 +126,11 @@ class EngineBuilding:
                 "engine.gpu_resident='none' (CLI: --gpu-resident none), or use an optimizer that updates "
                 "on the GPU too (layer_adam, adamw_8bit)"
             )
-        layout = planner.layout(Placement.of(ec), self.machine())
+        placement = Placement.of(ec)
+        layout = planner.layout(placement, self.machine())
+        traded = planner.residency_note(placement, self.machine(), layout)
+        if traded:
+            self.notes.append(traded)
         for decide, policy in (
             (overlap_layout, self.config.optim.clip_overlap),
             (order_layout, ec.update_order),

@@ -467,6 +467,7 @@ def test_bench_options_are_pinned():
         "--no-prebuild",
         "--ram-floor-gib",
         "--continue",
+        "--other-host",
         "--commit",
         "--out",
         "--logs",

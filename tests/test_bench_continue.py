@@ -3,8 +3,8 @@
 A first call on a budget measures the most important runs and leaves the rest "not run"; a second
 call with ``--continue`` runs exactly those (a run cut off midway again, whole), and the file holds
 every run once, the header listing both calls. Another suite's records, or records of other code
-(another source digest), or of another machine or software (GPU, CPU, RAM, versions), are refused with
-what to do. The systems are the stand-in scripts of
+(another source digest), or of another machine or software (GPU, CPU, RAM, versions), or of another
+host (its boot id, unless ``--other-host``), are refused with what to do. The systems are the stand-in scripts of
 ``bench_helpers.fake_systems``; the budget clock takes each run's predicted time.
 """
 
@@ -145,6 +145,8 @@ def _header_file(tmp_path: Path, scripts: Path, **change) -> Path:
         ({"torch": "0.0.1"}, "torch '0.0.1' there"),
         ({"slidekit": "0.0.1"}, None),  # the source digest covers slidekit's own code
         ({"machine": None}, "no machine recorded there"),
+        ({"boot_id": lambda _: "0ther-b00t"}, "another host, or the same one rebooted (boot id 0ther-b0 there"),
+        ({"boot_id": lambda _: None}, "no boot id recorded there or here"),
     ],
 )
 def test_only_the_same_suite_and_code_continue(tmp_path, scripts, monkeypatch, change, message):
@@ -158,6 +160,17 @@ def test_only_the_same_suite_and_code_continue(tmp_path, scripts, monkeypatch, c
         bench(args)
     assert message in str(raised.value)
     assert not (tmp_path / "out" / "suite-tiny.jsonl").exists()  # refused before anything is written
+
+
+def test_other_host_continues_on_another_host_and_the_page_says_so(tmp_path, scripts, monkeypatch):
+    """``--other-host``: a suite begun on another host (or before a reboot) continues; each call's entry
+    keeps its boot id, and the page says the suite ran on two hosts."""
+    earlier = _header_file(tmp_path, scripts, boot_id=lambda _: "0ther-b00t")
+    monkeypatch.setattr(bench_cli, "run_suite", lambda *a, **k: [])
+    bench(_parse(_argv(scripts, tmp_path / "out", "--continue", str(earlier), "--other-host")))
+    header = _lines(tmp_path / "out" / "suite-tiny.jsonl")[0]
+    assert [c["boot_id"] for c in header["calls"]] == ["0ther-b00t", machine()["boot_id"]]
+    assert "on 2 hosts of one kind, continued with --other-host" in (tmp_path / "out" / "suite-tiny.md").read_text()
 
 
 def test_a_file_that_is_no_suite_is_refused_saying_what_it_lacks(tmp_path, scripts):

@@ -135,7 +135,7 @@ class Engine(Uploads, Speculation):
         self._cast_after: dict[int, Any] = {}  # unit -> event after its latest device update (CUDA)
         self._reduced: dict[int, Any] = {}  # data-parallel: unit -> event after its reduced shard's copy
         self.clip_overlap = "auto"
-        self._clipped_last = False  # the last step clipped or was not finite ("auto" then defers the next)
+        self._clipped_last = False  # the last step clipped or was not finite ("auto" in place then defers the next)
         check_keeps(layout.units)  # decoder layers only
         self.keeps = tuple(u.keeps for u in layout.units)
         self.kept = KeptGraphs()  # the graphs of the layers that keep their activations, this step
@@ -216,6 +216,7 @@ class Engine(Uploads, Speculation):
                 defer=defer,
                 backed_up=self.layout.clip_backup,
                 clipped_last=self._clipped_last,
+                out_of_place=self.host.out_of_place,
             ),
         )
         run: dict[str, Callable[..., Any]] = {FWD: self._forward, HEAD: self._head, BWD: self._backward}

@@ -66,9 +66,12 @@ clips pays a restore (none out of place) and the whole deferred update at its
 end, more than the deferred path. "defer" is the deferred path. "auto" speculates where the
 planner found host RAM for the backups and, on a GPU with known rates, where
 the step-time model predicts a speculating step faster than a deferring one
-(``slidekit.planning.clip_overlap.overlap_layout``), and not on the step right
-after a step that clipped or was not finite: clipping tends to persist, and
-deferring then costs no rollback.
+(``slidekit.planning.clip_overlap.overlap_layout``); with an optimizer that updates
+in place, not on the step right after a step that clipped or was not finite:
+clipping tends to persist, and deferring then costs no rollback. Out of place a
+lost bet restores nothing and costs what deferring costs (NOTES.md 36: 1.01x the
+deferred step at 3B batch 32 when every step clipped), so "auto" speculates on
+every step.
 
 Data-parallel: each rank speculates on its own shards; the rollback decision
 depends only on the global norm, so every rank takes the same one.
@@ -107,14 +110,17 @@ BACKUP_CHUNK = 256 * GRANULE
 CERTAIN = 1e-4
 
 
-def decide(policy: str, *, defer: bool, backed_up: bool, clipped_last: bool) -> bool:
+def decide(policy: str, *, defer: bool, backed_up: bool, clipped_last: bool, out_of_place: bool = False) -> bool:
     """Whether a step speculates: it must defer (clipping, skipping non-finite steps); "speculate" always
-    does, "auto" where the layout has backups and the previous step did not clip, "defer" never."""
+    does, "defer" never, "auto" where the layout has backups and either the optimizer updates out of place
+    (``out_of_place``: a lost bet restores nothing, so it costs what deferring costs; NOTES.md 36 measured
+    1.01x) or the previous step did not clip (clipping tends to persist, and a rollback in place restores
+    every speculated unit)."""
     if not defer or policy == "defer":
         return False
     if policy == "speculate":
         return True
-    return backed_up and not clipped_last
+    return backed_up and (out_of_place or not clipped_last)
 
 
 Span = Callable[[int, int], Mapping[str, tuple[torch.dtype, int, int]]]

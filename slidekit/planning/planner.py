@@ -59,7 +59,7 @@ from slidekit.planning.layout import (
     build_layout,
 )
 from slidekit.planning.machine import Machine
-from slidekit.planning.placement import place_state, plan_residency
+from slidekit.planning.placement import place_state, plan_residency, spread_host_units
 from slidekit.planning.recommend import TIE, Recommendations
 from slidekit.planning.run_space import checkpoint_bytes, checkpoint_writes, run_dir_need
 from slidekit.planning.shards import unit_shards
@@ -72,10 +72,16 @@ if TYPE_CHECKING:
     from slidekit.plugins import Plugins
     from slidekit.resolve import RunSetup
 
-__all__ = ["RESIDENT_RESERVE", "TIE", "Planner"]
+__all__ = ["RESIDENCY_CANDIDATES", "RESIDENCY_GAIN", "RESIDENT_RESERVE", "TIE", "Planner"]
 
 #: "auto" residency leaves max(RESIDENT_RESERVE, 5% of the device) free beyond the plan.
 RESIDENT_RESERVE = 4 << 30
+#: "auto" residency with rates (``Planner.fastest_residency``) keeps fewer units resident than fit only
+#: where the step-time model predicts a step this much shorter, trying this many host counts between.
+#: The model ordered three 3B placements on an H100 as measured (NOTES.md 37), but predicts offloaded
+#: layouts 1-15% faster against all-resident than the H200 measured (NOTES.md 38): a margin, not a tie.
+RESIDENCY_GAIN = 0.05
+RESIDENCY_CANDIDATES = 12
 
 
 class Planner(Recommendations):
@@ -286,7 +292,15 @@ class Planner(Recommendations):
     # ------------------------------------------------------------------ layouts and estimates
 
     def residency(self, placement: Placement, machine: Machine) -> list[bool]:
-        """Units kept on the device: the configured share, or for "auto" what the device's spare memory holds."""
+        """Units kept on the device: the configured share, or for "auto" what the device's spare memory holds
+        (``most_resident``), fewer where the step-time model predicts that faster (``fastest_residency``)."""
+        most = self.most_resident(placement, machine)
+        if resident_fraction(placement.gpu_resident) is not None:
+            return most
+        return self.fastest_residency(placement, machine, most)
+
+    def most_resident(self, placement: Placement, machine: Machine) -> list[bool]:
+        """The configured share of the units, or for "auto" as many as the device's spare memory holds."""
         fraction = resident_fraction(placement.gpu_resident)
         units = len(self.numels)
         free = machine.device_free
@@ -305,6 +319,53 @@ class Planner(Recommendations):
             deferred = self.workload.keep_grads or self.world > 1
             per_param = (4 + self.state_per_param + (self.itemsize if deferred else 0)) / self.world
         return plan_residency(self.numels, bytes_per_param=per_param, budget=max(budget, 0))
+
+    def fastest_residency(self, placement: Placement, machine: Machine, most: Sequence[bool]) -> list[bool]:
+        """"auto" residency where the step-time model can choose: ``most`` (as many units resident as the
+        device holds) or, where the model predicts a step more than ``RESIDENCY_GAIN`` shorter, fewer
+        resident units (``RESIDENCY_CANDIDATES`` host counts up to all of them, spread as ``plan_residency``
+        spreads them) whose freed device memory keeps more layers' activations (``keeps``, recompute
+        "auto"), of those whose layout fits the machine. Without rates, on the CPU, with a recompute
+        that memory does not change, or where every layer keeps its activations already: ``most``."""
+        most = list(most)
+        units, host_most = len(most), most.count(False)
+        if machine.rates is None or self.device_type == "cpu" or self.recompute != "auto" or host_most == units:
+            return most
+        full = self.layout(placement, machine, resident=most)
+        if all(u.keeps for u in full.units if u.kind == "layer"):
+            return most  # every layer keeps its activations already: memory has nothing to buy
+        base = self.predict(full, machine)
+        if base is None:
+            return most
+        best, best_s = most, base.seconds * (1 - RESIDENCY_GAIN)
+        span, n = units - host_most, RESIDENCY_CANDIDATES
+        for host in sorted({host_most + -(-span * k // n) for k in range(1, n + 1)}):  # up to every unit
+            resident = [not h for h in spread_host_units(units, host)]
+            layout = self.layout(placement, machine, resident=resident)
+            pred = self.predict(layout, machine)
+            if pred is not None and pred.seconds < best_s and self.estimate_layout(layout, machine).fits(machine):
+                best, best_s = resident, pred.seconds
+        return best
+
+    def residency_note(self, placement: Placement, machine: Machine, layout: Layout) -> str | None:
+        """What "auto" residency traded, where ``layout`` keeps fewer units resident than fit
+        (``fastest_residency``): the two predicted steps and the layers that keep their activations."""
+        if resident_fraction(placement.gpu_resident) is not None:
+            return None
+        most = self.most_resident(placement, machine)
+        chosen = sum(u.resident for u in layout.units)
+        if chosen >= sum(most):
+            return None
+        full = self.layout(placement, machine, resident=most)
+        ahead, behind = self.predict(layout, machine), self.predict(full, machine)
+        if ahead is None or behind is None:
+            return None
+        return (
+            f"engine.gpu_resident='auto': {chosen} of {len(layout.units)} units resident, not the {sum(most)} that "
+            f"fit: the step-time model predicts {ahead.seconds:.3f} s a step against {behind.seconds:.3f} s, the "
+            f"freed GPU memory keeping {sum(u.keeps for u in layout.units)} layers' activations instead of "
+            f"{sum(u.keeps for u in full.units)} (--gpu-resident all keeps every unit resident)"
+        )
 
     def device_budget(self, placement: Placement, machine: Machine) -> int | None:
         """Device bytes left for resident units beyond the window, the staging, a step's work and the

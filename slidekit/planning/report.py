@@ -178,7 +178,10 @@ def plan_run(
     placement = Placement.of(config.engine)
     notes: list[str] = []
     policies = (config.optim.clip_overlap, config.engine.update_order)
-    requested = _overlap(planner, planner.estimate(placement, machine), machine, policies, notes)
+    requested = planner.estimate(placement, machine)
+    if requested.layout is not None and (traded := planner.residency_note(placement, machine, requested.layout)):
+        notes.append(traded)
+    requested = _overlap(planner, requested, machine, policies, notes)
     recommended = planner.recommend(placement, machine)
     if recommended is not None:
         recommended = _overlap(planner, recommended, machine, policies, notes)

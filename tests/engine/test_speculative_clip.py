@@ -98,10 +98,24 @@ def _unclipped_norms(model_dir, batches, **kw) -> list[float]:
     return _train(model_dir, batches, policy="defer", clip=None, **kw)[0].grad_norms
 
 
+def _in_place(monkeypatch, optimizer: str, where: str) -> None:
+    """``where`` "in_place": ``optimizer`` without ``fused_update_out`` (its speculation backs up in place,
+    fused or copied); "out_of_place": as bundled."""
+    if where == "in_place":
+        from slidekit_optim.adamw_8bit import AdamW8bit
+        from slidekit_optim.adamw_fp8 import AdamWFp8
+        from slidekit_optim.layer_adam import LayerAdam
+
+        cls = {"layer_adam": LayerAdam, "adamw_8bit": AdamW8bit, "adamw_fp8": AdamWFp8}[optimizer]
+        monkeypatch.setattr(cls, "fused_update_out", False)
+
+
+@pytest.mark.parametrize("where", ["out_of_place", "in_place"])
 @pytest.mark.parametrize("optimizer", ["layer_adam", "adamw_8bit", "adamw_fp8"])
-def test_every_step_clips(tiny_model, optimizer):
+def test_every_step_clips(tiny_model, monkeypatch, optimizer, where):
     model_dir = tiny_model("llama")
     batches = random_batches(128, steps=4, seed=1)
+    _in_place(monkeypatch, optimizer, where)
     want = _train(model_dir, batches, policy="defer", clip=1e-3, optimizer=optimizer)
     spec = _train(model_dir, batches, policy="speculate", clip=1e-3, optimizer=optimizer)
     auto = _train(model_dir, batches, policy="auto", clip=1e-3, optimizer=optimizer)
@@ -109,7 +123,8 @@ def test_every_step_clips(tiny_model, optimizer):
     _same(want, spec)
     _same(want, auto)
     assert (spec[0].speculated, spec[0].rollbacks) == (4, 4)
-    assert (auto[0].speculated, auto[0].rollbacks) == (1, 1)  # "auto" defers once clipping is seen
+    # "auto" in place defers once clipping is seen; out of place a lost bet costs nothing: it speculates on
+    assert (auto[0].speculated, auto[0].rollbacks) == ((4, 4) if where == "out_of_place" else (1, 1))
     assert (want[0].speculated, want[0].rollbacks) == (0, 0)
     # The head's norm alone makes clipping certain: no unit is updated, so nothing is restored.
     assert all("restore" not in t for t in spec[0].timings)
@@ -134,10 +149,12 @@ def _alternating(model_dir, batches, **kw) -> float:
     return statistics.median(_unclipped_norms(model_dir, batches, **kw))
 
 
+@pytest.mark.parametrize("where", ["out_of_place", "in_place"])
 @pytest.mark.parametrize("optimizer", ["layer_adam", "adamw_8bit", "adamw_fp8"])
-def test_clipping_alternates(tiny_model, optimizer):
+def test_clipping_alternates(tiny_model, monkeypatch, optimizer, where):
     model_dir = tiny_model("mistral")
     batches = random_batches(128, steps=8, seed=3)
+    _in_place(monkeypatch, optimizer, where)
     clip = _alternating(model_dir, batches, optimizer=optimizer)
     want = _train(model_dir, batches, policy="defer", clip=clip, optimizer=optimizer)
     spec = _train(model_dir, batches, policy="speculate", clip=clip, optimizer=optimizer)
@@ -147,9 +164,11 @@ def test_clipping_alternates(tiny_model, optimizer):
     clipped = [n + 1e-6 > clip for n in want[0].grad_norms]
     assert 0 < sum(clipped) < len(clipped), "the test must clip on some steps only"
     assert spec[0].rollbacks == sum(clipped) and spec[0].speculated == len(clipped)
-    # "auto" does not speculate on a step right after one that clipped.
-    after_clip = sum(clipped[:-1])
+    # "auto" in place does not speculate on a step right after one that clipped; out of place it does.
+    after_clip = sum(clipped[:-1]) if where == "in_place" else 0
     assert auto[0].speculated == len(clipped) - after_clip
+    if where == "out_of_place":
+        assert auto[0].rollbacks == sum(clipped)
 
 
 def test_rollback_restores_speculated_units(tiny_model):

@@ -50,9 +50,9 @@
 // * out of place (out_of_place true): each block is decoded and updated from the unit's buffers as
 //   in place, but its new master and codes are written to an L1 scratch (the BF16 copy as usual),
 //   which is then copied out to the buffers, the new scales stored there; master and state are only
-//   read. (The portable loops update the master where they read it, so they copy it into the scratch
-//   first.) Cost: the update in place's 16 B/param: the outputs are written instead of the sources,
-//   and streaming stores write them without reading their lines first.
+//   read (the portable loops through adam_common.h's adam_update_from: the master read from the
+//   source, written to the scratch). Cost: the update in place's 16 B/param: the outputs are written
+//   instead of the sources, and streaming stores write them without reading their lines first.
 //
 // The per-element update (and the BF16 rounding, the scalars and the argument checks) is in
 // adam_common.h, shared with fused_adam.cpp; this file decodes, encodes and walks the blocks.
@@ -76,7 +76,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -201,9 +200,8 @@ struct Scratch {
 };
 
 // Block b (elements [lo, lo + len)) made ready for its update: backed up first if there is a backup;
-// out of place, written to `scratch`, and with `copy_master` its master copied there first, for an
-// update that reads the master where it writes it (the portable loops' adam_update).
-BlockData open_block(const Args& a, int64_t b, int64_t lo, int64_t len, Scratch& scratch, bool copy_master) {
+// out of place, read from the unit's buffers and written to `scratch`.
+BlockData open_block(const Args& a, int64_t b, int64_t lo, int64_t len, Scratch& scratch) {
   float* p = a.p + lo;
   uint8_t* mc = a.m.codes + lo;
   uint8_t* vc = a.v.codes + lo;
@@ -211,12 +209,7 @@ BlockData open_block(const Args& a, int64_t b, int64_t lo, int64_t len, Scratch&
     back_up_block(a, b, lo, len);
     return BlockData{p, p, mc, mc, vc, vc, a.m.absmax[b], a.v.absmax[b]};
   }
-  const float* p_in = p;
-  if (copy_master) {
-    std::memcpy(scratch.p, p, static_cast<size_t>(len) * sizeof(float));
-    p_in = scratch.p;
-  }
-  return BlockData{p_in, scratch.p, mc, scratch.m_codes, vc, scratch.v_codes, a.m.absmax[b], a.v.absmax[b]};
+  return BlockData{p, scratch.p, mc, scratch.m_codes, vc, scratch.v_codes, a.m.absmax[b], a.v.absmax[b]};
 }
 
 // Block b, updated, given its new scales: they are stored in place, or out of place the block is
@@ -252,7 +245,7 @@ void run_blocks_avx512(int64_t b_lo, int64_t b_hi, const Args& a) {
   for (int64_t b = b_lo; b < b_hi; ++b) {
     const int64_t lo = b * kBlock;
     const int64_t len = std::min(a.n, lo + kBlock) - lo;
-    const BlockData d = open_block(a, b, lo, len, scratch, /*copy_master=*/false);
+    const BlockData d = open_block(a, b, lo, len, scratch);
     // The decay factors of elements [lo + i, lo + i + 16): one broadcast unless a segment ends inside.
     auto decay = [&](int64_t i) {
       const int64_t at = lo + i;
@@ -303,6 +296,10 @@ void run_blocks(int64_t b_lo, int64_t b_hi, const Args& a, int64_t g_size, bool 
 #else
   const slidekit::UpdateFn plain = slidekit::pick_update(bf16_grad, false, lowp);
   const slidekit::UpdateFn decayed = slidekit::pick_update(bf16_grad, true, lowp);
+  // Out of place: the master read from the unit's buffer, written to the scratch (never the source).
+  const slidekit::UpdateFromFn plain_from = slidekit::pick_update_from(bf16_grad, false, lowp);
+  const slidekit::UpdateFromFn decayed_from = slidekit::pick_update_from(bf16_grad, true, lowp);
+  const bool from = a.backup.out_of_place;
   const char* g = static_cast<const char*>(a.g);
   int64_t seg = segment_of(a.seg_stop, a.segments, b_lo * kBlock);
   alignas(64) float m[kBlock];
@@ -312,7 +309,7 @@ void run_blocks(int64_t b_lo, int64_t b_hi, const Args& a, int64_t g_size, bool 
     const int64_t lo = b * kBlock;
     const int64_t hi = std::min(a.n, lo + kBlock);
     const int64_t len = hi - lo;
-    const BlockData d = open_block(a, b, lo, len, scratch, /*copy_master=*/true);
+    const BlockData d = open_block(a, b, lo, len, scratch);
     decode(len, d.m_codes_in, a.m.map.values, d.m_scale, m);
     decode(len, d.v_codes_in, a.v.map.values, d.v_scale, v);
     for (int64_t i = lo; i < hi;) {
@@ -321,9 +318,14 @@ void run_blocks(int64_t b_lo, int64_t b_hi, const Args& a, int64_t g_size, bool 
       }
       const int64_t j = std::min(hi, a.seg_stop[seg]);
       const float decay = a.seg_decay[seg];
-      (decay != 1.0f ? decayed : plain)(
-          j - i, d.p + (i - lo), g + i * g_size, m + (i - lo), v + (i - lo), lowp ? a.out + i : nullptr,
-          decay, a.s);
+      uint16_t* out = lowp ? a.out + i : nullptr;
+      if (from) {
+        (decay != 1.0f ? decayed_from : plain_from)(
+            j - i, d.p_in + (i - lo), d.p + (i - lo), g + i * g_size, m + (i - lo), v + (i - lo), out, decay, a.s);
+      } else {
+        (decay != 1.0f ? decayed : plain)(
+            j - i, d.p + (i - lo), g + i * g_size, m + (i - lo), v + (i - lo), out, decay, a.s);
+      }
       i = j;
     }
     const float m_scale = encode_block(len, m, block_top(len, m), a.m.map.packed, d.m_codes);

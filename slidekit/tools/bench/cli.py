@@ -118,6 +118,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FILE.jsonl",
         help="run what an earlier call's records of the same suite and code lack, into one file of both",
     )
+    p.add_argument(
+        "--other-host",
+        action="store_true",
+        help="with --continue: continue on another host (or after a reboot) than the earlier calls ran on",
+    )
     p.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     p.add_argument(
         "--out", default=None, metavar="DIR", help="write suite-<name>.jsonl, suite-<name>.md, logs/ here"
@@ -314,7 +319,7 @@ def bench(
         watchdog = MemoryWatchdog(floor_bytes=int(args.ram_floor_gib * _GIB))
     kept: list[dict[str, Any]] = []
     if earlier is not None:
-        check_continuable(earlier, header)
+        check_continuable(earlier, header, other_host=getattr(args, "other_host", False))
         kept = [r for r in earlier.rows if r.get("run_name") in done]  # a cut-off run's rows go
         header = continue_header(earlier, header)
         print(

@@ -18,6 +18,11 @@ What the earlier records must be (else a ``ConfigError`` naming the difference a
   covers it). A suite's ratios compare runs with each other, so they must not mix an H100's runs with
   an H200's, or one host CPU's update rates with another's. Records written before the machine was
   recorded are refused.
+* the same host: the boot id of ``records.machine`` (``records.boot_id``, new on every host and every
+  boot) among the earlier calls'. Hosts of one kind have differed by up to 1.3x in the same runs
+  (docs/benchmarks/NOTES.md 34-35), which a suite's ratios must not mix. ``--other-host`` continues on
+  another host (or after a reboot) all the same; each call's entry keeps its boot id, and the suite's
+  page says on how many hosts it ran.
 
 A run counts as measured when every batch it names has a row other than "not run" (a measured
 out-of-memory or a failure is a result); the other runs, and those whose rows stop midway (a call
@@ -36,7 +41,15 @@ from typing import Any
 from slidekit.errors import ConfigError
 from slidekit.tools.bench.suites import RunSpec
 
-__all__ = ["Earlier", "check_continuable", "continue_header", "load_earlier", "measured_runs", "suite_settings"]
+__all__ = [
+    "Earlier",
+    "boot_ids",
+    "check_continuable",
+    "continue_header",
+    "load_earlier",
+    "measured_runs",
+    "suite_settings",
+]
 
 #: The suite settings a continued suite must share with the records it adds to.
 SETTINGS = ("seq", "steps", "warmup", "batches", "clips", "repeats", "partial")
@@ -84,8 +97,9 @@ def load_earlier(path: Path) -> Earlier:
     return Earlier(path=path, header=header, rows=rows)
 
 
-def check_continuable(earlier: Earlier, header: Mapping[str, Any]) -> None:
-    """Raise a ConfigError unless ``earlier`` is the same suite and code as ``header`` (this call's)."""
+def check_continuable(earlier: Earlier, header: Mapping[str, Any], *, other_host: bool = False) -> None:
+    """Raise a ConfigError unless ``earlier`` is the same suite and code as ``header`` (this call's), on
+    the same kind of machine and, unless ``other_host``, on the same host (its boot)."""
     theirs, ours = suite_settings(earlier.header), suite_settings(header)
     differ = [f"{k} {theirs[k]!r} there, {ours[k]!r} here" for k in ours if theirs[k] != ours[k]]
     if differ:
@@ -112,6 +126,25 @@ def check_continuable(earlier: Earlier, header: Mapping[str, Any]) -> None:
             "table compares runs of one machine: continue it on the machine kind it started on, or start "
             "the suite again with another --out"
         )
+    boot, booted = (header.get("machine") or {}).get("boot_id"), boot_ids(earlier.header)
+    if not other_host and (boot is None or boot not in booted):
+        where = "no boot id recorded there or here"
+        if boot is not None and booted:
+            there = ", ".join(sorted(b[:8] for b in booted))
+            where = f"another host, or the same one rebooted (boot id {there} there, {str(boot)[:8]} here)"
+        raise ConfigError(
+            f"--continue {earlier.path}: {where}; hosts of one kind have differed by up to 1.3x in the same "
+            "runs, so a table holds one host's: continue it on the host it started on, start the suite "
+            "again with another --out, or pass --other-host to mix hosts (the page then says so)"
+        )
+
+
+def boot_ids(header: Mapping[str, Any]) -> set[str]:
+    """The boot ids (``records.boot_id``) a suite header's calls ran on: each call's entry, else the
+    header's machine."""
+    found = {c.get("boot_id") for c in header.get("calls") or []}
+    found.add((header.get("machine") or {}).get("boot_id"))
+    return {str(b) for b in found if b}
 
 
 def _machine_differences(theirs: Mapping[str, Any], ours: Mapping[str, Any]) -> list[str]:
@@ -157,5 +190,6 @@ def continue_header(earlier: Earlier, header: Mapping[str, Any]) -> dict[str, An
 
 
 def call_entry(header: Mapping[str, Any]) -> dict[str, Any]:
-    """What the header's ``calls`` keeps of one call."""
-    return {k: header.get(k) for k in ("commit", "date", "argv", "budget_s", "plan", "builds")}
+    """What the header's ``calls`` keeps of one call, its host's boot id (``records.boot_id``) included."""
+    entry = {k: header.get(k) for k in ("commit", "date", "argv", "budget_s", "plan", "builds")}
+    return entry | {"boot_id": (header.get("machine") or {}).get("boot_id")}

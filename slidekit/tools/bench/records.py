@@ -28,6 +28,7 @@ import platform
 import re
 import subprocess
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
@@ -218,9 +219,18 @@ def _nvidia_gpu() -> tuple[str | None, float | None]:
         return None, None
 
 
+def boot_id() -> str | None:
+    """This host's boot: Linux's random id of the running kernel (/proc/sys/kernel/random/boot_id), new on
+    every boot and on every host, so two records with one boot id come from one host; None elsewhere."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
 def machine() -> dict[str, Any]:
     """What this process runs on: the first GPU's name and memory (None where ``nvidia-smi`` finds none),
-    the CPU model and count, and the host RAM, in GiB to 0.1."""
+    the CPU model and count, the host RAM, in GiB to 0.1, and the host's boot (``boot_id``)."""
     gpu, mem = _nvidia_gpu()
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {
@@ -229,6 +239,7 @@ def machine() -> dict[str, Any]:
         "cpu_model": _cpu_model(),
         "cpus": os.cpu_count(),
         "host_ram_gib": round(ram / 2**30, 1),
+        "boot_id": boot_id(),
     }
 
 

@@ -337,7 +337,10 @@ def _calls_line(header: Mapping[str, Any]) -> str:
     if len(calls) < 2:
         return f"Commit `{header.get('commit')}`, {header.get('date')}, one `slidekit bench` call"
     commits = list(dict.fromkeys(str(c.get("commit")) for c in calls))
+    hosts = len({c.get("boot_id") for c in calls if c.get("boot_id")})
     dates = f"{calls[0].get('date')} to {calls[-1].get('date')}"
+    if hosts > 1:  # --other-host: say it
+        dates += f"; on {hosts} hosts of one kind, continued with --other-host"
     digest = str(header.get("source_digest"))[:12]
     if len(commits) == 1:
         return f"Commit `{commits[0]}`, {len(calls)} `slidekit bench` calls ({dates})"
