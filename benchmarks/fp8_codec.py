@@ -21,15 +21,26 @@ rounds, each timing one step of every kernel in turn, at each of --threads
 so background load hits them alike. Prints one JSON line: per kernel and thread count the median
 G params/s with min and max, and the FP8 kernel's ratios to the others
 (medians of the per-round ratios, with min and max).
+
+``rate --streams`` adds, in the same rounds, the passes' memory streams without
+their arithmetic (``benchmarks/csrc/update_streams.cpp``, built with the
+kernels' flags): ``streams_adam_*`` moves layer_adam's 28 B/param,
+``streams_fp8_*`` the 8-bit kernels' 16 B/param, each with the BF16 copy
+written by plain stores (``plain``, as the kernels write it), by streaming
+stores (``nt``), or not at all (``nocopy``). Their rates are each pass's
+memory roof on this host; the record adds each kernel's fraction of its roof
+and the roofs' ratio, the most any 16 B pass can gain over layer_adam here.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from statistics import median
 
 import torch
@@ -37,7 +48,7 @@ import torch
 from slidekit.interfaces import OptimizerHyper, ParamGroupRange
 from slidekit_optim.adamw_8bit import AdamW8bit
 from slidekit_optim.fp8 import UE4M4, decode, encode
-from slidekit_optim.kernel_build import CSRC, load_kernel
+from slidekit_optim.kernel_build import CSRC, _cpu_capability, _flags, load_kernel
 from slidekit_optim.layer_adam import LayerAdam, _scalars, _segments
 from slidekit_optim.quant8 import BLOCK_SIZE, num_blocks
 
@@ -151,11 +162,60 @@ def _driver_step(
     return step
 
 
+#: The streams probe's source (see its header).
+STREAMS_SOURCE = Path(__file__).resolve().parent / "csrc" / "update_streams.cpp"
+#: The probes: name -> (kernel function, copy mode: 0 none, 1 plain stores, 2 streaming stores).
+STREAM_PROBES = {
+    "streams_adam_plain": ("adam_streams", 1),
+    "streams_adam_nt": ("adam_streams", 2),
+    "streams_fp8_plain": ("fp8_streams", 1),
+    "streams_fp8_nt": ("fp8_streams", 2),
+    "streams_fp8_nocopy": ("fp8_streams", 0),
+}
+
+
+def load_streams():
+    """Build (or load the cached build of) the streams probe with the kernels' own flags."""
+    from torch.utils import cpp_extension
+
+    cap = _cpu_capability()
+    key = hashlib.sha256(
+        b"\0".join([STREAMS_SOURCE.read_bytes(), *(f.read_bytes() for f in sorted(CSRC.glob("*.h")))])
+        + " ".join(_flags(cap)).encode()
+        + torch.__version__.encode()
+    ).hexdigest()[:12]
+    name = f"slidekit_update_streams_{cap.lower()}_{key}"
+    directory = Path(cpp_extension.get_default_build_root()) / "slidekit" / name
+    directory.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=name,
+        sources=[str(STREAMS_SOURCE)],
+        extra_cflags=list(_flags(cap)),
+        extra_include_paths=[str(CSRC)],
+        build_directory=str(directory),
+        verbose=False,
+    )
+
+
+def _streams_step(module, probe: str, n: int, grads: list[torch.Tensor]) -> Callable[[int, int], None]:
+    fn_name, copy = STREAM_PROBES[probe]
+    fn = getattr(module, fn_name)
+    master = torch.randn(n, generator=torch.Generator().manual_seed(1))
+    state_dtype = torch.float32 if fn_name == "adam_streams" else torch.uint8
+    a, b = torch.zeros(n, dtype=state_dtype), torch.zeros(n, dtype=state_dtype)
+    lowp = torch.empty(n, dtype=torch.bfloat16)
+
+    def step(i: int, threads: int) -> None:
+        fn(master, grads[i % len(grads)], a, b, lowp, copy, threads)
+
+    return step
+
+
 def _spread(xs: list[float]) -> dict[str, float]:
     return {"median": round(median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3)}
 
 
-def rates(n: int, repeat: int, thread_counts: tuple[int, ...]) -> dict[str, object]:
+def rates(n: int, repeat: int, thread_counts: tuple[int, ...], streams: bool = False) -> dict[str, object]:
     torch.set_num_threads(max(thread_counts))
     hyper = OptimizerHyper(weight_decay=0.1)
     groups = [ParamGroupRange(start=0, stop=n, weight_decay=0.1)]
@@ -165,6 +225,9 @@ def rates(n: int, repeat: int, thread_counts: tuple[int, ...]) -> dict[str, obje
         "adamw_8bit": _driver_step(AdamW8bit, hyper, n, grads, groups, thread_counts),
         "adamw_fp8": _fp8_step(load_kernel(CSRC / "adamwfp8.cpp"), hyper, n, grads, groups),
     }
+    if streams:
+        module = load_streams()
+        steps.update({probe: _streams_step(module, probe, n, grads) for probe in STREAM_PROBES})
     for step in steps.values():
         for i in range(5):
             step(i, max(thread_counts))
@@ -185,7 +248,25 @@ def rates(n: int, repeat: int, thread_counts: tuple[int, ...]) -> dict[str, obje
         for other in ("adamw_8bit", "layer_adam"):
             ratio = [b / a for a, b in zip(times["adamw_fp8"], times[other], strict=True)]
             out[f"adamw_fp8_over_{other}_{threads}t"] = _spread(ratio)
+        if streams:
+            out.update(_roof_ratios(times, threads))
     return out
+
+
+def _roof_ratios(times: dict[str, list[float]], threads: int) -> dict[str, dict[str, float]]:
+    """Each kernel's rate over its pass's memory roof (plain-store copy, as the kernels write it), and
+    the roofs' ratio: per round, so the same moment of the host's load divides."""
+
+    def per_round(num: str, den: str) -> dict[str, float]:  # rate(num) / rate(den)
+        return _spread([b / a for a, b in zip(times[num], times[den], strict=True)])
+
+    return {
+        f"layer_adam_of_roof_{threads}t": per_round("layer_adam", "streams_adam_plain"),
+        f"adamw_fp8_of_roof_{threads}t": per_round("adamw_fp8", "streams_fp8_plain"),
+        f"adamw_8bit_of_roof_{threads}t": per_round("adamw_8bit", "streams_fp8_plain"),
+        f"roof_fp8_over_adam_{threads}t": per_round("streams_fp8_plain", "streams_adam_plain"),
+        f"roof_fp8_over_adam_nt_{threads}t": per_round("streams_fp8_nt", "streams_adam_nt"),
+    }
 
 
 def main() -> None:
@@ -198,13 +279,18 @@ def main() -> None:
         default="1,2",
         help="thread counts to measure, comma-separated (torch's pool: the largest)",
     )
+    p.add_argument(
+        "--streams",
+        action="store_true",
+        help="rate: also time the passes' memory streams without their arithmetic (each pass's roof)",
+    )
     args = p.parse_args()
     if args.what == "range":
         for row in code_range():
             print(json.dumps(row), flush=True)
     else:
         counts = tuple(int(t) for t in args.threads.split(","))
-        print(json.dumps(rates(args.numel, args.repeat, counts)), flush=True)
+        print(json.dumps(rates(args.numel, args.repeat, counts, streams=args.streams)), flush=True)
 
 
 if __name__ == "__main__":

@@ -224,3 +224,54 @@ def test_the_rate_benchmark_runs_at_thread_counts_without_one(kernel):
     for name in ("layer_adam", "adamw_8bit", "adamw_fp8"):
         assert out[f"{name}_2t_gparams_s"]["median"] > 0
     assert set(out) >= {"adamw_fp8_over_layer_adam_2t", "adamw_fp8_over_adamw_8bit_2t"}
+
+
+def _bench_module():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_codec.py"
+    spec = importlib.util.spec_from_file_location("fp8_codec_bench", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 1000, (1 << 17) + 37])
+@pytest.mark.parametrize("copy", [0, 1, 2])
+def test_rate_streams_move_every_byte(kernel, n, copy):
+    """``rate --streams``' probes (benchmarks/csrc/update_streams.cpp) read and write every byte of their
+    pass: each array's new value is the probe's arithmetic on every element (vector loop and tail, two
+    tasks), the BF16 copy written in every copy mode and left alone without one."""
+    bench = _bench_module()
+    module = bench.load_streams()
+    gen = torch.Generator().manual_seed(n)
+    grad = torch.randn(n, generator=gen).to(torch.bfloat16)
+    gf, gbits = grad.float(), grad.view(torch.int16).to(torch.int32) & 0xFFFF
+    torch.set_num_threads(max(2, torch.get_num_threads()))
+    for fn, dtype in (("adam_streams", torch.float32), ("fp8_streams", torch.uint8)):
+        master = torch.randn(n, generator=gen)
+        if dtype == torch.float32:
+            a, b = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+            want_a, want_b = 0.5 * a + gf, 0.5 * b + gf
+        else:
+            a = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+            b = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+            want_a = ((a.to(torch.int32) + (gbits & 0xFF)) & 0xFF).to(torch.uint8)
+            want_b = ((b.to(torch.int32) ^ (gbits >> 8)) & 0xFF).to(torch.uint8)
+        want_p = master + 1e-30 * gf
+        lowp = torch.full((n,), 7.0, dtype=torch.bfloat16)
+        getattr(module, fn)(master, grad, a, b, lowp, copy, 2)
+        assert torch.equal(a, want_a) and torch.equal(b, want_b), fn
+        assert torch.equal(master, want_p), fn
+        want_copy = (want_p.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+        assert torch.equal(lowp, want_copy if copy else torch.full_like(lowp, 7.0)), (fn, copy)
+
+
+def test_rate_streams_record(kernel):
+    """``rate --streams`` times the probes in the same rounds and records each kernel's share of its roof."""
+    out = _bench_module().rates(4 * BLOCK_SIZE + 5, 1, (1,), streams=True)
+    for probe in ("adam_plain", "adam_nt", "fp8_plain", "fp8_nt", "fp8_nocopy"):
+        assert out[f"streams_{probe}_1t_gparams_s"]["median"] > 0
+    for key in ("layer_adam_of_roof", "adamw_fp8_of_roof", "adamw_8bit_of_roof", "roof_fp8_over_adam"):
+        assert out[f"{key}_1t"]["median"] > 0
