@@ -30,7 +30,11 @@ overlap the next step are counted; the per-step times are kept as well.
 The record names the commit (``--commit``, or ``git rev-parse HEAD`` where the
 tree is a checkout) and a digest of every source file under slidekit/ and
 plugins/, which ``--check`` recomputes: a record covers a commit when the
-digest equals that commit's. ``ok`` is true only when no test failed and
+digest equals that commit's. Resolve ``--commit`` where the commit was made:
+a copy of the working tree on the device machine can carry older git
+metadata, whose HEAD is not the tree that runs; ``commit_matches_tree`` in
+the record says whether the named commit's sources are the tree's (false,
+with a warning, where they are not; null where git there cannot tell). ``ok`` is true only when no test failed and
 every run trained and its loss is finite.
 
 Test: ``pytest tests/test_gpu_gate.py`` (the digest, the check, the record and
@@ -99,6 +103,20 @@ def _git_head(root: Path) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
+
+
+def commit_matches_tree(commit: str | None, digest: str, root: Path = ROOT) -> bool | None:
+    """Whether ``commit``'s slidekit/ and plugins/ are the tree's (``digest``); None where git cannot tell
+    (no commit, no git, or a commit this checkout's git does not have). The device machine's copy of a
+    working tree can carry git metadata older than the tree: there ``git rev-parse HEAD`` names an
+    earlier commit than the one that ran (the gate of 2026-12-06's session 23 recorded 33a7a5b for the
+    tree of 2af2733), so the record says whether the commit it names is the tree it tested."""
+    if commit is None:
+        return None
+    try:
+        return commit_digest(commit, root) == digest
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def check(record_path: Path, commit: str | None, root: Path = ROOT) -> tuple[bool, str]:
@@ -417,9 +435,19 @@ def gate(args: argparse.Namespace) -> int:
     commit = args.commit or _git_head(ROOT)
     started = dt.datetime.now(dt.UTC)
     modes = args.modes.split(",")
+    digest = source_digest()
+    matches = commit_matches_tree(commit, digest)
+    if matches is False:
+        print(
+            f"gpu_gate: commit {str(commit)[:12]}'s slidekit/ and plugins/ are not this tree's (stale git "
+            "metadata, or uncommitted changes): the record's source_digest names what ran; pass --commit "
+            "with the commit the tree is",
+            flush=True,
+        )
     record: dict[str, Any] = {
         "commit": commit,
-        "source_digest": source_digest(),
+        "commit_matches_tree": matches,
+        "source_digest": digest,
         "date": started.isoformat(timespec="seconds"),
         "machine": machine(),
         "command": " ".join(["python", "benchmarks/gpu_gate.py", *args.argv]),

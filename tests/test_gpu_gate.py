@@ -84,6 +84,16 @@ def test_a_record_covers_a_commit_only_with_its_sources_and_a_pass(repo: Path, t
     assert not gate.check(record, first, repo)[0]
 
 
+def test_the_record_says_whether_its_commit_is_the_tree_that_ran(repo: Path):
+    """A device copy with stale git metadata names an older commit than the tree: the record says so."""
+    first = _git(repo, "rev-parse", "HEAD")
+    assert gate.commit_matches_tree(first, gate.source_digest(repo), repo) is True
+    (repo / "slidekit" / "a.py").write_text("A = 2\n")  # the tree moved on; HEAD did not
+    assert gate.commit_matches_tree(first, gate.source_digest(repo), repo) is False
+    assert gate.commit_matches_tree("0" * 40, gate.source_digest(repo), repo) is None  # git does not have it
+    assert gate.commit_matches_tree(None, gate.source_digest(repo), repo) is None
+
+
 def test_junit_counts_and_the_verdict(tmp_path: Path):
     xml = tmp_path / "junit.xml"
     xml.write_text(
