@@ -47,6 +47,7 @@ import torch
 
 from slidekit.interfaces import OptimizerHyper, ParamGroupRange
 from slidekit_optim.adamw_8bit import AdamW8bit
+from slidekit_optim.build_lock import exclusive_build
 from slidekit_optim.fp8 import UE4M4, decode, encode
 from slidekit_optim.kernel_build import CSRC, _cpu_capability, _flags, load_kernel
 from slidekit_optim.layer_adam import LayerAdam, _scalars, _segments
@@ -187,14 +188,16 @@ def load_streams():
     name = f"slidekit_update_streams_{cap.lower()}_{key}"
     directory = Path(cpp_extension.get_default_build_root()) / "slidekit" / name
     directory.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
-        name=name,
-        sources=[str(STREAMS_SOURCE)],
-        extra_cflags=list(_flags(cap)),
-        extra_include_paths=[str(CSRC)],
-        build_directory=str(directory),
-        verbose=False,
-    )
+    # The kernels' build lock: one build at a time (parallel test workers), a killed one taken over.
+    with exclusive_build(directory, what=f"the streams probe {name}"):
+        return cpp_extension.load(
+            name=name,
+            sources=[str(STREAMS_SOURCE)],
+            extra_cflags=list(_flags(cap)),
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(directory),
+            verbose=False,
+        )
 
 
 def _streams_step(module, probe: str, n: int, grads: list[torch.Tensor]) -> Callable[[int, int], None]:
