@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench_helpers import load_benchmark
 from fp8_inputs import _groups, _inputs
 
 from slidekit.interfaces import OptimizerHyper
@@ -213,28 +214,10 @@ def test_portable_loops_give_the_same_bits(kernel, tmp_path):
 def test_the_rate_benchmark_runs_at_thread_counts_without_one(kernel):
     """benchmarks/fp8_codec.py rate at ``--threads 2`` (the H200 command passes 16 alone): every optimizer
     is built for the counts asked and the record has each one's rate and the ratios."""
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_codec.py"
-    spec = importlib.util.spec_from_file_location("fp8_codec_bench", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    out = bench.rates(4 * BLOCK_SIZE + 5, 1, (2,))
+    out = load_benchmark("fp8_codec").rates(4 * BLOCK_SIZE + 5, 1, (2,))
     for name in ("layer_adam", "adamw_8bit", "adamw_fp8"):
         assert out[f"{name}_2t_gparams_s"]["median"] > 0
     assert set(out) >= {"adamw_fp8_over_layer_adam_2t", "adamw_fp8_over_adamw_8bit_2t"}
-
-
-def _bench_module():
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_codec.py"
-    spec = importlib.util.spec_from_file_location("fp8_codec_bench", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
 
 
 @pytest.mark.parametrize("n", [1, 15, 16, 1000, (1 << 17) + 37])
@@ -243,8 +226,7 @@ def test_rate_streams_move_every_byte(kernel, n, copy):
     """``rate --streams``' probes (benchmarks/csrc/update_streams.cpp) read and write every byte of their
     pass: each array's new value is the probe's arithmetic on every element (vector loop and tail, two
     tasks), the BF16 copy written in every copy mode and left alone without one."""
-    bench = _bench_module()
-    module = bench.load_streams()
+    module = load_benchmark("fp8_codec").load_streams()
     gen = torch.Generator().manual_seed(n)
     grad = torch.randn(n, generator=gen).to(torch.bfloat16)
     gf, gbits = grad.float(), grad.view(torch.int16).to(torch.int32) & 0xFFFF
@@ -270,7 +252,7 @@ def test_rate_streams_move_every_byte(kernel, n, copy):
 
 def test_rate_streams_record(kernel):
     """``rate --streams`` times the probes in the same rounds and records each kernel's share of its roof."""
-    out = _bench_module().rates(4 * BLOCK_SIZE + 5, 1, (1,), streams=True)
+    out = load_benchmark("fp8_codec").rates(4 * BLOCK_SIZE + 5, 1, (1,), streams=True)
     for probe in ("adam_plain", "adam_nt", "fp8_plain", "fp8_nt", "fp8_nocopy"):
         assert out[f"streams_{probe}_1t_gparams_s"]["median"] > 0
     for key in ("layer_adam_of_roof", "adamw_fp8_of_roof", "adamw_8bit_of_roof", "roof_fp8_over_adam"):
