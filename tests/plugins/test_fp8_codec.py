@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from bench_helpers import load_benchmark
 from fp8_inputs import _groups, _inputs
 
 from slidekit.interfaces import OptimizerHyper
@@ -214,6 +213,8 @@ def test_portable_loops_give_the_same_bits(kernel, tmp_path):
 def test_the_rate_benchmark_runs_at_thread_counts_without_one(kernel):
     """benchmarks/fp8_codec.py rate at ``--threads 2`` (the H200 command passes 16 alone): every optimizer
     is built for the counts asked and the record has each one's rate and the ratios."""
+    from bench_helpers import load_benchmark  # here: the portable-loops child imports this file alone
+
     out = load_benchmark("fp8_codec").rates(4 * BLOCK_SIZE + 5, 1, (2,))
     for name in ("layer_adam", "adamw_8bit", "adamw_fp8"):
         assert out[f"{name}_2t_gparams_s"]["median"] > 0
@@ -226,6 +227,8 @@ def test_rate_streams_move_every_byte(kernel, n, copy):
     """``rate --streams``' probes (benchmarks/csrc/update_streams.cpp) read and write every byte of their
     pass: each array's new value is the probe's arithmetic on every element (vector loop and tail, two
     tasks), the BF16 copy written in every copy mode and left alone without one."""
+    from bench_helpers import load_benchmark
+
     module = load_benchmark("fp8_codec").load_streams()
     gen = torch.Generator().manual_seed(n)
     grad = torch.randn(n, generator=gen).to(torch.bfloat16)
@@ -252,6 +255,8 @@ def test_rate_streams_move_every_byte(kernel, n, copy):
 
 def test_rate_streams_record(kernel):
     """``rate --streams`` times the probes in the same rounds and records each kernel's share of its roof."""
+    from bench_helpers import load_benchmark
+
     out = load_benchmark("fp8_codec").rates(4 * BLOCK_SIZE + 5, 1, (1,), streams=True)
     for probe in ("adam_plain", "adam_nt", "fp8_plain", "fp8_nt", "fp8_nocopy"):
         assert out[f"streams_{probe}_1t_gparams_s"]["median"] > 0
