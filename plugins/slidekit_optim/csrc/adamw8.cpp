@@ -280,6 +280,7 @@ void run_blocks_avx512(int64_t b_lo, int64_t b_hi, const Args& a) {
     const float v_scale = encode_block(len, v, v_top, a.v.map.packed, d.v_codes);
     close_block(a, b, lo, len, d, m_scale, v_scale);
   }
+  slidekit::backup_fence();  // this task's streaming stores (the copy's, the outputs'), complete on return
 }
 #endif
 

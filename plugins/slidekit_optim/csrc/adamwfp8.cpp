@@ -278,9 +278,7 @@ void run_blocks(int64_t b_lo, int64_t b_hi, const Args& a) {
     slidekit::fp8::avx512::encode_block<true>(len, r, factor(kMaxR, ar), d.r_codes);
     close_block(a, b, lo, len, d, am, ar);
   }
-  if (a.to.p != nullptr) {
-    slidekit::backup_fence();  // this task's streaming stores, complete on return
-  }
+  slidekit::backup_fence();  // this task's streaming stores (the copy's, the outputs'), complete on return
 }
 #else
 constexpr int64_t kVectorWidth = 1;  // the portable loops (vectorised by the compiler where it can)

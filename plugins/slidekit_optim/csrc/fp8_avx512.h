@@ -125,7 +125,7 @@ inline void update(int64_t len, const float* p_in, float* p, const G* g, uint16_
     pi = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(neg_step, m), den));
     _mm512_mask_storeu_ps(p + i, k, pi);
     if constexpr (kLowp) {
-      _mm512_mask_cvtepi32_storeu_epi16(out + i, k, slidekit::avx512::to_bf16(pi));
+      slidekit::avx512::store_copy(out + i, k, slidekit::avx512::to_bf16(pi));
     }
     _mm512_store_ps(m_buf + i, m);
     _mm512_store_ps(r_buf + i, r);

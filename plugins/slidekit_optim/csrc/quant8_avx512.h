@@ -97,6 +97,19 @@ inline __m512i to_bf16(__m512 x) {
   return _mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0));
 }
 
+// Stores the BF16 copy's 16 lanes (to_bf16's) at out: a full vector at a 32-byte boundary with a
+// streaming store, which writes the line without reading it first (the copy is read next by the
+// upload's DMA, not by this core: the read was 2 of the pass's 18 bytes per parameter, NOTES 41);
+// a partial or misaligned one with the masked plain store. The caller fences before returning
+// (backup_copy.h's backup_fence), as for any streaming store. The same bits either way.
+inline void store_copy(uint16_t* out, __mmask16 k, __m512i lanes16) {
+  if (k == static_cast<__mmask16>(0xFFFF) && (reinterpret_cast<uintptr_t>(out) & 31) == 0) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(lanes16));
+  } else {
+    _mm512_mask_cvtepi32_storeu_epi16(out, k, lanes16);
+  }
+}
+
 // 16 gradient elements as float: FP32, or BF16 widened exactly.
 inline __m512 load_grad(const float* g, __mmask16 k) { return _mm512_maskz_loadu_ps(k, g); }
 
@@ -152,7 +165,7 @@ inline void update(const Block& b, const float* m_values, const float* v_values,
     p = _mm512_add_ps(p, _mm512_div_ps(_mm512_mul_ps(neg_step, m), den));
     _mm512_mask_storeu_ps(b.p + i, k, p);
     if constexpr (kLowp) {
-      _mm512_mask_cvtepi32_storeu_epi16(b.out + i, k, to_bf16(p));
+      store_copy(b.out + i, k, to_bf16(p));
     }
     _mm512_store_ps(m_buf + i, m);
     _mm512_store_ps(v_buf + i, v);
