@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import time
 from collections.abc import Callable
@@ -47,9 +46,8 @@ import torch
 
 from slidekit.interfaces import OptimizerHyper, ParamGroupRange
 from slidekit_optim.adamw_8bit import AdamW8bit
-from slidekit_optim.build_lock import exclusive_build
 from slidekit_optim.fp8 import UE4M4, decode, encode
-from slidekit_optim.kernel_build import CSRC, _cpu_capability, _flags, load_kernel
+from slidekit_optim.kernel_build import CSRC, load_kernel
 from slidekit_optim.layer_adam import LayerAdam, _scalars, _segments
 from slidekit_optim.quant8 import BLOCK_SIZE, num_blocks
 
@@ -176,28 +174,8 @@ STREAM_PROBES = {
 
 
 def load_streams():
-    """Build (or load the cached build of) the streams probe with the kernels' own flags."""
-    from torch.utils import cpp_extension
-
-    cap = _cpu_capability()
-    key = hashlib.sha256(
-        b"\0".join([STREAMS_SOURCE.read_bytes(), *(f.read_bytes() for f in sorted(CSRC.glob("*.h")))])
-        + " ".join(_flags(cap)).encode()
-        + torch.__version__.encode()
-    ).hexdigest()[:12]
-    name = f"slidekit_update_streams_{cap.lower()}_{key}"
-    directory = Path(cpp_extension.get_default_build_root()) / "slidekit" / name
-    directory.mkdir(parents=True, exist_ok=True)
-    # The kernels' build lock: one build at a time (parallel test workers), a killed one taken over.
-    with exclusive_build(directory, what=f"the streams probe {name}"):
-        return cpp_extension.load(
-            name=name,
-            sources=[str(STREAMS_SOURCE)],
-            extra_cflags=list(_flags(cap)),
-            extra_include_paths=[str(CSRC)],
-            build_directory=str(directory),
-            verbose=False,
-        )
+    """Build (or load the cached build of) the streams probe with the kernels' own flags and build lock."""
+    return load_kernel(STREAMS_SOURCE, include_dirs=(CSRC,))
 
 
 def _streams_step(module, probe: str, n: int, grads: list[torch.Tensor]) -> Callable[[int, int], None]:

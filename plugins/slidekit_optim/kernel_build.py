@@ -4,8 +4,9 @@
 with ``torch.utils.cpp_extension.load`` (a C++ compiler and ninja are needed)
 for the CPU capability torch dispatches to (AVX2, AVX512 flags), and cached in
 the torch extensions directory (``TORCH_EXTENSIONS_DIR`` moves it) under
-``slidekit/<name>``, where the name hashes the source, the headers beside it,
-the flags, torch's and Python's versions: a change to any of them builds anew.
+``slidekit/<name>``, where the name is the source's stem and a hash of the source, the headers
+beside it (and in any ``include_dirs`` it is given), the flags, torch's and Python's versions: a
+change to any of them builds anew.
 A process builds or loads each source at most once (``load_kernel``); a failed
 build is remembered with its reason and not retried in that process. The ninja
 probe and the hash of the source are taken once per process too.
@@ -89,6 +90,7 @@ class _BuildSpec:
     directory: Path
     flags: tuple[str, ...]
     capability: str
+    include_dirs: tuple[Path, ...] = ()
 
     @property
     def library(self) -> Path:
@@ -122,31 +124,32 @@ def _flags(capability: str) -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=32)
-def _kernel_name(files: tuple[tuple[str, int, int], ...], capability: str) -> str:
+def _kernel_name(files: tuple[tuple[str, int, int], ...], capability: str, prefix: str) -> str:
     """The build's name: a hash of the source and headers (``files``: path, size, mtime, so an edit
     reads them anew), the flags, torch's and Python's versions. Read and hashed once per process."""
     text = b"\0".join(Path(f).read_bytes() for f, _size, _mtime in files)
     key = b"\0".join(
         [text, " ".join(_flags(capability)).encode(), torch.__version__.encode(), sys.version.encode()]
     )
-    return f"slidekit_fused_adam_{capability.lower()}_{hashlib.sha256(key).hexdigest()[:12]}"
+    return f"{prefix}_{capability.lower()}_{hashlib.sha256(key).hexdigest()[:12]}"
 
 
-def _build_spec(source: Path) -> _BuildSpec:
-    try:  # the source and the headers beside it (it includes them by path): a change to either rebuilds
-        files = tuple(
-            (str(f), (st := f.stat()).st_size, st.st_mtime_ns)
-            for f in [source, *sorted(source.parent.glob("*.h"))]
-        )
+def _build_spec(source: Path, include_dirs: tuple[Path, ...] = ()) -> _BuildSpec:
+    """``include_dirs``: directories of headers the source includes besides its own (their headers
+    join the hash). The build is named after the source's stem and that hash."""
+    try:  # the source and the headers it may include by path: a change to any of them rebuilds
+        headers = [h for d in (source.parent, *include_dirs) for h in sorted(d.glob("*.h"))]
+        files = tuple((str(f), (st := f.stat()).st_size, st.st_mtime_ns) for f in [source, *headers])
         cap = _cpu_capability()
-        name = _kernel_name(files, cap)
+        name = _kernel_name(files, cap, f"slidekit_{source.stem}")
     except OSError as e:
         raise KernelUnavailable(f"cannot read the kernel source {source}: {e}") from e
     from torch.utils import cpp_extension
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     directory = Path(root) / "slidekit" / name
-    return _BuildSpec(source=source, name=name, directory=directory, flags=_flags(cap), capability=cap)
+    flags = _flags(cap)
+    return _BuildSpec(source, name, directory, flags, cap, include_dirs)
 
 
 def _error_summary(err: BaseException) -> str:
@@ -158,13 +161,13 @@ def _error_summary(err: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _build(source: Path, timeout: float) -> ModuleType | str:
+def _build(source: Path, timeout: float, include_dirs: tuple[Path, ...] = ()) -> ModuleType | str:
     """Build (or load the cached build of) ``source`` under the build lock; the module, or why not."""
     missing = _missing_tool()
     if missing:
         return missing
     try:
-        spec = _build_spec(source)
+        spec = _build_spec(source, include_dirs)
     except KernelUnavailable as e:
         return str(e)
     from torch.utils import cpp_extension
@@ -188,6 +191,7 @@ def _build(source: Path, timeout: float) -> ModuleType | str:
                 name=spec.name,
                 sources=[str(source)],
                 extra_cflags=list(spec.flags),
+                extra_include_paths=[str(d) for d in spec.include_dirs],
                 build_directory=str(spec.directory),
                 verbose=False,
             )
@@ -216,11 +220,18 @@ def _record(source: Path, outcome: ModuleType | str) -> None:
             _KERNELS[source] = outcome
 
 
-def load_kernel(source: Path | str = KERNEL_SOURCE, *, timeout: float | None = None) -> ModuleType:
+def load_kernel(
+    source: Path | str = KERNEL_SOURCE,
+    *,
+    timeout: float | None = None,
+    include_dirs: tuple[Path | str, ...] = (),
+) -> ModuleType:
     """The fused kernel built from ``source``: built once per process (and cached on disk).
 
     ``timeout``: seconds to wait for another process (or thread) building the same kernel
-    (None: ``SLIDEKIT_BUILD_TIMEOUT``, default 300). Raises ``KernelUnavailable``
+    (None: ``SLIDEKIT_BUILD_TIMEOUT``, default 300). ``include_dirs``: header directories
+    the source includes besides its own (a probe outside ``CSRC`` that includes the kernels'
+    headers passes ``(CSRC,)``); their headers are part of the build's hash. Raises ``KernelUnavailable``
     with the reason when it cannot be built; the reason is remembered, so a
     failed build is tried once per process. ``ValueError`` for a malformed
     ``SLIDEKIT_BUILD_TIMEOUT``.
@@ -229,7 +240,7 @@ def load_kernel(source: Path | str = KERNEL_SOURCE, *, timeout: float | None = N
     limit = build_timeout() if timeout is None else timeout
     kernel = _recorded(key)
     if kernel is None:
-        kernel = _build(key, limit)
+        kernel = _build(key, limit, tuple(Path(d).resolve() for d in include_dirs))
         _record(key, kernel)
     if isinstance(kernel, str):
         raise KernelUnavailable(kernel)

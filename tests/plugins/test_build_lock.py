@@ -328,6 +328,25 @@ def test_the_ninja_probe_and_the_source_hash_are_taken_once_per_process(tmp_path
     assert kernel_build._build_spec(source).name != name
 
 
+def test_a_source_elsewhere_names_its_include_dirs_and_their_headers_key_the_build(tmp_path):
+    """A probe outside csrc/ that includes the kernels' headers (benchmarks/csrc/update_streams.cpp)
+    passes ``include_dirs``: the build is named after its stem, and an edit to a header there rebuilds."""
+    probe_dir, headers = tmp_path / "probe", tmp_path / "headers"
+    probe_dir.mkdir()
+    headers.mkdir()
+    source = probe_dir / "my_probe.cpp"
+    source.write_text('#include "shared.h"\n')
+    header = headers / "shared.h"
+    header.write_text("// one\n")
+    spec = kernel_build._build_spec(source, (headers,))
+    assert spec.name.startswith("slidekit_my_probe_") and spec.include_dirs == (headers,)
+    assert kernel_build._build_spec(source).name != spec.name  # without the directory: another build
+    st = header.stat()
+    header.write_text("// two\n")
+    os.utime(header, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert kernel_build._build_spec(source, (headers,)).name != spec.name
+
+
 def _wait_for_output(capsys, text: str, bound: float = 120.0) -> str:
     """What was written to stderr until ``text`` appeared in it; fails after ``bound`` seconds without it."""
     seen, deadline = "", time.monotonic() + bound
