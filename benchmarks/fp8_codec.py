@@ -30,12 +30,20 @@ written by plain stores (``plain``, as the kernels write it), by streaming
 stores (``nt``), or not at all (``nocopy``). Their rates are each pass's
 memory roof on this host; the record adds each kernel's fraction of its roof
 and the roofs' ratio, the most any 16 B pass can gain over layer_adam here.
+
+``rate --base DIR`` adds, in the same rounds, the three kernels built from
+another copy of ``plugins/slidekit_optim/csrc`` (an earlier commit's:
+``git archive REV plugins/slidekit_optim/csrc | tar -x -C DIR``, then
+``--base DIR/plugins/slidekit_optim/csrc``) as ``<kernel>_base``, and each
+kernel's rate over its base's per round (``<kernel>_over_base``): a change
+to a kernel measured A/B on one host, under the same load.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -196,16 +204,39 @@ def _spread(xs: list[float]) -> dict[str, float]:
     return {"median": round(median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3)}
 
 
-def rates(n: int, repeat: int, thread_counts: tuple[int, ...], streams: bool = False) -> dict[str, object]:
+def _kernel_steps(
+    csrc: Path,
+    hyper: OptimizerHyper,
+    n: int,
+    grads: list[torch.Tensor],
+    groups,
+    thread_counts: tuple[int, ...],
+) -> dict[str, Callable[[int, int], None]]:
+    """The three kernels built from the sources in ``csrc``, one step function each."""
+    drivers = {"layer_adam": (LayerAdam, "fused_adam.cpp"), "adamw_8bit": (AdamW8bit, "adamw8.cpp")}
+    steps = {
+        name: _driver_step(
+            functools.partial(cls, kernel_source=csrc / source), hyper, n, grads, groups, thread_counts
+        )
+        for name, (cls, source) in drivers.items()
+    }
+    steps["adamw_fp8"] = _fp8_step(load_kernel(csrc / "adamwfp8.cpp"), hyper, n, grads, groups)
+    return steps
+
+
+def rates(
+    n: int, repeat: int, thread_counts: tuple[int, ...], streams: bool = False, base: Path | None = None
+) -> dict[str, object]:
     torch.set_num_threads(max(thread_counts))
     hyper = OptimizerHyper(weight_decay=0.1)
     groups = [ParamGroupRange(start=0, stop=n, weight_decay=0.1)]
     grads = _warm_grads(n, 3)
-    steps = {
-        "layer_adam": _driver_step(LayerAdam, hyper, n, grads, groups, thread_counts),
-        "adamw_8bit": _driver_step(AdamW8bit, hyper, n, grads, groups, thread_counts),
-        "adamw_fp8": _fp8_step(load_kernel(CSRC / "adamwfp8.cpp"), hyper, n, grads, groups),
-    }
+    steps = _kernel_steps(CSRC, hyper, n, grads, groups, thread_counts)
+    if base is not None:
+        if base.resolve() == CSRC:
+            raise ValueError(f"--base {base} is this tree's own csrc: pass another commit's copy")
+        baseline = _kernel_steps(base, hyper, n, grads, groups, thread_counts)
+        steps.update({f"{name}_base": step for name, step in baseline.items()})
     if streams:
         module = load_streams()
         steps.update({probe: _streams_step(module, probe, n, grads) for probe in STREAM_PROBES})
@@ -231,6 +262,12 @@ def rates(n: int, repeat: int, thread_counts: tuple[int, ...], streams: bool = F
             out[f"adamw_fp8_over_{other}_{threads}t"] = _spread(ratio)
         if streams:
             out.update(_roof_ratios(times, threads))
+        if base is not None:
+            for name in ("layer_adam", "adamw_8bit", "adamw_fp8"):  # > 1: this tree's kernel is faster
+                ratio = [b / a for a, b in zip(times[name], times[f"{name}_base"], strict=True)]
+                out[f"{name}_over_base_{threads}t"] = _spread(ratio)
+    if base is not None:
+        out["base"] = str(base)
     return out
 
 
@@ -265,13 +302,24 @@ def main() -> None:
         action="store_true",
         help="rate: also time the passes' memory streams without their arithmetic (each pass's roof)",
     )
+    p.add_argument(
+        "--base",
+        type=Path,
+        default=None,
+        help="rate: also time the kernels built from this copy of another commit's csrc, same rounds",
+    )
     args = p.parse_args()
+    if args.base is not None and not (args.base / "fused_adam.cpp").is_file():
+        p.error(
+            f"--base {args.base}: no fused_adam.cpp there; pass the csrc directory of an earlier commit's copy"
+        )
     if args.what == "range":
         for row in code_range():
             print(json.dumps(row), flush=True)
     else:
         counts = tuple(int(t) for t in args.threads.split(","))
-        print(json.dumps(rates(args.numel, args.repeat, counts, streams=args.streams)), flush=True)
+        out = rates(args.numel, args.repeat, counts, streams=args.streams, base=args.base)
+        print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -199,12 +199,13 @@ case "${1:-tests}" in
     done
     ;;
   roof)  # issue 16 item 2 (NOTES 41): the optimizer kernels against their passes' memory streams without arithmetic,
-    # 233M unit, 16 threads, the same rounds; with the host's CPU (lscpu) and memory (free) beside them
+    # 233M unit, 16 threads, the same rounds; with the host's CPU (lscpu) and memory (free) beside them; BASE=DIR adds
+    # the kernels built from another commit's csrc copy in the same rounds (fp8_codec.py's --base: an A/B on one host)
     shift; (lscpu; free -g) > "$OUT/host.txt" 2>&1
     build_layer_adam & python3 -c "import runpy, sys; sys.argv = ['x']; m = runpy.run_path('benchmarks/fp8_codec.py'); m['load_streams']()" \
       > "$OUT/build_streams.log" 2>&1; wait; echo "built: at ${SECONDS}s"
-    timeout 240 python3 benchmarks/fp8_codec.py rate --numel "${NUMEL:-233000000}" --repeat "${ROUNDS:-5}" --threads "${THREADS:-16}" \
-      --streams > "$OUT/roof.json" 2>&1; tail -c 3000 "$OUT/roof.json"; echo; echo "roof: at ${SECONDS}s"
+    timeout 420 python3 benchmarks/fp8_codec.py rate --numel "${NUMEL:-233000000}" --repeat "${ROUNDS:-5}" --threads "${THREADS:-16}" \
+      --streams ${BASE:+--base "$BASE"} > "$OUT/roof.json" 2>&1; tail -c 3000 "$OUT/roof.json"; echo; echo "roof: at ${SECONDS}s"
     ;;
   setup35)  # NOTES 34-35, forced offload at 3B batch 8 (after the gate of the commit that has them): where the setup
     # goes, what update order "auto" takes (the record's forward_updates), and BF16 upload copies in the forward order;

@@ -262,3 +262,24 @@ def test_rate_streams_record(kernel):
         assert out[f"streams_{probe}_1t_gparams_s"]["median"] > 0
     for key in ("layer_adam_of_roof", "adamw_fp8_of_roof", "adamw_8bit_of_roof", "roof_fp8_over_adam"):
         assert out[f"{key}_1t"]["median"] > 0
+
+
+def test_rate_base_times_another_copy_of_the_kernels_in_the_same_rounds(kernel, tmp_path):
+    """``rate --base DIR``: the kernels built from another csrc copy are timed beside this tree's, with
+    each kernel's per-round ratio to its base; this tree's own csrc is refused as a base."""
+    import shutil
+
+    from bench_helpers import load_benchmark
+
+    from slidekit_optim.kernel_build import CSRC
+
+    fp8_codec = load_benchmark("fp8_codec")
+    base = tmp_path / "csrc"
+    shutil.copytree(CSRC, base)
+    out = fp8_codec.rates(4 * BLOCK_SIZE + 5, 2, (1,), base=base)
+    for name in ("layer_adam", "adamw_8bit", "adamw_fp8"):
+        assert out[f"{name}_base_1t_gparams_s"]["median"] > 0
+        assert out[f"{name}_over_base_1t"]["median"] > 0
+    assert out["base"] == str(base)
+    with pytest.raises(ValueError, match="own csrc"):
+        fp8_codec.rates(4 * BLOCK_SIZE + 5, 1, (1,), base=CSRC)
