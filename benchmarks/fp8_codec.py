@@ -247,6 +247,8 @@ def rates(
         "numel": n,
         "repeat": repeat,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        # adamw_8bit's decode in this process: gather or permute (timed on first use), portable without AVX-512
+        "adamw_8bit_decode": load_kernel(CSRC / "adamw8.cpp").decode_way(),
     }
     for threads in thread_counts:
         times: dict[str, list[float]] = {k: [] for k in steps}

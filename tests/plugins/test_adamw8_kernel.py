@@ -231,6 +231,41 @@ def test_bits_do_not_depend_on_the_aten_cpu_capability(kernel, tmp_path, capabil
             _assert_runs_equal(theirs[dtype][impl], ours, f"ATEN_CPU_CAPABILITY={capability} {impl} {dtype}")
 
 
+def _child(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    # The timeout only turns a hang into a failure: the child loads the kernel the parent built.
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True, timeout=3600
+    )
+
+
+def test_gather_and_permute_decodes_give_the_same_bits(kernel, tmp_path):
+    """The AVX-512 pass decodes the codes by gather or by permutes (SLIDEKIT_ADAMW8_DECODE, else the faster
+    one timed on first use): each way, in a process of its own, from arbitrary codes (every one of the 256
+    decoded), the steps equal the torch path's bit for bit; a value naming neither way is refused."""
+    if kernel.vector_width() != 16:
+        pytest.skip("built without AVX-512: the portable loops decode, there is no choice")
+    assert kernel.decode_way() in ("gather", "permute")
+    n, steps = 20_003, 4
+    torch.save(_inputs(n, steps, torch.bfloat16, seed=3), tmp_path / "inputs.pt")
+    code = (
+        f"import sys, torch; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        "import test_adamw8_kernel as t; torch.set_num_threads(1); "
+        f"x = torch.load({str(tmp_path / 'inputs.pt')!r}); "
+        f"r = t._updates(('cpp', 'torch'), *x, t._groups({n}, 'mixed'), random_state=True); "
+        f"torch.save(r, {str(tmp_path / 'result.pt')!r}); print(t.load_kernel(t.KERNEL_SOURCE).decode_way())"
+    )
+    for way in ("gather", "permute"):
+        done = _child(code, {"SLIDEKIT_ADAMW8_DECODE": way})
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.split()[-1] == way, done.stdout
+        r = torch.load(tmp_path / "result.pt")
+        _assert_runs_equal(r["cpp"], r["torch"], f"decode by {way}")
+    done = _child(code, {"SLIDEKIT_ADAMW8_DECODE": "gathr"})
+    assert done.returncode != 0
+    refusal = "SLIDEKIT_ADAMW8_DECODE=gathr is not one of auto, gather, permute"
+    assert refusal in done.stderr, done.stderr[-3000:]
+
+
 def test_thread_count_changes_nothing(kernel):
     """Any number of tasks (OptimizerHyper.threads, torch's thread count) gives the same bits."""
     n = 1_000_003

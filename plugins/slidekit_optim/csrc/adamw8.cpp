@@ -25,8 +25,8 @@
 // from two 2^17-entry tables (640 KB per map, which missed the L1 and, for both maps, the L2).
 // The maps come from Python with every call, so whatever QuantMap the optimizer holds is the one
 // used. Built for AVX-512 (kernel_build.py's AVX512 capability), a block runs in zmm registers,
-// decoding without a gather (quant8_avx512.h); elsewhere in the portable loops below. Both give
-// the same bits.
+// decoding by permutes or by a gather, whichever decode_choice() timed faster on this CPU
+// (quant8_avx512.h); elsewhere in the portable loops below. All give the same bits.
 //
 // The file is compiled with -ffp-contract=off and calls no fma, so no multiply and add are
 // fused: each element's result is the same whatever the vector width, the split into threads or
@@ -75,8 +75,13 @@
 #include "quant8_packed.h"   // quant8's compact encoding table
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
+#include <cstdlib>
+#include <limits>
 #include <optional>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace {
@@ -163,6 +168,7 @@ struct Args {
   int64_t segments;
   slidekit::AdamScalars s;
   Backup backup;
+  bool gather = false;  // the AVX-512 pass decodes by gather (decode_by_gather()), else by permutes
 };
 
 // Block b (elements [lo, lo + len)): its master, codes and scales into the backup, if there is one.
@@ -235,8 +241,61 @@ int64_t segment_of(const int64_t* seg_stop, int64_t segments, int64_t i) {
 }
 
 #ifdef SLIDEKIT_ADAMW8_AVX512
+// Seconds to decode `n` codes (a multiple of 16) into `out` through quant8_avx512.h's decode16.
+template <bool kGather>
+double time_decode(const float* table, const uint8_t* codes, float* out, int64_t n) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
+    _mm512_storeu_ps(out + i, slidekit::avx512::decode16<kGather>(table, c));
+  }
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Whether the AVX-512 pass decodes by gather (else by permutes). SLIDEKIT_ADAMW8_DECODE=gather or
+// permute says which; unset or "auto", the faster of the two on 16 K pseudo-random codes, the best
+// of 5 interleaved rounds each (well under a millisecond). Both read the same table entries: the
+// choice changes the time, never a bit.
+bool choose_gather() {
+  const char* env = std::getenv("SLIDEKIT_ADAMW8_DECODE");
+  const std::string want = env == nullptr ? "auto" : env;
+  if (want == "gather" || want == "permute") {
+    return want == "gather";
+  }
+  if (want != "auto") {
+    throw std::runtime_error("adamw8: SLIDEKIT_ADAMW8_DECODE=" + want +
+                             " is not one of auto, gather, permute; unset it or pick one of those");
+  }
+  constexpr int64_t kCodes = 1 << 14;
+  alignas(64) float table[256];
+  for (int i = 0; i < 256; ++i) {
+    table[i] = static_cast<float>(i) * 0.5f;
+  }
+  std::vector<uint8_t> codes(kCodes);
+  uint32_t x = 12345u;
+  for (auto& c : codes) {
+    x = x * 1664525u + 1013904223u;
+    c = static_cast<uint8_t>(x >> 24);
+  }
+  std::vector<float> out(kCodes);
+  double permute = std::numeric_limits<double>::infinity();
+  double gather = permute;
+  for (int round = 0; round < 5; ++round) {
+    permute = std::min(permute, time_decode<false>(table, codes.data(), out.data(), kCodes));
+    gather = std::min(gather, time_decode<true>(table, codes.data(), out.data(), kCodes));
+  }
+  return gather < permute;
+}
+
+// choose_gather(), once per process (a static's initialization: thread-safe, and an exception from it
+// is thrown again at the next call).
+bool decode_by_gather() {
+  static const bool gather = choose_gather();
+  return gather;
+}
+
 // Blocks [b_lo, b_hi), 16 lanes at a time: quant8_avx512.h's two passes per block.
-template <typename G, bool kLowp>
+template <typename G, bool kLowp, bool kGather>
 void run_blocks_avx512(int64_t b_lo, int64_t b_hi, const Args& a) {
   alignas(64) float m[kBlock];
   alignas(64) float v[kBlock];
@@ -275,7 +334,8 @@ void run_blocks_avx512(int64_t b_lo, int64_t b_hi, const Args& a) {
                                       d.v_scale};
     uint32_t m_top = 0;
     uint32_t v_top = 0;
-    slidekit::avx512::update<G, kLowp>(blk, a.m.map.values, a.v.map.values, a.s, decay, m, v, m_top, v_top);
+    slidekit::avx512::update<G, kLowp, kGather>(blk, a.m.map.values, a.v.map.values, a.s, decay, m, v, m_top,
+                                                 v_top);
     const float m_scale = encode_block(len, m, m_top, a.m.map.packed, d.m_codes);
     const float v_scale = encode_block(len, v, v_top, a.v.map.packed, d.v_codes);
     close_block(a, b, lo, len, d, m_scale, v_scale);
@@ -284,16 +344,31 @@ void run_blocks_avx512(int64_t b_lo, int64_t b_hi, const Args& a) {
 }
 #endif
 
+enum class Decode { kGather, kPermute, kPortable };
+
+// How this build decodes the codes: the AVX-512 pass's choice (decided on the first call), or the
+// portable loops'.
+Decode decode_way() {
+#ifdef SLIDEKIT_ADAMW8_AVX512
+  return decode_by_gather() ? Decode::kGather : Decode::kPermute;
+#else
+  return Decode::kPortable;
+#endif
+}
+
 // Blocks [b_lo, b_hi): decode, update (per decay segment, adam_common.h's adam_update), encode.
 void run_blocks(int64_t b_lo, int64_t b_hi, const Args& a, int64_t g_size, bool bf16_grad) {
   const bool lowp = a.out != nullptr;
 #ifdef SLIDEKIT_ADAMW8_AVX512
   (void)g_size;
-  if (bf16_grad) {
-    lowp ? run_blocks_avx512<uint16_t, true>(b_lo, b_hi, a) : run_blocks_avx512<uint16_t, false>(b_lo, b_hi, a);
-  } else {
-    lowp ? run_blocks_avx512<float, true>(b_lo, b_hi, a) : run_blocks_avx512<float, false>(b_lo, b_hi, a);
-  }
+  using Run = void (*)(int64_t, int64_t, const Args&);
+  // [gather][bf16_grad][lowp]
+  static constexpr Run kRuns[2][2][2] = {
+      {{&run_blocks_avx512<float, false, false>, &run_blocks_avx512<float, true, false>},
+       {&run_blocks_avx512<uint16_t, false, false>, &run_blocks_avx512<uint16_t, true, false>}},
+      {{&run_blocks_avx512<float, false, true>, &run_blocks_avx512<float, true, true>},
+       {&run_blocks_avx512<uint16_t, false, true>, &run_blocks_avx512<uint16_t, true, true>}}};
+  kRuns[a.gather][bf16_grad][lowp](b_lo, b_hi, a);
 #else
   const slidekit::UpdateFn plain = slidekit::pick_update(bf16_grad, false, lowp);
   const slidekit::UpdateFn decayed = slidekit::pick_update(bf16_grad, true, lowp);
@@ -442,7 +517,8 @@ int64_t adamw8_step_(
       decay.data(),
       static_cast<int64_t>(seg_stop.size()),
       slidekit::AdamScalars::from(w1, beta2, sq_weight, inv_b2, eps, neg_step),
-      saved};
+      saved,
+      decode_way() == Decode::kGather};
   const bool bf16_grad = grad.scalar_type() == at::kBFloat16;
   const int64_t g_size = grad.element_size();
 
@@ -525,4 +601,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("backup_stream_bytes", []() { return slidekit::kBackupStreamBytes; },
              "the width of the backup's streaming stores in this build, 0 where it copies with memcpy");
   module.def("vector_width", []() { return kVectorWidth; }, "16 where built for AVX-512, else 1");
+  module.def(
+      "decode_way",
+      []() {
+        const Decode way = decode_way();
+        return std::string(way == Decode::kGather ? "gather" : way == Decode::kPermute ? "permute" : "portable");
+      },
+      "how the codes are decoded: 'gather' or 'permute' (the AVX-512 pass's choice, SLIDEKIT_ADAMW8_DECODE or "
+      "timed on first use), 'portable' where built without AVX-512");
 }

@@ -1,10 +1,13 @@
 // slidekit adamw8.cpp, AVX-512 build: one block of 8-bit AdamW, 16 lanes at a time.
 //
-// * decode: values[code] from the 256-entry map read as 16 zmm loads (L1): eight two-table
-//   permutes (vpermt2ps: 32 entries each, chosen by the code's low 5 bits) and seven blends by its
-//   bits 5, 6 and 7; no gather (GCC's portable loop reads the table with 16 scalar loads and
-//   inserts per vector, a gather instruction would be microcoded on Zen 4 and slowed by the
-//   Downfall mitigation on Intel cores up to Ice Lake).
+// * decode: values[code] from the 256-entry map, one of two ways giving the same value (a table
+//   entry, read exactly): read as 16 zmm loads (L1), eight two-table permutes (vpermt2ps: 32
+//   entries each, chosen by the code's low 5 bits) and seven blends by its bits 5, 6 and 7 (15
+//   port-5 instructions per 16 codes); or one gather from the 1 KiB table. A gather is microcoded
+//   on Zen 4 and slowed by the Downfall mitigation on Intel cores up to Ice Lake, and native on
+//   later Intel cores, where it is the faster (1.16x the whole kernel on one core of the test
+//   machine, NOTES 44): adamw8.cpp's decode_choice() times both once per process and takes the
+//   faster (SLIDEKIT_ADAMW8_DECODE=gather|permute overrides it).
 // * encode: quant8_packed.h's lookup, one gather of `code | cut << 8` per 16 elements from the
 //   compact table (42 KB for the signed dynamic map, 21 KB for the unsigned one: L1/L2-resident),
 //   four in flight, then one integer comparison.
@@ -134,7 +137,17 @@ struct Block {
 // Pass 1 over one block: decode, update, write the master (and BF16 copy) to b.p; the new moments go to
 // m_buf / v_buf (256 floats each) and the maxima of their |x| bit patterns to m_top / v_top.
 // decay(i) is the vector of the decay factors of the block's elements [i, i + 16).
-template <typename G, bool kLowp, typename DecayAt>
+// values[codes] for 16 codes (32-bit lanes, each < 256): by permutes, or (kGather) one gather.
+template <bool kGather>
+inline __m512 decode16(const float* values, __m512i codes) {
+  if constexpr (kGather) {
+    return _mm512_i32gather_ps(codes, values, 4);
+  } else {
+    return lookup<8>(values, codes);
+  }
+}
+
+template <typename G, bool kLowp, bool kGather, typename DecayAt>
 inline void update(const Block& b, const float* m_values, const float* v_values, const AdamScalars& s,
                    DecayAt&& decay, float* __restrict m_buf, float* __restrict v_buf, uint32_t& m_top,
                    uint32_t& v_top) {
@@ -155,8 +168,8 @@ inline void update(const Block& b, const float* m_values, const float* v_values,
     const __m512i mc = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, b.m_codes + i));
     const __m512i vc = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, b.v_codes + i));
     const __m512 gi = load_grad(g + i, k);
-    const __m512 m0 = _mm512_mul_ps(lookup<8>(m_values, mc), m_scale);
-    const __m512 v0 = _mm512_mul_ps(lookup<8>(v_values, vc), v_scale);
+    const __m512 m0 = _mm512_mul_ps(decode16<kGather>(m_values, mc), m_scale);
+    const __m512 v0 = _mm512_mul_ps(decode16<kGather>(v_values, vc), v_scale);
     __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, b.p_in + i), decay(i));
     const __m512 m = _mm512_add_ps(m0, _mm512_mul_ps(w1, _mm512_sub_ps(gi, m0)));
     __m512 v = _mm512_mul_ps(v0, beta2);
