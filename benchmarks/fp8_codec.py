@@ -3,6 +3,7 @@
     python benchmarks/fp8_codec.py range                 # flush/subnormal fractions per format
     python benchmarks/fp8_codec.py rate --numel 20000000 --repeat 15
     python3 benchmarks/fp8_codec.py rate --numel 233000000 --repeat 5 --threads 16   # the H200 host
+    python3 benchmarks/fp8_codec.py build --streams --base DIR   # what that rate loads, built side by side
 
 ``range``: 1 M elements in blocks of 256, per-element gradient scale
 log-normal within each block (log-sigma 1, 2, 3), 300 AdamW steps (betas 0.9,
@@ -36,7 +37,14 @@ another copy of ``plugins/slidekit_optim/csrc`` (an earlier commit's:
 ``git archive REV plugins/slidekit_optim/csrc | tar -x -C DIR``, then
 ``--base DIR/plugins/slidekit_optim/csrc``) as ``<kernel>_base``, and each
 kernel's rate over its base's per round (``<kernel>_over_base``): a change
-to a kernel measured A/B on one host, under the same load.
+to a kernel measured A/B on one host, under the same load. A base must hold
+the three sources and must not be this tree's own csrc (``base_csrc``).
+
+``build [--streams] [--base DIR]``: builds (or finds in the build cache) every
+kernel ``rate`` with the same options loads, one process per source, side by
+side, so a timed call does not compile them one after another; one JSON line
+with each build's outcome and seconds, exit status 1 if any failed (its
+compiler's last lines in the record).
 """
 
 from __future__ import annotations
@@ -45,6 +53,8 @@ import argparse
 import dataclasses
 import functools
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -204,6 +214,24 @@ def _spread(xs: list[float]) -> dict[str, float]:
     return {"median": round(median(xs), 3), "min": round(min(xs), 3), "max": round(max(xs), 3)}
 
 
+#: The three kernels' sources in a csrc directory, by optimizer.
+KERNEL_FILES = {"layer_adam": "fused_adam.cpp", "adamw_8bit": "adamw8.cpp", "adamw_fp8": "adamwfp8.cpp"}
+
+
+def base_csrc(path: Path) -> Path:
+    """``path`` as a base for ``rate --base`` / ``build --base``: another copy of the kernels' csrc
+    holding their three sources, not this tree's own. ``ValueError`` naming the fix otherwise."""
+    if path.resolve() == CSRC:
+        raise ValueError(f"{path} is this tree's own csrc: pass another commit's copy")
+    missing = [f for f in KERNEL_FILES.values() if not (path / f).is_file()]
+    if missing:
+        raise ValueError(
+            f"{path}: no {', '.join(missing)} there; pass the csrc directory of an earlier commit's "
+            "copy (git archive REV plugins/slidekit_optim/csrc | tar -x -C DIR)"
+        )
+    return path
+
+
 def _kernel_steps(
     csrc: Path,
     hyper: OptimizerHyper,
@@ -213,14 +241,19 @@ def _kernel_steps(
     thread_counts: tuple[int, ...],
 ) -> dict[str, Callable[[int, int], None]]:
     """The three kernels built from the sources in ``csrc``, one step function each."""
-    drivers = {"layer_adam": (LayerAdam, "fused_adam.cpp"), "adamw_8bit": (AdamW8bit, "adamw8.cpp")}
+    drivers = {"layer_adam": LayerAdam, "adamw_8bit": AdamW8bit}
     steps = {
         name: _driver_step(
-            functools.partial(cls, kernel_source=csrc / source), hyper, n, grads, groups, thread_counts
+            functools.partial(cls, kernel_source=csrc / KERNEL_FILES[name]),
+            hyper,
+            n,
+            grads,
+            groups,
+            thread_counts,
         )
-        for name, (cls, source) in drivers.items()
+        for name, cls in drivers.items()
     }
-    steps["adamw_fp8"] = _fp8_step(load_kernel(csrc / "adamwfp8.cpp"), hyper, n, grads, groups)
+    steps["adamw_fp8"] = _fp8_step(load_kernel(csrc / KERNEL_FILES["adamw_fp8"]), hyper, n, grads, groups)
     return steps
 
 
@@ -233,9 +266,7 @@ def rates(
     grads = _warm_grads(n, 3)
     steps = _kernel_steps(CSRC, hyper, n, grads, groups, thread_counts)
     if base is not None:
-        if base.resolve() == CSRC:
-            raise ValueError(f"--base {base} is this tree's own csrc: pass another commit's copy")
-        baseline = _kernel_steps(base, hyper, n, grads, groups, thread_counts)
+        baseline = _kernel_steps(base_csrc(base), hyper, n, grads, groups, thread_counts)
         steps.update({f"{name}_base": step for name, step in baseline.items()})
     if streams:
         module = load_streams()
@@ -289,9 +320,61 @@ def _roof_ratios(times: dict[str, list[float]], threads: int) -> dict[str, dict[
     }
 
 
+#: A build child: load_kernel(source, include_dirs=rest) in a process of its own.
+_BUILD_CHILD = (
+    "import sys; from slidekit_optim.kernel_build import load_kernel; "
+    "load_kernel(sys.argv[1], include_dirs=tuple(sys.argv[2:]))"
+)
+
+
+def build(base: Path | None = None, streams: bool = False, timeout: float = 600.0) -> dict[str, object]:
+    """Build every kernel ``rate(..., streams=streams, base=base)`` loads, one child process per source,
+    all at once (each waits on the kernels' build lock where another process builds the same one).
+    The record: per build its source, whether it succeeded, its seconds, and a failure's last lines."""
+    jobs: dict[str, tuple[Path, tuple[Path, ...]]] = {
+        name: (CSRC / f, ()) for name, f in KERNEL_FILES.items()
+    }
+    if base is not None:
+        base = base_csrc(base)
+        jobs.update({f"{name}_base": (base / f, ()) for name, f in KERNEL_FILES.items()})
+    if streams:
+        jobs["streams"] = (STREAMS_SOURCE, (CSRC,))
+    t0 = time.perf_counter()
+    children = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", _BUILD_CHILD, str(src), *map(str, dirs)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name, (src, dirs) in jobs.items()
+    }
+    built: dict[str, dict[str, object]] = {}
+    for name, child in children.items():
+        try:
+            log, _ = child.communicate(timeout=max(1.0, timeout - (time.perf_counter() - t0)))
+            ok = child.returncode == 0
+        except subprocess.TimeoutExpired:
+            child.kill()
+            log, ok = child.communicate()[0] + f"\nkilled after {timeout:g} s", False
+        entry: dict[str, object] = {"source": str(jobs[name][0]), "ok": ok}
+        entry["seconds"] = round(time.perf_counter() - t0, 1)  # since the builds started, all at once
+        if not ok:
+            entry["log"] = "\n".join((log or "").strip().splitlines()[-6:])
+        built[name] = entry
+    return {"built": built, "ok": all(e["ok"] for e in built.values())}
+
+
+def _base_arg(text: str) -> Path:
+    try:
+        return base_csrc(Path(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=("range", "rate"))
+    p.add_argument("what", choices=("range", "rate", "build"))
     p.add_argument("--numel", type=int, default=20_000_000)
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument(
@@ -302,19 +385,21 @@ def main() -> None:
     p.add_argument(
         "--streams",
         action="store_true",
-        help="rate: also time the passes' memory streams without their arithmetic (each pass's roof)",
+        help="rate: also time the passes' memory streams without their arithmetic (each pass's roof); "
+        "build: build their probe too",
     )
     p.add_argument(
         "--base",
-        type=Path,
+        type=_base_arg,
         default=None,
-        help="rate: also time the kernels built from this copy of another commit's csrc, same rounds",
+        help="rate: also time the kernels built from this copy of another commit's csrc, same rounds; "
+        "build: build them too",
     )
     args = p.parse_args()
-    if args.base is not None and not (args.base / "fused_adam.cpp").is_file():
-        p.error(
-            f"--base {args.base}: no fused_adam.cpp there; pass the csrc directory of an earlier commit's copy"
-        )
+    if args.what == "build":
+        record = build(args.base, streams=args.streams)
+        print(json.dumps(record), flush=True)
+        raise SystemExit(0 if record["ok"] else 1)
     if args.what == "range":
         for row in code_range():
             print(json.dumps(row), flush=True)

@@ -284,3 +284,46 @@ def test_rate_base_times_another_copy_of_the_kernels_in_the_same_rounds(kernel, 
     assert out["base"] == str(base)
     with pytest.raises(ValueError, match="own csrc"):
         fp8_codec.rates(4 * BLOCK_SIZE + 5, 1, (1,), base=CSRC)
+
+
+def test_build_makes_what_rate_loads_side_by_side_and_names_a_failure(kernel, tmp_path):
+    """``build --streams --base DIR``: every source ``rate`` would load is built (here found in the
+    build cache: the base is a copy), one process each; a base whose source does not compile is
+    reported not ok with the compiler's last lines, the others still ok."""
+    import shutil
+
+    from bench_helpers import load_benchmark
+
+    fp8_codec = load_benchmark("fp8_codec")
+    base = tmp_path / "csrc"
+    shutil.copytree(CSRC, base)
+    record = fp8_codec.build(base, streams=True)
+    assert record["ok"], record
+    assert set(record["built"]) == {
+        *fp8_codec.KERNEL_FILES,
+        *(f"{name}_base" for name in fp8_codec.KERNEL_FILES),
+        "streams",
+    }
+    broken = base / fp8_codec.KERNEL_FILES["adamw_8bit"]
+    broken.write_text(broken.read_text() + "\nthis is not C++;\n")
+    record = fp8_codec.build(base)
+    assert not record["ok"]
+    failed = record["built"]["adamw_8bit_base"]
+    assert not failed["ok"] and "adamw8.cpp" in failed["log"], failed
+    assert all(e["ok"] for name, e in record["built"].items() if name != "adamw_8bit_base"), record
+
+
+def test_a_base_without_the_kernels_sources_is_refused_naming_them(tmp_path):
+    """``--base`` must be another copy of the csrc: a directory without the three sources is refused
+    before anything is built or timed, naming the missing files and how to make a copy."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_codec.py"
+    (tmp_path / "fused_adam.cpp").write_text("")
+    done = subprocess.run(
+        [sys.executable, str(script), "build", "--base", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "adamw8.cpp, adamwfp8.cpp" in done.stderr and "git archive" in done.stderr, done.stderr
