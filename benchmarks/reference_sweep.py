@@ -2,9 +2,9 @@
 
 Each seed draws a model (family, width, heads and KV heads, head size, depth, vocabulary, tied or untied
 embeddings, biases, RoPE type and theta, Mistral's sliding window), a recipe (accumulation, clipping,
-weight decay, masked labels, batch and row lengths) and an engine (window, residency, recompute,
-activation tier, update order), writes the model with transformers, trains it a few steps with slidekit
-and with the reference loop (``slidekit.testing.reference.reference_run``) from the same weights, and
+weight decay, masked labels, batch and row lengths, how a clipped step overlaps its updates) and an
+engine (window, residency, recompute, activation tier, update order, what a resident unit keeps),
+writes the model with transformers, trains it a few steps with slidekit and with the reference loop (``slidekit.testing.reference.reference_run``) from the same weights, and
 prints one JSON line: the largest relative error of the losses and of the parameters, the parameter
 that has it, and ``ok``.
 
@@ -105,6 +105,9 @@ def draw(seed: int) -> dict[str, Any]:
         "weight_decay": rng.choice([0.0, 0.1]),
         "masked": rng.choice([0, 3]),
     }
+    # Drawn last, so every seed's earlier draws (model, engine, recipe) are what they were before these.
+    engine["resident_weights"] = rng.choice(["keep", "slide", "auto"])
+    recipe["clip_overlap"] = rng.choice(["auto", "speculate", "defer"])
     return {"seed": seed, "family": family, "model": model, "engine": engine, "recipe": recipe}
 
 
@@ -134,7 +137,10 @@ def run(seed: int) -> dict[str, Any]:
         config = TrainConfig(
             model=ModelConfig(source=str(model_dir)),
             optim=OptimConfig(
-                lr=LR, weight_decay=recipe["weight_decay"], max_grad_norm=recipe["max_grad_norm"]
+                lr=LR,
+                weight_decay=recipe["weight_decay"],
+                max_grad_norm=recipe["max_grad_norm"],
+                clip_overlap=recipe["clip_overlap"],
             ),
             engine=EngineConfig(device="cpu", compute_dtype="float32", **case["engine"]),
             steps=steps,

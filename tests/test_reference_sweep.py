@@ -10,8 +10,9 @@ from bench_helpers import load_benchmark
 
 SWEEP = load_benchmark("reference_sweep")
 # Between them: all four families, tied and untied, four RoPE types, accumulation 1-3, clipping that fires
-# (0.05) and one that never does, every residency mode, both update orders.
-SEEDS = [0, 1, 3, 6, 7]
+# (0.05) and one that never does, every residency mode, both update orders, a clip that fires under each
+# way of overlapping it (auto, speculate, defer), every choice of what a resident unit keeps.
+SEEDS = [0, 1, 3, 6, 7, 10, 20]
 
 
 def test_the_seeds_cross_what_they_claim():
@@ -23,6 +24,9 @@ def test_the_seeds_cross_what_they_claim():
     assert {c["recipe"]["grad_accum"] for c in cases} >= {1, 2}
     assert {c["engine"]["gpu_resident"] for c in cases} == {"none", "all", "0.5", "auto"}
     assert {c["engine"]["update_order"] for c in cases} >= {"arrival", "forward"}
+    fired = {c["recipe"]["clip_overlap"] for c in cases if c["recipe"]["max_grad_norm"] == 0.05}
+    assert fired == {"auto", "speculate", "defer"}
+    assert {c["engine"]["resident_weights"] for c in cases} == {"keep", "slide", "auto"}
 
 
 @pytest.mark.parametrize("seed", SEEDS)
