@@ -53,6 +53,8 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -279,7 +281,7 @@ def rates(
         "repeat": repeat,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         # adamw_8bit's decode in this process: gather or permute (timed on first use), portable without AVX-512
-        "adamw_8bit_decode": load_kernel(CSRC / "adamw8.cpp").decode_way(),
+        "adamw_8bit_decode": load_kernel(CSRC / KERNEL_FILES["adamw_8bit"]).decode_way(),
     }
     for threads in thread_counts:
         times: dict[str, list[float]] = {k: [] for k in steps}
@@ -327,10 +329,12 @@ _BUILD_CHILD = (
 )
 
 
-def build(base: Path | None = None, streams: bool = False, timeout: float = 600.0) -> dict[str, object]:
+def build(base: Path | None = None, streams: bool = False, timeout: float = 280.0) -> dict[str, object]:
     """Build every kernel ``rate(..., streams=streams, base=base)`` loads, one child process per source,
-    all at once (each waits on the kernels' build lock where another process builds the same one).
-    The record: per build its source, whether it succeeded, its seconds, and a failure's last lines."""
+    all at once (each waits on the kernels' build lock where another process builds the same one); a
+    build still running ``timeout`` seconds after they started is killed with its process group (the
+    compiler it started too, which would otherwise load the host under the timed rounds and hold the
+    output pipe open) and reported. The record: per build its source, whether it succeeded, its seconds, and a failure's last lines."""
     jobs: dict[str, tuple[Path, tuple[Path, ...]]] = {
         name: (CSRC / f, ()) for name, f in KERNEL_FILES.items()
     }
@@ -346,6 +350,7 @@ def build(base: Path | None = None, streams: bool = False, timeout: float = 600.
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=True,  # its own process group: a kill takes the compiler it started too
         )
         for name, (src, dirs) in jobs.items()
     }
@@ -355,7 +360,7 @@ def build(base: Path | None = None, streams: bool = False, timeout: float = 600.
             log, _ = child.communicate(timeout=max(1.0, timeout - (time.perf_counter() - t0)))
             ok = child.returncode == 0
         except subprocess.TimeoutExpired:
-            child.kill()
+            os.killpg(child.pid, signal.SIGKILL)
             log, ok = child.communicate()[0] + f"\nkilled after {timeout:g} s", False
         entry: dict[str, object] = {"source": str(jobs[name][0]), "ok": ok}
         entry["seconds"] = round(time.perf_counter() - t0, 1)  # since the builds started, all at once
@@ -395,9 +400,15 @@ def main() -> None:
         help="rate: also time the kernels built from this copy of another commit's csrc, same rounds; "
         "build: build them too",
     )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=280.0,
+        help="build: seconds the builds may take together; one still running then is killed and reported",
+    )
     args = p.parse_args()
     if args.what == "build":
-        record = build(args.base, streams=args.streams)
+        record = build(args.base, streams=args.streams, timeout=args.timeout)
         print(json.dumps(record), flush=True)
         raise SystemExit(0 if record["ok"] else 1)
     if args.what == "range":

@@ -203,7 +203,7 @@ case "${1:-tests}" in
     # the kernels built from another commit's csrc copy in the same rounds (fp8_codec.py's --base: an A/B on one host)
     shift; (lscpu; free -g) > "$OUT/host.txt" 2>&1
     # every kernel the rate loads (this tree's, the streams probe, BASE's) built side by side, one process each
-    build_layer_adam & timeout 300 python3 benchmarks/fp8_codec.py build --streams ${BASE:+--base "$BASE"} \
+    build_layer_adam & timeout 300 python3 benchmarks/fp8_codec.py build --timeout 280 --streams ${BASE:+--base "$BASE"} \
       > "$OUT/build_kernels.json" 2>&1; wait; echo "built: at ${SECONDS}s"; cut -c1-600 "$OUT/build_kernels.json"
     timeout 420 python3 benchmarks/fp8_codec.py rate --numel "${NUMEL:-233000000}" --repeat "${ROUNDS:-5}" --threads "${THREADS:-16}" \
       --streams ${BASE:+--base "$BASE"} > "$OUT/roof.json" 2>&1; tail -c 3000 "$OUT/roof.json"; echo; echo "roof: at ${SECONDS}s"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -327,3 +328,36 @@ def test_a_base_without_the_kernels_sources_is_refused_naming_them(tmp_path):
     )
     assert done.returncode == 2, done.stderr
     assert "adamw8.cpp, adamwfp8.cpp" in done.stderr and "git archive" in done.stderr, done.stderr
+
+
+def test_builds_past_the_timeout_are_killed_with_their_compilers_and_reported(tmp_path, monkeypatch):
+    """``build --timeout``: a build still running when the time is up is killed with its whole process
+    group (the compiler it started would otherwise go on loading the host under the timed rounds) and
+    reported not ok, saying so. Each build here is a child that starts a "compiler" and waits for it."""
+    import shutil
+
+    from bench_helpers import load_benchmark
+
+    fp8_codec = load_benchmark("fp8_codec")
+    marker = f"slidekit-fake-compiler-{tmp_path.name}"
+    monkeypatch.setattr(
+        fp8_codec,
+        "_BUILD_CHILD",
+        "import subprocess, sys; "
+        f"subprocess.run([sys.executable, '-c', 'import time; time.sleep(120)', {marker!r}])",
+    )
+    base = tmp_path / "csrc"
+    shutil.copytree(CSRC, base)
+    record = fp8_codec.build(base, timeout=3.0)
+    assert not record["ok"] and len(record["built"]) == 6
+    for name, entry in record["built"].items():
+        assert not entry["ok"] and "killed after 3 s" in entry["log"], (name, entry)
+    deadline = time.monotonic() + 10
+    while True:
+        left = subprocess.run(
+            ["pgrep", "-f", marker], capture_output=True, text=True, check=False
+        ).stdout.split()
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not left, f"the builds' compilers outlived the kill: {left}"
