@@ -4,8 +4,8 @@ Each seed draws a model (family, width, heads and KV heads, head size, depth, vo
 embeddings, biases, RoPE type and theta, Mistral's sliding window), a recipe (accumulation, clipping,
 weight decay, masked labels, batch and row lengths, how a clipped step overlaps its updates) and an
 engine (window, residency, recompute, activation tier, update order, what a resident unit keeps),
-writes the model with transformers, trains it a few steps with slidekit and with the reference loop (``slidekit.testing.reference.reference_run``) from the same weights, and
-prints one JSON line: the largest relative error of the losses and of the parameters, the parameter
+writes the model with transformers, trains it a few steps with slidekit and with the reference loop
+(``slidekit.testing.reference.reference_run``) from the same weights, and prints one JSON line: the largest relative error of the losses and of the parameters, the parameter
 that has it, and ``ok``.
 
     python benchmarks/reference_sweep.py --seeds 0:80 [--out sweep.jsonl]

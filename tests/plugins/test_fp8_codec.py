@@ -45,6 +45,15 @@ def kernel():
     return load_kernel(SOURCE)
 
 
+@pytest.fixture
+def csrc_copy(tmp_path) -> Path:
+    """Another copy of the kernels' csrc, as ``rate --base`` / ``build --base`` take one."""
+    import shutil
+
+    shutil.copytree(CSRC, tmp_path / "csrc")
+    return tmp_path / "csrc"
+
+
 def _values(fmt) -> torch.Tensor:
     codes = torch.arange(256, dtype=torch.uint8)
     if fmt.signed:
@@ -266,18 +275,13 @@ def test_rate_streams_record(kernel):
         assert out[f"{key}_1t"]["median"] > 0
 
 
-def test_rate_base_times_another_copy_of_the_kernels_in_the_same_rounds(kernel, tmp_path):
+def test_rate_base_times_another_copy_of_the_kernels_in_the_same_rounds(kernel, csrc_copy):
     """``rate --base DIR``: the kernels built from another csrc copy are timed beside this tree's, with
     each kernel's per-round ratio to its base; this tree's own csrc is refused as a base."""
-    import shutil
-
     from bench_helpers import load_benchmark
 
-    from slidekit_optim.kernel_build import CSRC
-
     fp8_codec = load_benchmark("fp8_codec")
-    base = tmp_path / "csrc"
-    shutil.copytree(CSRC, base)
+    base = csrc_copy
     out = fp8_codec.rates(4 * BLOCK_SIZE + 5, 2, (1,), base=base)
     for name in ("layer_adam", "adamw_8bit", "adamw_fp8"):
         assert out[f"{name}_base_1t_gparams_s"]["median"] > 0
@@ -287,17 +291,14 @@ def test_rate_base_times_another_copy_of_the_kernels_in_the_same_rounds(kernel, 
         fp8_codec.rates(4 * BLOCK_SIZE + 5, 1, (1,), base=CSRC)
 
 
-def test_build_makes_what_rate_loads_side_by_side_and_names_a_failure(kernel, tmp_path):
+def test_build_makes_what_rate_loads_side_by_side_and_names_a_failure(kernel, csrc_copy):
     """``build --streams --base DIR``: every source ``rate`` would load is built (here found in the
     build cache: the base is a copy), one process each; a base whose source does not compile is
     reported not ok with the compiler's last lines, the others still ok."""
-    import shutil
-
     from bench_helpers import load_benchmark
 
     fp8_codec = load_benchmark("fp8_codec")
-    base = tmp_path / "csrc"
-    shutil.copytree(CSRC, base)
+    base = csrc_copy
     record = fp8_codec.build(base, streams=True)
     assert record["ok"], record
     assert set(record["built"]) == {
@@ -330,12 +331,12 @@ def test_a_base_without_the_kernels_sources_is_refused_naming_them(tmp_path):
     assert "adamw8.cpp, adamwfp8.cpp" in done.stderr and "git archive" in done.stderr, done.stderr
 
 
-def test_builds_past_the_timeout_are_killed_with_their_compilers_and_reported(tmp_path, monkeypatch):
+def test_builds_past_the_timeout_are_killed_with_their_compilers_and_reported(
+    tmp_path, csrc_copy, monkeypatch
+):
     """``build --timeout``: a build still running when the time is up is killed with its whole process
     group (the compiler it started would otherwise go on loading the host under the timed rounds) and
     reported not ok, saying so. Each build here is a child that starts a "compiler" and waits for it."""
-    import shutil
-
     from bench_helpers import load_benchmark
 
     fp8_codec = load_benchmark("fp8_codec")
@@ -346,9 +347,7 @@ def test_builds_past_the_timeout_are_killed_with_their_compilers_and_reported(tm
         "import subprocess, sys; "
         f"subprocess.run([sys.executable, '-c', 'import time; time.sleep(120)', {marker!r}])",
     )
-    base = tmp_path / "csrc"
-    shutil.copytree(CSRC, base)
-    record = fp8_codec.build(base, timeout=3.0)
+    record = fp8_codec.build(csrc_copy, timeout=3.0)
     assert not record["ok"] and len(record["built"]) == 6
     for name, entry in record["built"].items():
         assert not entry["ok"] and "killed after 3 s" in entry["log"], (name, entry)
