@@ -137,7 +137,9 @@ def _number(text: str) -> float:
 
 def _repeats(tokens: str) -> int:
     """How many repeats a page's tokens/s cell has: its "(n)" after the [min-max]."""
-    return int(re.match(r"[\d,]+ \[[\d,]+-[\d,]+\] \((\d+)\)", tokens).group(1))
+    found = re.match(r"[\d,]+ \[[\d,]+-[\d,]+\] \((\d+)\)", tokens)
+    assert found, f"not a tokens/s cell with its repeats: {tokens!r}"
+    return int(found.group(1))
 
 
 @pytest.mark.parametrize("quoted", QUOTED, ids=lambda q: q.header)
