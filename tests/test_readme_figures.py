@@ -46,6 +46,10 @@ QUOTED = [
         "Qwen2.5-1.5B offloading, H100 80 GB",
         RAW / "2026-12-06-s25/suite-1.5b-offload-h100/suite-qwen2.5-1.5b-offload.jsonl",
     ),
+    Quoted(
+        "Qwen2.5-3B offloading, H100 80 GB",
+        RAW / "2026-12-06-s26/suite-3b-offload-h100/suite-qwen2.5-3b-offload.jsonl",
+    ),
 ]
 #: README's row labels -> the suite page's run names.
 ROWS = {
@@ -62,7 +66,7 @@ ROWS = {
 }
 #: README's ratio rows -> (the slidekit run, the page's column or columns). One column: README's cell
 #: starts with the page's ("-" where the page has none). Several: README's cell is the smallest of
-#: them, the fastest alternative's, named in parentheses by its column's name ("vs NAME").
+#: them, the fastest alternative's, named in parentheses by its column's name ("vs NAME"), or "-" where none ran.
 RATIOS = {
     "all-resident against the best HF recipe": ("slidekit (resident all)", ("vs best no-offload",)),
     "every state on the host against the best alternative": (
@@ -116,8 +120,11 @@ def _check_ratio(label: str, cell: dict[str, str], value: str) -> None:
         assert page.startswith(value) if value != "-" else page == "-", (label, value, page)
         return
     ratios = {c.removeprefix("vs "): float(cell[c].rstrip("x")) for c in columns if cell[c] != "-"}
+    if value == "-":  # no alternative ran at this batch and recipe
+        assert not ratios, (label, ratios)
+        return
     best = min(ratios, key=ratios.__getitem__)
-    m = re.fullmatch(r"([\d.]+)x \((\w+)\)", value)
+    m = re.fullmatch(r"([\d.]+)x \(([\w ]+)\)", value)
     assert m, (label, value)
     assert float(m.group(1)) == ratios[best] and m.group(2) == best, (label, value, ratios)
 
