@@ -243,12 +243,13 @@ case "${1:-tests}" in
     # NAME: a preset of slidekit.tools.bench.suite_presets.SUITES; it builds its kernels itself, then runs what
     # its time plan keeps within what is left of the call (BUDGET, default 575 s, less the install; docs/benchmarking.md
     # has the bare command). Where the tree carries an earlier call's records as cont/suite-NAME.jsonl (untracked),
-    # the suite continues them (--continue; add --other-host for another machine). The runs' logs: $OUT/logs.tgz.
+    # the suite continues them (--continue; add --other-host for another machine). The runs' logs (LOGS, default
+    # /tmp/blogs): $OUT/logs.tgz.
     shift; NAME=${1:?suite name}; COMMIT=${2:-unknown}; shift $(($# < 2 ? $# : 2))
-    rm -rf /tmp/blogs; CONT=(); [ -f "cont/suite-$NAME.jsonl" ] && CONT=(--continue "cont/suite-$NAME.jsonl")
+    LOGS=${LOGS:-/tmp/blogs}; rm -rf "$LOGS"; CONT=(); [ -f "cont/suite-$NAME.jsonl" ] && CONT=(--continue "cont/suite-$NAME.jsonl")
     echo "suite $NAME at $COMMIT${CONT[*]:+, continuing cont/suite-$NAME.jsonl}: budget $((${BUDGET:-575} - SECONDS)) s"
     python3 -m slidekit.cli bench --suite "$NAME" --commit "$COMMIT" --time-budget $((${BUDGET:-575} - SECONDS)) \
-      --out "$OUT" --logs /tmp/blogs ${CONT[@]+"${CONT[@]}"} "$@" 2>&1 | tail -80
-    tar czf "$OUT/logs.tgz" -C /tmp blogs 2>/dev/null
+      --out "$OUT" --logs "$LOGS" ${CONT[@]+"${CONT[@]}"} "$@" 2>&1 | tail -80
+    tar czf "$OUT/logs.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" 2>/dev/null
     ;;
 esac
