@@ -5,8 +5,8 @@ embeddings, biases, RoPE type and theta, Mistral's sliding window), a recipe (ac
 weight decay, masked labels, batch and row lengths, how a clipped step overlaps its updates) and an
 engine (window, residency, recompute, activation tier, update order, what a resident unit keeps),
 writes the model with transformers, trains it a few steps with slidekit and with the reference loop
-(``slidekit.testing.reference.reference_run``) from the same weights, and prints one JSON line: the largest relative error of the losses and of the parameters, the parameter
-that has it, and ``ok``.
+(``slidekit.testing.reference.reference_run``) from the same weights, and prints one JSON line: the
+largest relative error of the losses and of the parameters, the parameter that has it, and ``ok``.
 
     python benchmarks/reference_sweep.py --seeds 0:80 [--out sweep.jsonl]
 
@@ -19,8 +19,8 @@ different update: in 120 seeds one v-projection element whose gradient summed to
 neighbours' median is 9e-3 (seed 35: 9.1e-5 in norm, from that one element). The k-projection biases
 are near-cancelled as a whole (softmax ignores a bias added to every key; only RoPE's rotation leaves
 a small gradient: tests/test_equivalence.py), so they get ``K_BIAS_RTOL`` (up to 7.1e-5 seen in
-10,000 seeds). Wrong math moves every element of every tensor, not a few. Exit status 1 when a configuration
-fails.
+10,000 seeds). Wrong math moves every element of every tensor, not a few. Exit status 1 when a
+configuration fails.
 
 Test: ``pytest tests/test_reference_sweep.py``.
 """

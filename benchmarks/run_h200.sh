@@ -247,8 +247,8 @@ case "${1:-tests}" in
     # /tmp/blogs): $OUT/logs.tgz.
     shift; NAME=${1:?suite name}; COMMIT=${2:-unknown}; shift $(($# < 2 ? $# : 2))
     LOGS=${LOGS:-/tmp/blogs}; rm -rf "$LOGS"; CONT=(); [ -f "cont/suite-$NAME.jsonl" ] && CONT=(--continue "cont/suite-$NAME.jsonl")
-    echo "suite $NAME at $COMMIT${CONT[*]:+, continuing cont/suite-$NAME.jsonl}: budget $((${BUDGET:-575} - SECONDS)) s"
-    python3 -m slidekit.cli bench --suite "$NAME" --commit "$COMMIT" --time-budget $((${BUDGET:-575} - SECONDS)) \
+    LEFT=$((${BUDGET:-575} - SECONDS)); echo "suite $NAME at $COMMIT${CONT[*]:+, continuing ${CONT[1]}}: budget $LEFT s"
+    python3 -m slidekit.cli bench --suite "$NAME" --commit "$COMMIT" --time-budget "$LEFT" \
       --out "$OUT" --logs "$LOGS" ${CONT[@]+"${CONT[@]}"} "$@" 2>&1 | tail -80
     tar czf "$OUT/logs.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" 2>/dev/null
     ;;

@@ -17,6 +17,7 @@ Run: ``pytest tests/plugins/test_fp8_codec.py``.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -48,8 +49,6 @@ def kernel():
 @pytest.fixture
 def csrc_copy(tmp_path) -> Path:
     """Another copy of the kernels' csrc, as ``rate --base`` / ``build --base`` take one."""
-    import shutil
-
     shutil.copytree(CSRC, tmp_path / "csrc")
     return tmp_path / "csrc"
 
