@@ -134,7 +134,7 @@ def _kernel_name(files: tuple[tuple[str, int, int], ...], capability: str, prefi
     return f"{prefix}_{capability.lower()}_{hashlib.sha256(key).hexdigest()[:12]}"
 
 
-def _build_spec(source: Path, include_dirs: tuple[Path, ...] = ()) -> _BuildSpec:
+def _build_spec(source: Path, *, include_dirs: tuple[Path, ...] = ()) -> _BuildSpec:
     """``include_dirs``: directories of headers the source includes besides its own (their headers
     join the hash). The build is named after the source's stem and that hash."""
     try:  # the source and the headers it may include by path: a change to any of them rebuilds
@@ -162,12 +162,13 @@ def _error_summary(err: BaseException) -> str:
 
 
 def _build(source: Path, timeout: float, include_dirs: tuple[Path, ...] = ()) -> ModuleType | str:
-    """Build (or load the cached build of) ``source`` under the build lock; the module, or why not."""
+    """Build (or load the cached build of) ``source`` with ``include_dirs`` under the build lock; the
+    module, or why not."""
     missing = _missing_tool()
     if missing:
         return missing
     try:
-        spec = _build_spec(source, include_dirs)
+        spec = _build_spec(source, include_dirs=include_dirs)
     except KernelUnavailable as e:
         return str(e)
     from torch.utils import cpp_extension
@@ -177,7 +178,7 @@ def _build(source: Path, timeout: float, include_dirs: tuple[Path, ...] = ()) ->
         # The build lock is a file lock, which also keeps two threads of this process apart (each opens
         # it anew), each within its own timeout; no process-wide lock is held while one waits.
         with exclusive_build(spec.directory, what=what, timeout=timeout):
-            done = _recorded(source)
+            done = _recorded((source, include_dirs))
             if isinstance(done, ModuleType):
                 return done  # another thread of this process built it while this one waited
             if not spec.library.exists():
@@ -201,23 +202,30 @@ def _build(source: Path, timeout: float, include_dirs: tuple[Path, ...] = ()) ->
         return f"building {source.name} failed: {_error_summary(e)}"
 
 
-_KERNELS: dict[Path, ModuleType | str] = {}  # per source: the module, or why it cannot be built
+#: What one build is known by in a process: the resolved source and the header directories it was given
+#: (one source built with other headers is another kernel, as ``_build_spec`` names it).
+_Key = tuple[Path, tuple[Path, ...]]
+_KERNELS: dict[_Key, ModuleType | str] = {}  # per build: the module, or why it cannot be built
 _FELL_BACK: set[Path] = set()  # sources whose fallback to pure torch has been logged
 _KERNELS_LOCK = threading.Lock()  # guards the two above, held only to read or write them
 
 
-def _recorded(source: Path) -> ModuleType | str | None:
+def _key(source: Path | str, include_dirs: tuple[Path | str, ...] = ()) -> _Key:
+    return Path(source).resolve(), tuple(Path(d).resolve() for d in include_dirs)
+
+
+def _recorded(key: _Key) -> ModuleType | str | None:
     with _KERNELS_LOCK:
-        return _KERNELS.get(source)
+        return _KERNELS.get(key)
 
 
-def _record(source: Path, outcome: ModuleType | str) -> None:
+def _record(key: _Key, outcome: ModuleType | str) -> None:
     """Remember a build's outcome: the first one, unless a module comes after a reason (a thread that
     waited longer built it after another gave up)."""
     with _KERNELS_LOCK:
-        known = _KERNELS.get(source)
+        known = _KERNELS.get(key)
         if known is None or (isinstance(outcome, ModuleType) and not isinstance(known, ModuleType)):
-            _KERNELS[source] = outcome
+            _KERNELS[key] = outcome
 
 
 def load_kernel(
@@ -236,11 +244,11 @@ def load_kernel(
     failed build is tried once per process. ``ValueError`` for a malformed
     ``SLIDEKIT_BUILD_TIMEOUT``.
     """
-    key = Path(source).resolve()
+    key = _key(source, include_dirs)
     limit = build_timeout() if timeout is None else timeout
     kernel = _recorded(key)
     if kernel is None:
-        kernel = _build(key, limit, tuple(Path(d).resolve() for d in include_dirs))
+        kernel = _build(key[0], limit, key[1])
         _record(key, kernel)
     if isinstance(kernel, str):
         raise KernelUnavailable(kernel)
@@ -282,7 +290,7 @@ def load_or_fallback(source: Path, requested: str, owner: str) -> ModuleType | N
 
 def kernel_status(source: Path = KERNEL_SOURCE) -> str:
     """Which path ``impl="auto"`` takes, and why, without compiling anything."""
-    key = Path(source).resolve()
+    key = _key(source)
     kernel = _recorded(key)
     if isinstance(kernel, ModuleType):
         return "fused C++ kernel (loaded)"
@@ -292,7 +300,7 @@ def kernel_status(source: Path = KERNEL_SOURCE) -> str:
     if missing:
         return f"pure torch ({missing})"
     try:
-        spec = _build_spec(key)
+        spec = _build_spec(key[0])
     except KernelUnavailable as e:
         return f"pure torch ({e})"
     return "fused C++ kernel (" + ("built" if spec.library.exists() else "built on first use") + ")"

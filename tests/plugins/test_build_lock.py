@@ -338,13 +338,41 @@ def test_a_source_elsewhere_names_its_include_dirs_and_their_headers_key_the_bui
     source.write_text('#include "shared.h"\n')
     header = headers / "shared.h"
     header.write_text("// one\n")
-    spec = kernel_build._build_spec(source, (headers,))
+    spec = kernel_build._build_spec(source, include_dirs=(headers,))
     assert spec.name.startswith("slidekit_my_probe_") and spec.include_dirs == (headers,)
     assert kernel_build._build_spec(source).name != spec.name  # without the directory: another build
     st = header.stat()
     header.write_text("// two\n")
     os.utime(header, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
-    assert kernel_build._build_spec(source, (headers,)).name != spec.name
+    assert kernel_build._build_spec(source, include_dirs=(headers,)).name != spec.name
+
+
+_PROBE = """#include <torch/extension.h>
+#include "shared.h"
+static int64_t value() { return SHARED_VALUE; }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("value", &value); }
+"""
+
+
+@pytest.mark.slow
+def test_one_source_with_other_include_dirs_is_another_kernel_in_the_process(compiler, tmp_path, monkeypatch):
+    """A process that loads one source with two header directories gets two kernels, each with its own
+    headers, and each is then found again (not the first build under the second's headers)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    source = tmp_path / "probe" / "header_probe.cpp"
+    source.parent.mkdir()
+    source.write_text(_PROBE)
+    dirs = []
+    for value in (3, 5):
+        d = tmp_path / f"headers{value}"
+        d.mkdir()
+        (d / "shared.h").write_text(f"#define SHARED_VALUE {value}\n")
+        dirs.append(d)
+    first = kernel_build.load_kernel(source, include_dirs=(dirs[0],))
+    second = kernel_build.load_kernel(source, include_dirs=(str(dirs[1]),))
+    assert (first.value(), second.value()) == (3, 5)
+    assert kernel_build.load_kernel(source, include_dirs=(dirs[0],)) is first
+    assert kernel_build.load_kernel(str(source), include_dirs=(dirs[1],)) is second
 
 
 def _wait_for_output(capsys, text: str, bound: float = 120.0) -> str:
