@@ -25,7 +25,7 @@
 // from two 2^17-entry tables (640 KB per map, which missed the L1 and, for both maps, the L2).
 // The maps come from Python with every call, so whatever QuantMap the optimizer holds is the one
 // used. Built for AVX-512 (kernel_build.py's AVX512 capability), a block runs in zmm registers,
-// decoding by permutes or by a gather, whichever decode_choice() timed faster on this CPU
+// decoding by permutes or by a gather, whichever decode_by_gather() timed faster on this CPU
 // (quant8_avx512.h); elsewhere in the portable loops below. All give the same bits.
 //
 // The file is compiled with -ffp-contract=off and calls no fma, so no multiply and add are
@@ -168,7 +168,9 @@ struct Args {
   int64_t segments;
   slidekit::AdamScalars s;
   Backup backup;
-  bool gather = false;  // the AVX-512 pass decodes by gather (decode_by_gather()), else by permutes
+  // The AVX-512 pass decodes by gather, else by permutes: decode_by_gather(), asked once per call before
+  // any task starts, so a bad SLIDEKIT_ADAMW8_DECODE is thrown from the caller's thread.
+  bool gather = false;
 };
 
 // Block b (elements [lo, lo + len)): its master, codes and scales into the backup, if there is one.

@@ -104,34 +104,40 @@ void copy_out(const Pass& t, int64_t a, int64_t len, const uint16_t* c) {
   }
 }
 
+// Walks elements [lo, hi) in tiles of kBackupTile (L1-resident): body(a, len, c) for each tile at `a`,
+// `c` an L1 buffer for the tile's BF16 copy; then fences the pass's streaming stores.
+template <typename Body>
+void for_each_tile(int64_t lo, int64_t hi, Body&& body) {
+  for (int64_t a = lo; a < hi; a += slidekit::kBackupTile) {
+    const int64_t len = std::min(hi, a + slidekit::kBackupTile) - a;
+    alignas(64) uint16_t c[slidekit::kBackupTile];
+    body(a, len, c);
+  }
+  slidekit::backup_fence();
+}
+
 // Elements [lo, hi) in place, the BF16 copy through L1 tiles (copy_out); without a copy, one call.
 void update_in_place(const Pass& t, int64_t lo, int64_t hi) {
   if (t.out == nullptr) {
     t.fn(hi - lo, t.p + lo, t.g + lo * t.g_size, t.m + lo, t.v + lo, nullptr, t.decay, t.s);
     return;
   }
-  for (int64_t a = lo; a < hi; a += slidekit::kBackupTile) {
-    const int64_t len = std::min(hi, a + slidekit::kBackupTile) - a;
-    alignas(64) uint16_t c[slidekit::kBackupTile];
+  for_each_tile(lo, hi, [&](int64_t a, int64_t len, uint16_t* c) {
     t.fn(len, t.p + a, t.g + a * t.g_size, t.m + a, t.v + a, c, t.decay, t.s);
     copy_out(t, a, len, c);
-  }
-  slidekit::backup_fence();
+  });
 }
 
 // Elements [lo, hi) with a backup: each tile's old master and moments copied to bp/bm/bv, then updated
 // in place from L1.
 void update_backed(const Pass& t, int64_t lo, int64_t hi) {
-  for (int64_t a = lo; a < hi; a += slidekit::kBackupTile) {
-    const int64_t len = std::min(hi, a + slidekit::kBackupTile) - a;
+  for_each_tile(lo, hi, [&](int64_t a, int64_t len, uint16_t* c) {
     slidekit::backup_copy(t.bp + a, t.p + a, len * kFloatBytes);
     slidekit::backup_copy(t.bm + a, t.m + a, len * kFloatBytes);
     slidekit::backup_copy(t.bv + a, t.v + a, len * kFloatBytes);
-    alignas(64) uint16_t c[slidekit::kBackupTile];
     t.fn(len, t.p + a, t.g + a * t.g_size, t.m + a, t.v + a, t.out ? c : nullptr, t.decay, t.s);
     copy_out(t, a, len, c);
-  }
-  slidekit::backup_fence();
+  });
 }
 
 // Elements [lo, hi) out of place: each tile updated from master and moments into an L1 scratch (the
@@ -141,16 +147,13 @@ void update_out_of_place(const Pass& t, int64_t lo, int64_t hi) {
   alignas(64) float p[slidekit::kBackupTile];
   alignas(64) float m[slidekit::kBackupTile];
   alignas(64) float v[slidekit::kBackupTile];
-  for (int64_t a = lo; a < hi; a += slidekit::kBackupTile) {
-    const int64_t len = std::min(hi, a + slidekit::kBackupTile) - a;
-    alignas(64) uint16_t c[slidekit::kBackupTile];
+  for_each_tile(lo, hi, [&](int64_t a, int64_t len, uint16_t* c) {
     t.fn_to(len, t.p + a, t.g + a * t.g_size, t.m + a, t.v + a, p, m, v, t.out ? c : nullptr, t.decay, t.s);
     copy_out(t, a, len, c);
     slidekit::backup_copy(t.bp + a, p, len * kFloatBytes);
     slidekit::backup_copy(t.bm + a, m, len * kFloatBytes);
     slidekit::backup_copy(t.bv + a, v, len * kFloatBytes);
-  }
-  slidekit::backup_fence();
+  });
 }
 
 // Updates master, exp_avg and exp_avg_sq in place, or out of place into the backup_* buffers (and

@@ -6,7 +6,7 @@
 //   port-5 instructions per 16 codes); or one gather from the 1 KiB table. A gather is microcoded
 //   on Zen 4 and slowed by the Downfall mitigation on Intel cores up to Ice Lake, and native on
 //   later Intel cores, where it is the faster (1.16x the whole kernel on one core of the test
-//   machine, NOTES 44): adamw8.cpp's decode_choice() times both once per process and takes the
+//   machine, NOTES 44): adamw8.cpp's decode_by_gather() times both once per process and takes the
 //   faster (SLIDEKIT_ADAMW8_DECODE=gather|permute overrides it).
 // * encode: quant8_packed.h's lookup, one gather of `code | cut << 8` per 16 elements from the
 //   compact table (42 KB for the signed dynamic map, 21 KB for the unsigned one: L1/L2-resident),
