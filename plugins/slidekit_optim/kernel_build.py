@@ -7,9 +7,10 @@ the torch extensions directory (``TORCH_EXTENSIONS_DIR`` moves it) under
 ``slidekit/<name>``, where the name is the source's stem and a hash of the source, the headers
 beside it (and in any ``include_dirs`` it is given), the flags, torch's and Python's versions: a
 change to any of them builds anew.
-A process builds or loads each source at most once (``load_kernel``); a failed
-build is remembered with its reason and not retried in that process. The ninja
-probe and the hash of the source are taken once per process too.
+A process builds or loads each source with its header directories at most
+once (``load_kernel``); a failed build is remembered with its reason and not
+retried in that process. The ninja probe and the hash of the source are taken
+once per process too.
 
 Every build runs under ``build_lock.exclusive_build``: an OS file lock beside
 the build directory that dies with its holder. A build killed halfway (which
@@ -161,9 +162,15 @@ def _error_summary(err: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _build(source: Path, timeout: float, include_dirs: tuple[Path, ...] = ()) -> ModuleType | str:
-    """Build (or load the cached build of) ``source`` with ``include_dirs`` under the build lock; the
-    module, or why not."""
+#: What one build is known by in a process: the resolved source and the header directories it was given
+#: (one source built with other headers is another kernel, as ``_build_spec`` names it).
+_Key = tuple[Path, tuple[Path, ...]]
+
+
+def _build(key: _Key, timeout: float) -> ModuleType | str:
+    """Build (or load the cached build of) the source with the header directories ``key`` names, under
+    the build lock; the module, or why not."""
+    source, include_dirs = key
     missing = _missing_tool()
     if missing:
         return missing
@@ -178,7 +185,7 @@ def _build(source: Path, timeout: float, include_dirs: tuple[Path, ...] = ()) ->
         # The build lock is a file lock, which also keeps two threads of this process apart (each opens
         # it anew), each within its own timeout; no process-wide lock is held while one waits.
         with exclusive_build(spec.directory, what=what, timeout=timeout):
-            done = _recorded((source, include_dirs))
+            done = _recorded(key)
             if isinstance(done, ModuleType):
                 return done  # another thread of this process built it while this one waited
             if not spec.library.exists():
@@ -202,9 +209,6 @@ def _build(source: Path, timeout: float, include_dirs: tuple[Path, ...] = ()) ->
         return f"building {source.name} failed: {_error_summary(e)}"
 
 
-#: What one build is known by in a process: the resolved source and the header directories it was given
-#: (one source built with other headers is another kernel, as ``_build_spec`` names it).
-_Key = tuple[Path, tuple[Path, ...]]
 _KERNELS: dict[_Key, ModuleType | str] = {}  # per build: the module, or why it cannot be built
 _FELL_BACK: set[Path] = set()  # sources whose fallback to pure torch has been logged
 _KERNELS_LOCK = threading.Lock()  # guards the two above, held only to read or write them
@@ -248,7 +252,7 @@ def load_kernel(
     limit = build_timeout() if timeout is None else timeout
     kernel = _recorded(key)
     if kernel is None:
-        kernel = _build(key[0], limit, key[1])
+        kernel = _build(key, limit)
         _record(key, kernel)
     if isinstance(kernel, str):
         raise KernelUnavailable(kernel)
