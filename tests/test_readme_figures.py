@@ -5,8 +5,8 @@ records. For each suite README quotes (``QUOTED``), this test regenerates the su
 JSONL (``suite_markdown``, the code that wrote it) and compares it with the committed page, then reads
 README's table of that suite and checks every cell against the page: tokens/s (the median over the
 repeats), model TFLOPS, the offload efficiency in parentheses, "one run" exactly where the cell has a
-single repeat, "does not fit" where the run was unavailable, "not run" where the suite has no run
-there or its time budget left it out, and the last row's ratio against the best HF recipe. A README edit that drifts from the records, or records edited
+single repeat, "does not fit" where the run was unavailable, "not in the suite" where the suite has no
+run there, "not run" there or where its time budget left it out, and the last row's ratio against the best HF recipe. A README edit that drifts from the records, or records edited
 after the page was written, fails here.
 
 Test: ``pytest tests/test_readme_figures.py``.
@@ -41,7 +41,7 @@ class Quoted:
 RAW = ROOT / "docs/benchmarks/raw"
 QUOTED = [
     Quoted("Qwen2.5-1.5B", RAW / "2026-12-04-s16/suite-1.5b-call3/suite-qwen2.5-1.5b.jsonl"),
-    Quoted("Qwen2.5-3B, H100 80 GB", RAW / "2026-12-06-s22/suite-qwen2.5-3b-h100/suite-qwen2.5-3b.jsonl"),
+    Quoted("Qwen2.5-3B, H100 80 GB", RAW / "2026-12-07-s28/suite-3b-h100/suite-qwen2.5-3b.jsonl"),
     Quoted(
         "Qwen2.5-1.5B offloading, H100 80 GB",
         RAW / "2026-12-06-s25/suite-1.5b-offload-h100/suite-qwen2.5-1.5b-offload.jsonl",
@@ -65,10 +65,11 @@ ROWS = {
     "DeepSpeed ZeRO-3 partial offload (ratio 0.5)": "DeepSpeed ZeRO-3 partial offload (ratio 0.5)",
 }
 #: README's ratio rows -> (the slidekit run, the page's column or columns). One column: README's cell
-#: starts with the page's ("-" where the page has none). Several: README's cell is the smallest of
+#: starts with the page's ("-" where the page has none, or the suite has no such run there). Several: README's cell is the smallest of
 #: them, the fastest alternative's, named in parentheses by its column's name ("vs NAME"), or "-" where none ran.
 RATIOS = {
     "all-resident against the best HF recipe": ("slidekit (resident all)", ("vs best no-offload",)),
+    "the planner's choice against the best HF recipe": ("slidekit (resident auto)", ("vs best no-offload",)),
     "every state on the host against the best alternative": (
         "slidekit (resident none)",
         ("vs torchao", "vs DeepSpeed", "vs DS partial"),
@@ -112,9 +113,13 @@ def _column(header: str) -> tuple[float | None, int]:
     return (float(m.group(2)) if m.group(2) else None, int(m.group(1)))
 
 
-def _check_ratio(label: str, cell: dict[str, str], value: str) -> None:
-    """README's ratio cell ``value`` against the slidekit run's page cell (``RATIOS``)."""
+def _check_ratio(label: str, cell: dict[str, str] | None, value: str) -> None:
+    """README's ratio cell ``value`` against the slidekit run's page cell (``RATIOS``; None where the
+    suite has no such run at that batch and recipe: then README says "-")."""
     columns = RATIOS[label][1]
+    if cell is None:
+        assert value == "-", (label, value)
+        return
     if len(columns) == 1:
         page = cell[columns[0]]
         assert page.startswith(value) if value != "-" else page == "-", (label, value, page)
@@ -162,13 +167,16 @@ def test_readmes_table_is_the_suites_cells(quoted):
         label, values = row[0], row[1:]
         if label in RATIOS:
             for (clip, batch), value in zip(columns, values, strict=True):
-                _check_ratio(label, cells[(clip, RATIOS[label][0], batch)], value)
+                _check_ratio(label, cells.get((clip, RATIOS[label][0], batch)), value)
                 seen += 1
             continue
         run = ROWS[label]
         for (clip, batch), value in zip(columns, values, strict=True):
             cell = cells.get((clip, run, batch))
             seen += 1
+            if value == "not in the suite":  # the suite has no such run at this batch and recipe
+                assert cell is None, (run, batch, value)
+                continue
             if value == "not run":  # not in the suite at this batch, or left out by the time budget
                 assert cell is None or cell["tokens/s median [min-max] (n)"].startswith("not run"), (run, batch)
                 continue
