@@ -6,8 +6,8 @@ JSONL (``suite_markdown``, the code that wrote it) and compares it with the comm
 README's table of that suite and checks every cell against the page: tokens/s (the median over the
 repeats), model TFLOPS, the offload efficiency in parentheses, "one run" exactly where the cell has a
 single repeat, "does not fit" where the run was unavailable, "not in the suite" where the suite has no
-run there, "not run" there or where its time budget left it out, and the last row's ratio against the best HF recipe. A README edit that drifts from the records, or records edited
-after the page was written, fails here.
+such run, "not run" where it has none or its time budget left it out, and the ratio rows (``RATIOS``).
+A README edit that drifts from the records, or records edited after the page was written, fails here.
 
 Test: ``pytest tests/test_readme_figures.py``.
 """
@@ -65,8 +65,9 @@ ROWS = {
     "DeepSpeed ZeRO-3 partial offload (ratio 0.5)": "DeepSpeed ZeRO-3 partial offload (ratio 0.5)",
 }
 #: README's ratio rows -> (the slidekit run, the page's column or columns). One column: README's cell
-#: starts with the page's ("-" where the page has none, or the suite has no such run there). Several: README's cell is the smallest of
-#: them, the fastest alternative's, named in parentheses by its column's name ("vs NAME"), or "-" where none ran.
+#: starts with the page's ("-" where the page has none, or the suite has no such run there). Several:
+#: README's cell is the smallest of them, the fastest alternative's, named in parentheses by its column's
+#: name ("vs NAME"), or "-" where none ran.
 RATIOS = {
     "all-resident against the best HF recipe": ("slidekit (resident all)", ("vs best no-offload",)),
     "the planner's choice against the best HF recipe": ("slidekit (resident auto)", ("vs best no-offload",)),
