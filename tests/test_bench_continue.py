@@ -11,6 +11,7 @@ host (its boot id, unless ``--other-host``), are refused with what to do. The sy
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -185,3 +186,62 @@ def test_a_file_that_is_no_suite_is_refused_saying_what_it_lacks(tmp_path, scrip
     broken.write_text("{not json\n")
     with pytest.raises(ConfigError, match="line 1 is not JSON"):
         bench(_parse(_argv(scripts, tmp_path / "out", "--continue", str(broken))))
+
+
+def _half_done_run(tmp_path: Path):
+    """A run of two batches whose process prints batch 2's line, then works on past any limit."""
+    from slidekit.tools.bench.suites import RunSpec
+
+    script = tmp_path / "slow.py"
+    script.write_text(
+        "import json, time\n"
+        "print(json.dumps({'system': 'slidekit', 'status': 'ok', 'batch': 2, 'tokens_per_s': 1.0, 'model_tflops': 1.0}), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    run = RunSpec(
+        system="slidekit", label="slidekit (resident all)", kind="all", cost_key="slidekit:all", script="slidekit",
+        flags=(), batches=(2, 3), clip=None, repeat=1, importance=0.0,
+    )
+    return run, [sys.executable, str(script)]
+
+
+@pytest.mark.parametrize("call_end", [True, False])
+def test_a_run_the_calls_end_stopped_is_not_run_and_a_continuation_runs_it_again(tmp_path, call_end):
+    from slidekit.tools.bench import runner
+    from slidekit.tools.bench.continuing import measured_runs
+
+    run, cmd = _half_done_run(tmp_path)
+    recorder = runner.Recorder(None, {"record": "suite"})
+    base = {"record": "run", "run_name": run.name, "predicted_s": 40.0}
+    runner._one_run(run, cmd, 1.0, base, recorder, None, None, None, call_end)
+    rows = {r["batch"]: r for r in recorder.rows}
+    assert rows[2]["status"] == "ok"  # what it finished stays in the file
+    if call_end:  # stopped before it was done, by the call: no result, so --continue runs it again, whole
+        assert rows[3]["status"] == "not run"
+        assert rows[3]["reason"].startswith("not run: stopped at the call's end after 1 s (predicted 40 s)")
+        assert measured_runs([run], recorder.rows) == set()
+    else:  # its own limit: a slow run is a result
+        assert rows[3]["status"] == "unavailable" and rows[3]["reason"] == "no line for batch 3; timed out after 1 s (raise --timeout or --time-budget)"
+        assert measured_runs([run], recorder.rows) == {run.name}
+
+
+@pytest.mark.parametrize(("budget", "stopped_by_the_call"), [(None, False), (10_000.0, False), ("three", True)])
+def test_a_run_whose_limit_is_the_calls_end_is_told_so(tmp_path, scripts, monkeypatch, budget, stopped_by_the_call):
+    from slidekit.tools.bench import runner
+
+    clock = clock_of_predictions(monkeypatch)
+    told: list[bool] = []
+    real = runner._one_run
+
+    def one_run(*args):
+        told.append(args[-1])
+        real(*args)
+
+    monkeypatch.setattr(runner, "_one_run", one_run)
+    the_suite = build_suite(_parse(_argv(scripts, tmp_path)))
+    runs = make_plan(the_suite, expand(the_suite), budget_s=None, prebuild=False).runs
+    if budget == "three":  # the first three runs' predictions: each run's own allowance (2 x + 30 s) is more
+        budget = sum(p.predicted_s for p in runs[:3]) + 0.5
+    extra = () if budget is None else ("--time-budget", str(budget))
+    bench(_parse(_argv(scripts, tmp_path / "out", *extra)), clock=clock)
+    assert told and set(told) == {stopped_by_the_call}

@@ -25,8 +25,9 @@ What the earlier records must be (else a ``ConfigError`` naming the difference a
   page says on how many hosts it ran.
 
 A run counts as measured when every batch it names has a row other than "not run" (a measured
-out-of-memory or a failure is a result); the other runs, and those whose rows stop midway (a call
-cut off), run again, whole, and their earlier rows are dropped. The header's ``calls`` lists each
+out-of-memory or a failure is a result); the other runs, those whose rows stop midway (a call
+cut off) and those the call's end stopped ("not run: stopped at the call's end", ``runner``), run
+again, whole, and their earlier rows are dropped. The header's ``calls`` lists each
 call: its commit, date, argv and budget. Test: ``pytest tests/test_bench_continue.py``.
 """
 

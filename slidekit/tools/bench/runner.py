@@ -17,7 +17,10 @@
    the runs that fit. Each JSON line a child prints becomes a row at once: printed as a
    progress line on stderr and appended to the suite's JSONL, so a suite killed midway keeps what
    finished. Every batch a run printed nothing for gets a row saying why (timed out, exit code and
-   last error line, host RAM exhausted); a record naming no batch speaks for every batch.
+   last error line, host RAM exhausted); a record naming no batch speaks for every batch. A run
+   stopped by the call's end (its limit was what was left of the budget, less than its own
+   allowance) is no result: its unfinished batches are "not run: stopped at the call's end", so
+   ``--continue`` runs it again, whole.
 3. The runs left out (by the plan and not taken up when ahead) get a row per batch: "not run: time
    budget (predicted S s; ...)".
 
@@ -254,7 +257,9 @@ def run_suite(
         if watchdog is not None:  # a child killed before may still be giving its memory back
             available = watchdog.settle(timeout_s=min(60.0, max(left() - need, 0.0)))
             base["mem_available_at_start_gib"] = None if available is None else round(available / 2**30, 1)
-        limit = min(left(), 2 * need + 30) if plan.budget_s is not None else args.timeout * len(run.batches)
+        own_limit = 2 * need + 30
+        limit = min(left(), own_limit) if plan.budget_s is not None else args.timeout * len(run.batches)
+        call_end = plan.budget_s is not None and left() < own_limit  # the call's end may stop it first
         cmd = _command(args, run, suite)
         if isinstance(cmd, str):
             for batch in run.batches:
@@ -268,7 +273,7 @@ def run_suite(
         if rate != 1.0:
             base["pace"] = round(rate, 3)
         t0 = clock()
-        _one_run(run, cmd, limit, base, recorder, logs, watchdog, env)
+        _one_run(run, cmd, limit, base, recorder, logs, watchdog, env, call_end)
         took_s += clock() - t0
         predicted_so_far_s += planned.predicted_s
     recorder.rewrite()
@@ -305,9 +310,12 @@ def _one_run(
     logs: Path | None,
     watchdog: MemoryWatchdog | None,
     env: dict[str, str] | None = None,
+    call_end: bool = False,
 ) -> None:
     """One process (``run.ranks`` under torchrun) over all of ``run``'s batches: a row per batch as its line arrives, then a row for every
-    batch it printed nothing for, saying why."""
+    batch it printed nothing for, saying why. ``call_end``: ``limit`` is what was left of the call's
+    budget, not the run's own allowance, so a timeout there stopped an unfinished run, not a slow one:
+    its batches without a line are "not run" (``--continue`` runs the whole run again)."""
     done: dict[int, dict[str, Any]] = {}
     general: list[dict[str, Any]] = []  # records naming no batch speak for every batch
     t0 = time.perf_counter()
@@ -330,8 +338,13 @@ def _one_run(
     for r in done.values():
         r["process_wall_s"] = result.wall_s
         r["process_peak_rss_gib"] = result.peak_rss_gib
+    stopped = result.killed_by is None and result.returncode is None and call_end
     for batch in (b for b in run.batches if b not in done):
-        if general:
+        fields: dict[str, Any]
+        if stopped:
+            why = f"stopped at the call's end after {result.wall_s:.0f} s (predicted {base['predicted_s']:.0f} s)"
+            fields = {"status": "not run", "reason": f"not run: {why}; a --continue call runs it again"}
+        elif general:
             fields = dict(general[-1])
         else:
             why = result.failure or f"exit code 0: {last_error(result.stderr)}"
