@@ -14,10 +14,11 @@ per unit, so it does not depend on order or threads.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
@@ -32,6 +33,8 @@ from slidekit.models.overrides import apply as apply_overrides
 __all__ = [
     "DEMO_MODEL",
     "LOAD_STAGING_UNITS",
+    "LOAD_THREADS",
+    "StagingBytes",
     "demo_dir",
     "fill_masters",
     "init_unit",
@@ -160,10 +163,14 @@ def init_unit(spec: ArchSpec, unit: UnitLayout, master: torch.Tensor, seed: int)
         # biases stay zero
 
 
-#: Units whose master lives on a device that ``fill_masters`` fills at once, each through an FP32 host
-#: copy of its own size: the host memory setup needs beyond the plan's steady state (the planner counts
-#: it: ``load_staging_bytes``). Units on the host fill their masters in place, 8 at a time.
+#: ``fill_masters`` fills a unit whose master lives on a device through an FP32 host copy of its own
+#: size. The copies staged at once hold at most the bytes of this many of the largest such units: the
+#: host memory setup needs beyond the plan's steady state (the planner counts it: ``load_staging_bytes``).
+#: Smaller units share that allowance, so more of them fill side by side. Units on the host fill their
+#: masters in place, all threads at a time.
 LOAD_STAGING_UNITS = 2
+#: Threads that fill masters (random initialisation or safetensors reads), at most.
+LOAD_THREADS = 8
 
 
 def load_staging_bytes(device_units: Sequence[int], sharded_units: Sequence[int] = ()) -> int:
@@ -176,12 +183,38 @@ def load_staging_bytes(device_units: Sequence[int], sharded_units: Sequence[int]
     return 4 * sum(largest)
 
 
+class StagingBytes:
+    """At most ``limit`` bytes of host copies staged at once: ``hold(n)`` waits until ``n`` more fit. A
+    request above the limit could never be served, so it is refused (``fill_masters`` sizes the limit
+    to its largest unit)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held = 0
+        self._changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, n: int) -> Iterator[None]:
+        if n > self.limit:
+            raise ValueError(f"staging {n} bytes at once exceeds the allowance of {self.limit}")
+        with self._changed:
+            self._changed.wait_for(lambda: self._held + n <= self.limit)
+            self._held += n
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._held -= n
+                self._changed.notify_all()
+
+
 def fill_masters(spec: ArchSpec, masters: Sequence[torch.Tensor], files: Mapping[str, Any], seed: int) -> None:
     """Each unit's FP32 master from the weight ``files`` (``weight_files``), or initialised at random from
-    ``seed`` when there are none; masters on a device are filled through a host copy, at most
-    ``LOAD_STAGING_UNITS`` at once. One generator per unit makes the result independent of the order, so
-    units load in parallel."""
-    staging = threading.BoundedSemaphore(LOAD_STAGING_UNITS)
+    ``seed`` when there are none; masters on a device are filled through a host copy, the copies at once
+    holding at most ``load_staging_bytes`` of the device units (the planner's count). One generator per
+    unit makes the result independent of the order, so units load in parallel."""
+    on_device = [m.numel() for m in masters if m.device.type != "cpu"]
+    staging = StagingBytes(load_staging_bytes(on_device))
 
     def fill(unit: UnitLayout, master: torch.Tensor) -> None:
         if files:
@@ -193,11 +226,11 @@ def fill_masters(spec: ArchSpec, masters: Sequence[torch.Tensor], files: Mapping
         if master.device.type == "cpu":
             fill(unit, master)
             return
-        with staging:  # a unit resident on the device: through a host copy, freed before the next
+        with staging.hold(4 * master.numel()):  # a unit resident on the device: through a host copy
             host = torch.empty_like(master, device="cpu")
             fill(unit, host)
             master.copy_(host)
             del host
 
-    with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="slidekit-load") as pool:
+    with ThreadPoolExecutor(min(LOAD_THREADS, os.cpu_count() or 1), thread_name_prefix="slidekit-load") as pool:
         list(pool.map(load, spec.units, masters))

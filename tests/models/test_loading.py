@@ -208,8 +208,9 @@ def test_planning_for_another_gpu_reads_the_model_as_a_run_does(tiny_model, tmp_
 
 def test_masters_on_a_device_are_staged_through_the_host_at_most_two_at_once(monkeypatch):
     """Setup fills every unit's master; one on a device goes through an FP32 host copy of its own size.
-    Those copies are what the planner counts as "load staging": at most LOAD_STAGING_UNITS at once, while
-    units on the host still fill in parallel. Here "meta" stands for the device (the copy is a no-op)."""
+    Those copies are what the planner counts as "load staging": the bytes of LOAD_STAGING_UNITS of the
+    largest at once (here the device units are layers of one size, so two of them), while units on the
+    host still fill in parallel. Here "meta" stands for the device (the copy is a no-op)."""
     import threading
     import time
 
@@ -240,6 +241,75 @@ def test_masters_on_a_device_are_staged_through_the_host_at_most_two_at_once(mon
     assert peak["all"] > loading.LOAD_STAGING_UNITS  # the host units did not wait for the staged ones
     host = [m for m in masters if m.device.type == "cpu"]
     assert all(torch.isfinite(m).all() and m.abs().sum() > 0 for m in host)
+
+
+def test_small_device_units_share_the_staging_allowance_of_the_two_largest(monkeypatch):
+    """The staged host copies hold at most the bytes of the two largest device units at once (what the
+    planner counts), not two copies: with one large unit (the untied head) and small layers, more than two
+    layers fill side by side, and the bytes staged never pass the allowance. The masters are the same
+    whatever the order (one generator per unit): here against a fill on the host."""
+    import threading
+    import time
+
+    from planning_fixtures import tiny_spec
+
+    from slidekit.models import loading
+
+    spec = tiny_spec("llama", num_hidden_layers=12, tie_word_embeddings=False, vocab_size=4096)
+    sizes = [u.numel for u in spec.units]
+    limit = loading.load_staging_bytes(sizes)
+    assert 4 * max(sizes) > 4 * sorted(sizes)[-3] * 3  # the head dwarfs a layer: several layers fit beside it
+    masters = [torch.empty(n, device="meta") for n in sizes]
+    lock, live, peak = threading.Lock(), {"n": 0, "bytes": 0}, {"n": 0, "bytes": 0}
+    real = loading.init_unit
+    filled: dict[int, torch.Tensor] = {}
+
+    def init(spec_, unit, master, seed):
+        with lock:
+            live["n"] += 1
+            live["bytes"] += 4 * master.numel()
+            peak["n"], peak["bytes"] = max(peak["n"], live["n"]), max(peak["bytes"], live["bytes"])
+        time.sleep(0.05)
+        real(spec_, unit, master, seed)
+        filled[unit.index] = master.clone()
+        with lock:
+            live["n"] -= 1
+            live["bytes"] -= 4 * master.numel()
+
+    monkeypatch.setattr(loading, "init_unit", init)
+    monkeypatch.setattr(loading.os, "cpu_count", lambda: 8)
+    loading.fill_masters(spec, masters, {}, seed=3)
+    assert len(filled) == len(spec.units)
+    assert peak["bytes"] <= limit  # the planner's count holds
+    assert peak["n"] > loading.LOAD_STAGING_UNITS  # small units shared the allowance
+    monkeypatch.setattr(loading, "init_unit", real)
+    on_host = [torch.empty(n) for n in sizes]
+    loading.fill_masters(spec, on_host, {}, seed=3)
+    assert all(torch.equal(filled[i], on_host[i]) for i in range(len(sizes)))
+
+
+def test_staging_bytes_waits_for_room_and_refuses_what_could_never_fit():
+    import threading
+
+    from slidekit.models.loading import StagingBytes
+
+    staging = StagingBytes(10)
+    with pytest.raises(ValueError, match="staging 11 bytes at once exceeds the allowance of 10"), staging.hold(11):
+        pass
+    entered = threading.Event()
+
+    def second():
+        with staging.hold(6):
+            entered.set()
+
+    with staging.hold(6):
+        t = threading.Thread(target=second)
+        t.start()
+        assert not entered.wait(0.2)  # 6 + 6 > 10: it waits
+    assert entered.wait(5)  # and goes in once the first is released
+    t.join()
+    with staging.hold(4), staging.hold(6):  # what fits goes in at once
+        pass
 
 
 def test_load_staging_bytes_counts_the_largest_device_units_or_one_whole_unit_per_rank():
