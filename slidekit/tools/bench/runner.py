@@ -259,7 +259,7 @@ def run_suite(
             base["mem_available_at_start_gib"] = None if available is None else round(available / 2**30, 1)
         own_limit = 2 * need + 30
         limit = min(left(), own_limit) if plan.budget_s is not None else args.timeout * len(run.batches)
-        call_end = plan.budget_s is not None and left() < own_limit  # the call's end may stop it first
+        call_end = plan.budget_s is not None and limit < own_limit  # the call's end may stop it first
         cmd = _command(args, run, suite)
         if isinstance(cmd, str):
             for batch in run.batches:
