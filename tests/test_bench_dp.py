@@ -156,14 +156,14 @@ def test_the_table_s_scaling_efficiency_and_ratios_compare_like_with_like():
     rows[-2]["process_peak_rss_gib"] = 180.0
     found = {c.label: c for c in cells(rows)}
     # tokens/s per GPU on 2 / the same mode's tokens/s on 1 (the median of its repeats), at the same batch.
-    assert scaling(found["slidekit (resident none) on 2 GPUs"], list(found.values())) == round(990 / 1100, 3)
-    assert scaling(found["slidekit (resident all) on 2 GPUs"], list(found.values())) == round(4800 / 5000, 3)
+    assert scaling(found["slidekit (resident none) on 2 GPUs"], list(found.values())) == pytest.approx(990 / 1100)
+    assert scaling(found["slidekit (resident all) on 2 GPUs"], list(found.values())) == pytest.approx(4800 / 5000)
     assert scaling(found["slidekit (resident none)"], list(found.values())) is None  # one GPU: the reference
     # Offload efficiency and "vs DeepSpeed" only against runs on as many GPUs.
-    assert found["slidekit (resident none) on 2 GPUs"].efficiency == round(1980 / 9600, 3)
-    assert found["slidekit (resident none)"].efficiency == round(1100 / 5000, 3)
+    assert found["slidekit (resident none) on 2 GPUs"].efficiency == pytest.approx(1980 / 9600)
+    assert found["slidekit (resident none)"].efficiency == pytest.approx(1100 / 5000)
     assert found["slidekit (resident none)"].vs["deepspeed"] is None
-    assert found["slidekit (resident none) on 2 GPUs"].vs["deepspeed"] == round(1980 / 900, 3)
+    assert found["slidekit (resident none) on 2 GPUs"].vs["deepspeed"] == pytest.approx(1980 / 900)
     table = dp_table(rows)
     line = next(ln for ln in table.splitlines() if ln.startswith("| slidekit (resident none) on 2 GPUs |"))
     cols = [c.strip() for c in line.strip("|").split("|")]

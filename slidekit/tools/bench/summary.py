@@ -118,17 +118,17 @@ def cells(rows: Sequence[dict[str, Any]]) -> list[Cell]:
         peers = [c for c in found if (c.clip, c.batch, c.ranks) == same and c.median_tokens]
         ref = next((c for c in peers if c.family == ALL_RESIDENT), None)
         cell.efficiency = (
-            round(cell.median_tokens / ref.median_tokens, 3) if ref and ref.median_tokens else None
+            cell.median_tokens / ref.median_tokens if ref and ref.median_tokens else None
         )
         best = max(
             (c for c in peers if c.system in NO_OFFLOAD), key=lambda c: c.median_tokens or 0, default=None
         )
         if best is not None and best.median_tokens:
-            cell.vs_best = (round(cell.median_tokens / best.median_tokens, 3), best.label)
+            cell.vs_best = (cell.median_tokens / best.median_tokens, best.label)
         for system, _ in _OFFLOAD_ALTS:
             alt = next((c for c in peers if c.system == system), None)
             cell.vs[system] = (
-                round(cell.median_tokens / alt.median_tokens, 3) if alt and alt.median_tokens else None
+                cell.median_tokens / alt.median_tokens if alt and alt.median_tokens else None
             )
     return found
 
@@ -271,7 +271,7 @@ def scaling(cell: Cell, found: Sequence[Cell]) -> float | None:
     per_gpu = cell.med("tokens_per_s_per_gpu")
     if cell.ranks == 1 or one is None or one.median_tokens is None or per_gpu is None:
         return None
-    return round(per_gpu / one.median_tokens, 3)
+    return per_gpu / one.median_tokens
 
 
 def _vs_alternative(cell: Cell, found: Sequence[Cell], system: str) -> float | None:
@@ -285,7 +285,7 @@ def _vs_alternative(cell: Cell, found: Sequence[Cell], system: str) -> float | N
     )
     if cell.system != "slidekit" or alt is None or not alt.median_tokens or cell.median_tokens is None:
         return None
-    return round(cell.median_tokens / alt.median_tokens, 3)
+    return cell.median_tokens / alt.median_tokens
 
 
 def _per_rank(cell: Cell, key: str, how: str = "max") -> list[float | None]:
