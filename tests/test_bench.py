@@ -51,8 +51,8 @@ from slidekit.tools.bench import (
     throughput,
 )
 from slidekit.tools.bench.cli import build_suite
-from slidekit.tools.bench.summary import suite_markdown
 from slidekit.tools.bench.suites import expand
+from slidekit.tools.bench.summary import suite_markdown
 from slidekit.tools.bench.timeplan import make_plan
 
 #: Published parameter counts (model cards), billions.
