@@ -5,7 +5,7 @@ records. For each suite README quotes (``QUOTED``), this test regenerates the su
 JSONL (``suite_markdown``, the code that wrote it) and compares it with the committed page, then reads
 README's table of that suite and checks every cell against the page: tokens/s (the median over the
 repeats), model TFLOPS, the offload efficiency in parentheses, "one run" exactly where the cell has a
-single repeat, "does not fit" where the run was unavailable, "not in the suite" where the suite has no
+single repeat, "does not fit" or "host RAM exhausted" where the run was measured not to fit, "not in the suite" where the suite has no
 such run, "not run" where it has none or its time budget left it out, and the ratio rows (``RATIOS``).
 A README edit that drifts from the records, or records edited after the page was written, fails here.
 
@@ -50,11 +50,16 @@ QUOTED = [
         "Qwen2.5-3B offloading, H100 80 GB",
         RAW / "2026-12-06-s26/suite-3b-offload-h100/suite-qwen2.5-3b-offload.jsonl",
     ),
+    Quoted(
+        "Qwen2.5-7B offloading, H100 80 GB",
+        RAW / "2026-12-07-s30/suite-7b-offload-h100/suite-qwen2.5-7b-offload.jsonl",
+    ),
 ]
 #: README's row labels -> the suite page's run names.
 ROWS = {
     "slidekit, every unit resident": "slidekit (resident all)",
     "slidekit, half the units on the host": "slidekit (resident 0.5)",
+    "slidekit, 65% of the units resident": "slidekit (resident 0.65)",
     "slidekit, every master and state on the host": "slidekit (resident none)",
     "slidekit, the planner's choice (`auto`)": "slidekit (resident auto)",
     "HF + Liger, no checkpointing": "HF + Liger (no GC)",
@@ -63,6 +68,13 @@ ROWS = {
     "torchao CPUOffloadOptimizer": "torchao CPUOffloadOptimizer",
     "DeepSpeed ZeRO-2 Offload": "DeepSpeed ZeRO-2 Offload",
     "DeepSpeed ZeRO-3 partial offload (ratio 0.5)": "DeepSpeed ZeRO-3 partial offload (ratio 0.5)",
+    "DeepSpeed ZeRO-3 partial offload (ratio 0.35)": "DeepSpeed ZeRO-3 partial offload (ratio 0.35)",
+}
+#: README's cell for a run measured not to fit -> how the page's tokens/s cell starts: out of GPU memory
+#: (or the planner's refusal, before any allocation), or host RAM exhausted.
+UNAVAILABLE = {
+    "does not fit": ("unavailable: does not fit", "unavailable: ConfigError: this configuration does not fit"),
+    "host RAM exhausted": ("unavailable: host RAM exhausted",),
 }
 #: README's ratio rows -> (the slidekit run, the page's column or columns). One column: README's cell
 #: starts with the page's ("-" where the page has none, or the suite has no such run there). Several:
@@ -93,8 +105,9 @@ def _table(text: str, first_header: str) -> list[list[str]]:
     return rows
 
 
-def _page_cells(page: Path) -> dict[tuple[float | None, str, int], dict[str, str]]:
-    """(max_grad_norm or None, run, batch) -> its cells, from the page's table of each recipe."""
+def _page_cells(page: Path, batches: list[int]) -> dict[tuple[float | None, str, int], dict[str, str]]:
+    """(max_grad_norm or None, run, batch) -> its cells, from the page's table of each recipe. A row whose
+    batch is "all" (the run was unavailable at every batch) stands for each of ``batches``."""
     cells: dict[tuple[float | None, str, int], dict[str, str]] = {}
     for part in page.read_text().split("### Recipe: ")[1:]:
         title = part.splitlines()[0]
@@ -104,6 +117,9 @@ def _page_cells(page: Path) -> dict[tuple[float | None, str, int], dict[str, str
         for r in rows[2:]:
             if r[1].isdigit():
                 cells[(clip, r[0], int(r[1]))] = dict(zip(header, r, strict=True))
+            elif r[1] == "all":
+                for batch in batches:
+                    cells[(clip, r[0], batch)] = dict(zip(header, r, strict=True))
     return cells
 
 
@@ -162,7 +178,7 @@ def test_readmes_table_is_the_suites_cells(quoted):
         assert f"]({path.relative_to(ROOT).as_posix()})" in readme, path
     table = _table(readme, quoted.header)
     columns = [_column(h) for h in table[0][1:]]
-    cells = _page_cells(quoted.page)
+    cells = _page_cells(quoted.page, [batch for _, batch in columns])
     seen = 0
     for row in table[2:]:
         label, values = row[0], row[1:]
@@ -183,8 +199,9 @@ def test_readmes_table_is_the_suites_cells(quoted):
                 continue
             assert cell is not None, (run, batch, value)
             tokens = cell["tokens/s median [min-max] (n)"]
-            if value.startswith("does not fit"):
-                assert tokens.startswith("unavailable: does not fit"), (run, batch, tokens)
+            unavailable = next((u for u in UNAVAILABLE if value.startswith(u)), None)
+            if unavailable is not None:
+                assert tokens.startswith(UNAVAILABLE[unavailable]), (run, batch, value, tokens)
                 continue
             m = CELL.fullmatch(value)
             assert m, (label, value)
