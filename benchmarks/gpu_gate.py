@@ -12,6 +12,10 @@ each run and again before the suite (``ok`` false, ``why`` naming what has
 not run yet), so a gate killed from outside still leaves what it had found;
 ``--deadline S`` fits the whole gate into S seconds (a device call's limit):
 the runs go first, each at most ``--run-timeout``, and the suite gets the rest.
+A deadline shorter than 1.1 times what the record's own gate took (its runs'
+wall plus its suite, read from ``--record`` before it is overwritten) is refused
+before anything runs, naming the deadline that fits (``--force`` runs it anyway):
+a suite cut off at the deadline verifies nothing and spends the device time.
 
 1. the WHOLE test suite (``pytest tests``: the GPU-only files and the tests
    that take a CUDA branch where there is one), with pass, fail, error and skip
@@ -68,6 +72,10 @@ SOURCE_DIRS = _digest.SOURCE_DIRS
 RECORD = ROOT / "docs" / "benchmarks" / "GPU-VERIFIED.json"
 #: residency modes of the real-shape runs: engine.gpu_resident values.
 MODES = ("all", "auto", "0.5", "none")
+#: --deadline must leave this times what the record's gate took (``expected_seconds``), or the gate is
+#: refused before it starts: session 30's gate at a 395 s deadline had its suite cut off after 270 s
+#: with 0 failures, 417 s of device time that verified nothing.
+DEADLINE_MARGIN = 1.1
 
 
 # ---------------------------------------------------------------------------- what was verified
@@ -422,6 +430,43 @@ def verdict(
     return not problems, "; ".join(problems) or "all passed"
 
 
+def expected_seconds(record_path: Path, modes: Sequence[str]) -> tuple[float, str] | None:
+    """What the gate recorded at ``record_path`` took for ``modes`` and the suite, and which gate that was:
+    each mode's run wall (the record's run of that mode, else the mean of its runs) plus its suite's
+    seconds (a lower bound where that suite timed out). None where no readable record has a suite."""
+    try:
+        record = json.loads(record_path.read_text())
+        suite = float(record["tests"]["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    walls = {
+        r.get("gpu_resident"): float(r["wall_s"])
+        for r in record.get("runs") or []
+        if isinstance(r, dict) and isinstance(r.get("wall_s"), (int, float))
+    }
+    mean = sum(walls.values()) / len(walls) if walls else 0.0
+    runs = sum(walls.get(mode, mean) for mode in modes)
+    gpu = (record.get("machine") or {}).get("gpu", "an unnamed GPU")
+    return runs + suite, f"{str(record.get('commit'))[:12]} on {gpu}, {record.get('date', 'undated')}"
+
+
+def deadline_too_short(args: argparse.Namespace, modes: Sequence[str]) -> str | None:
+    """Why ``--deadline`` cannot fit the gate (``expected_seconds`` times ``DEADLINE_MARGIN``), or None."""
+    expected = expected_seconds(args.record, modes)
+    if args.deadline is None or args.force or expected is None:
+        return None
+    seconds, which = expected
+    needed = math.ceil(DEADLINE_MARGIN * seconds)
+    if args.deadline >= needed:
+        return None
+    return (
+        f"--deadline {args.deadline:.0f} s is too short: the recorded gate ({which}) took {seconds:.0f} s for "
+        f"these runs and the suite, and a suite cut off at the deadline verifies nothing. Give it "
+        f"--deadline {needed} or more (the call's limit less the install; run nothing else in that call), "
+        "or --force"
+    )
+
+
 def gate(args: argparse.Namespace) -> int:
     import torch
 
@@ -435,6 +480,10 @@ def gate(args: argparse.Namespace) -> int:
     commit = args.commit or _git_head(ROOT)
     started = dt.datetime.now(dt.UTC)
     modes = args.modes.split(",")
+    short = deadline_too_short(args, modes)
+    if short is not None:
+        print(f"gpu_gate: not started: {short}", flush=True)
+        return 2
     digest = source_digest()
     matches = commit_matches_tree(commit, digest)
     if matches is False:
@@ -517,6 +566,11 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="seconds the whole gate may take: the runs go first, the suite gets what is left"
         " (default: none)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help=f"start even where --deadline is shorter than {DEADLINE_MARGIN} times what the recorded gate took",
     )
     p.add_argument(
         "--skip-tests", action="store_true", help="runs only (the record then says the gate failed)"

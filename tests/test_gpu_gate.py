@@ -189,6 +189,48 @@ def test_the_record_is_written_before_each_phase_and_the_suite_gets_what_the_run
     assert seen[-1][:2] == ("suite", 480)
 
 
+def test_a_deadline_shorter_than_the_recorded_gate_is_refused_before_anything_runs(
+    tmp_path: Path, monkeypatch, capsys
+):
+    """Session 30: a 395 s deadline cut the suite off after 270 s with nothing failed, and verified nothing."""
+    monkeypatch.delenv("OUT", raising=False)
+    record = tmp_path / "GPU-VERIFIED.json"
+    earlier = {
+        "commit": "3c9321279b75",
+        "date": "2026-12-07T07:23:05+00:00",
+        "machine": {"gpu": "NVIDIA H100 80GB HBM3"},
+        "runs": [
+            {"gpu_resident": m, "wall_s": w} for m, w in [("all", 32.5), ("auto", 20.2), ("none", 29.6)]
+        ],
+        "tests": {"seconds": 280.0},
+    }
+    record.write_text(json.dumps(earlier))
+    started: list[str] = []
+    monkeypatch.setattr(
+        gate, "run_mode", lambda args, mode, timeout: started.append(mode) or {"gpu_resident": mode, "status": "ok"}
+    )
+    passed = {"passed": 3, "failed": 0, "errors": 0, "skipped": 0, "exit_code": 0, "seconds": 1.0}
+    monkeypatch.setattr(gate, "run_suite", lambda *a, **k: started.append("suite") or passed)
+    base = ["--allow-cpu", "--record", str(record), "--commit", "abc", "--modes", "all,auto,0.5,none"]
+    # 0.5 has no run in the record: the runs' mean stands for it. 32.5 + 20.2 + 27.43 + 29.6 + 280 = 389.7 s.
+    assert gate.expected_seconds(record, ["all", "auto", "0.5", "none"])[0] == pytest.approx(389.73, abs=0.01)
+    assert gate.main([*base, "--deadline", "395"]) == 2
+    said = capsys.readouterr().out
+    assert (
+        "not started" in said and "--deadline 429 or more" in said and "3c9321279b75 on NVIDIA H100" in said
+    )
+    assert started == [] and json.loads(record.read_text()) == earlier  # nothing ran, the record untouched
+    assert gate.main([*base, "--deadline", "429"]) == 0 and started == ["all", "auto", "0.5", "none", "suite"]
+    record.write_text(json.dumps(earlier))
+    started.clear()
+    assert gate.main([*base, "--deadline", "395", "--force"]) == 0 and len(started) == 5
+    # Without a deadline, or without a readable record with a suite, nothing is refused.
+    record.write_text(json.dumps(earlier))
+    assert gate.deadline_too_short(gate.parser().parse_args(base), ["all"]) is None
+    record.write_text("{not json")
+    assert gate.deadline_too_short(gate.parser().parse_args([*base, "--deadline", "1"]), ["all"]) is None
+
+
 @pytest.mark.slow
 def test_one_run_per_mode_through_the_child_process_path(tmp_path: Path, monkeypatch):
     """The gate's runs on the tiny preset, on the CPU: whole-step timing, peaks and the record."""
