@@ -5,8 +5,9 @@ records. For each suite README quotes (``QUOTED``), this test regenerates the su
 JSONL (``suite_markdown``, the code that wrote it) and compares it with the committed page, then reads
 README's table of that suite and checks every cell against the page: tokens/s (the median over the
 repeats), model TFLOPS, the offload efficiency in parentheses, "one run" exactly where the cell has a
-single repeat, "does not fit" or "host RAM exhausted" where the run was measured not to fit, "not in the suite" where the suite has no
-such run, "not run" where it has none or its time budget left it out, and the ratio rows (``RATIOS``).
+single repeat, "does not fit" or "host RAM exhausted" where the run was measured not to fit, "not in the
+suite" where the suite has no such run, "not run" where it has none or its time budget left it out, and
+the ratio rows (``RATIOS``).
 A README edit that drifts from the records, or records edited after the page was written, fails here.
 
 Test: ``pytest tests/test_readme_figures.py``.
@@ -115,11 +116,10 @@ def _page_cells(page: Path, batches: list[int]) -> dict[tuple[float | None, str,
         rows = _table(part, "run")
         header = rows[0]
         for r in rows[2:]:
-            if r[1].isdigit():
-                cells[(clip, r[0], int(r[1]))] = dict(zip(header, r, strict=True))
-            elif r[1] == "all":
-                for batch in batches:
-                    cells[(clip, r[0], batch)] = dict(zip(header, r, strict=True))
+            row = dict(zip(header, r, strict=True))
+            stands_for = [int(r[1])] if r[1].isdigit() else (batches if r[1] == "all" else [])
+            for batch in stands_for:
+                cells[(clip, r[0], batch)] = row
     return cells
 
 
