@@ -51,6 +51,7 @@ from slidekit.tools.bench import (
     throughput,
 )
 from slidekit.tools.bench.cli import build_suite
+from slidekit.tools.bench.records import did_not_fit
 from slidekit.tools.bench.suites import expand
 from slidekit.tools.bench.summary import suite_markdown
 from slidekit.tools.bench.timeplan import make_plan
@@ -165,6 +166,23 @@ def test_the_suite_page_rounds_each_ratio_once():
     assert "| 0.87 |" in line and "1.09x (HF + Liger (no GC))" in line  # 8,653 / 7,950 = 1.0884
 
 
+@pytest.mark.parametrize(
+    ("status", "reason", "no_room"),
+    [
+        ("unavailable", "does not fit in GPU memory: tried to allocate 4.00 GiB with 1.00 GiB free of 80.00 GiB", True),
+        ("unavailable", "host RAM exhausted: child RSS 121.4 GiB, peak 121.4 GiB (killed by the bench's ...)", True),
+        ("unavailable", "ConfigError: this configuration does not fit on this machine (GPU ...): ...", True),
+        ("unavailable", "no line for batch 8; timed out after 43 s", False),
+        ("unavailable", "no line for batch 8; exit code 3: RuntimeError: boom", False),
+        ("unavailable", "liger-kernel not installed", False),
+        ("unavailable", "not repeated: repeat 1 did not fit this machine", False),
+        ("not run", "not run: time budget (predicted 36 s; 20 s were left)", False),
+    ],
+)
+def test_did_not_fit_is_a_measured_memory_failure_only(status, reason, no_room):
+    assert did_not_fit({"status": status, "reason": reason}) is no_room
+
+
 # ---------------------------------------------------------------------------- a whole suite on stand-ins
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the watchdog reads /proc")
@@ -189,10 +207,10 @@ def test_a_suite_on_stand_ins_repeats_recipes_budget_watchdog_and_table(tmp_path
     assert rows == _rows(out / "suite-tiny.jsonl")
     by = {(r["label"], r["max_grad_norm"], r["repeat"], r["batch"]): r for r in rows}
     assert len(by) == len(rows) == 9 * 2 * 2 * 2  # every run, recipe, repeat and batch once
-    # Left out by the budget: the clipped offload alternatives and plain HF, DeepSpeed partial's repeat.
+    # Left out by the budget: the clipped offload alternatives and plain HF, DeepSpeed partial's repeat
+    # (torchao's second repeat started no process, which left time for plain HF's second).
     skipped = {(r["label"], r["max_grad_norm"], r["repeat"]) for r in rows if r["status"] == "not run"}
     assert skipped == {
-        ("HF (GC)", None, 2),
         ("DeepSpeed ZeRO-3 partial offload (ratio 0.5)", None, 2),
         *((label, 1.0, k) for k in (1, 2) for label in ("HF (GC)", "torchao CPUOffloadOptimizer")),
         *(
@@ -211,8 +229,8 @@ def test_a_suite_on_stand_ins_repeats_recipes_budget_watchdog_and_table(tmp_path
         == "no line for batch 3; exit code 3: RuntimeError: boom"
     )
     # Host RAM exhausted: killed by the watchdog, with the child's memory, long before its 120 s sleep.
-    for k in (1, 2):
-        killed = by[("torchao CPUOffloadOptimizer", None, k, 2)]
+    for batch in (2, 3):
+        killed = by[("torchao CPUOffloadOptimizer", None, 1, batch)]
         assert killed["status"] == "unavailable"
         assert re.fullmatch(
             r"host RAM exhausted: child RSS [\d.]+ GiB, peak [\d.]+ GiB \(killed by the bench's memory watchdog: "
@@ -220,9 +238,20 @@ def test_a_suite_on_stand_ins_repeats_recipes_budget_watchdog_and_table(tmp_path
             killed["reason"],
         ), killed["reason"]
         assert killed["process_peak_rss_gib"] >= 0.19 and killed["process_wall_s"] < 60
+        # ... so its second repeat starts no process: a memory failure is the same in every process.
+        again = by[("torchao CPUOffloadOptimizer", None, 2, batch)]
+        assert again["status"] == "unavailable" and again["not_repeated"] == 1
+        assert again["reason"] == "not repeated: repeat 1 did not fit this machine"
+        assert "process_wall_s" not in again
     assert not (scripts / "torchao-ended").exists()
+    # Out of GPU memory at one batch: the second repeat runs the other batch only.
+    assert by[("HF + Liger (no GC)", None, 2, 3)]["not_repeated"] == 1
+    assert by[("HF + Liger (no GC)", None, 2, 2)]["tokens_per_s"] == 1400
+    # A crash is no memory failure: DeepSpeed's second repeat ran again.
+    assert by[("DeepSpeed ZeRO-2 Offload", None, 2, 3)]["reason"] == "no line for batch 3; exit code 3: RuntimeError: boom"
     # Each run started once the (fake) machine's memory was back: what was available is in its rows.
-    assert {r.get("mem_available_at_start_gib") for r in rows if r["status"] != "not run"} == {1.0}
+    started = [r for r in rows if r["status"] != "not run" and "not_repeated" not in r]
+    assert {r.get("mem_available_at_start_gib") for r in started} == {1.0}
     # Every row says what ran and on which commit.
     assert {r["commit"] for r in rows} == {"c0ffee"} and all(
         r["run_name"] and r["predicted_s"] > 0 for r in rows
@@ -244,7 +273,7 @@ def test_a_suite_on_stand_ins_repeats_recipes_budget_watchdog_and_table(tmp_path
     assert text in capsys.readouterr().out
     assert "| slidekit (resident none) | 2 | 1,680 [1,600-1,760] (2) |" in text
     assert "| 0.80 | 1.20x (HF + Liger (no GC)) | - | 2.80x | 1.68x |" in text
-    assert "| HF (GC) | 2 | 1,000 [1,000-1,000] (1); not run: time budget" in text
+    assert "| HF (GC) | 2 | 1,000 [1,000-1,000] (2) |" in text
     assert (
         "| HF + Liger (no GC) | 3 | unavailable: does not fit in GPU memory: tried to allocate 4.00 GiB"
         in text

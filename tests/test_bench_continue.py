@@ -245,3 +245,39 @@ def test_a_run_whose_limit_is_the_calls_end_is_told_so(tmp_path, scripts, monkey
     extra = () if budget is None else ("--time-budget", str(budget))
     bench(_parse(_argv(scripts, tmp_path / "out", *extra)), clock=clock)
     assert told and set(told) == {stopped_by_the_call}
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the watchdog reads /proc")
+def test_a_memory_failure_in_the_records_continued_is_not_repeated(tmp_path, scripts, monkeypatch):
+    """torchao exhausts host RAM in the first call; the continuing call's second repeat starts no process."""
+    from bench_helpers import fake_machine
+
+    def argv(out: Path, *extra: str) -> list[str]:
+        base = ["bench", "--model", "tiny", "--batch", "2", "--seq", "16", "--steps", "2", "--warmup", "1"]
+        base += ["--resident", "all", "--baselines", "torchao", "--repeats", "2", "--no-prebuild"]
+        return [*base, "--baselines-dir", str(scripts), "--out", str(out), *extra]
+
+    first, second = tmp_path / "call1", tmp_path / "call2"
+    the_suite = build_suite(_parse(argv(first)))
+    runs = make_plan(the_suite, expand(the_suite), budget_s=None, prebuild=False).runs
+    last = runs[-1]  # the least important: torchao's second repeat
+    assert (last.run.label, last.run.repeat) == ("torchao CPUOffloadOptimizer", 2)
+    budget = sum(p.predicted_s for p in runs[:-1]) + 0.5
+    clock = clock_of_predictions(monkeypatch)
+    bench(_parse(argv(first, "--time-budget", str(budget))), watchdog=fake_machine(), clock=clock)
+    lines = _lines(first / "suite-tiny.jsonl")
+    rows1 = {(r["label"], r["repeat"]): r for r in lines[1:]}
+    assert rows1[("torchao CPUOffloadOptimizer", 1)]["reason"].startswith("host RAM exhausted")
+    # Not repeated already in this call, budget or not; records of a runner before this rule said "not run".
+    earlier = rows1[("torchao CPUOffloadOptimizer", 2)]
+    assert earlier["not_repeated"] == 1
+    del earlier["not_repeated"]
+    earlier |= {"status": "not run", "reason": "not run: time budget (predicted 9 s; 1 s were left)"}
+    (first / "suite-tiny.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+    rows = bench(
+        _parse(argv(second, "--continue", str(first / "suite-tiny.jsonl"))), watchdog=fake_machine(), clock=clock
+    )
+    again = next(r for r in rows if r["label"] == "torchao CPUOffloadOptimizer" and r["repeat"] == 2)
+    assert again["status"] == "unavailable" and again["not_repeated"] == 1 and "process_wall_s" not in again
+    assert next(r for r in rows if r["label"] == "slidekit (resident all)" and r["repeat"] == 2)["status"] == "ok"

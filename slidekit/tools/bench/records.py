@@ -12,7 +12,9 @@ so every row of a suite is computed the same way:
   ``throughput`` of a record's own ``step_seconds`` gives its figures back exactly.
 - ``lane_metrics``: slidekit's per-lane times, eta and the GPU busy fractions.
 - ``does_not_fit``: a measured out-of-memory message made short, with its cause where the size of the
-  failed allocation names it (the FP32 logits of a full-vocabulary loss, say).
+  failed allocation names it (the FP32 logits of a full-vocabulary loss, say); ``did_not_fit``: whether
+  a row is such a result (out of GPU memory, host RAM exhausted, or slidekit's planner refusing a
+  placement that does not fit).
 - ``versions``: the packages a record was measured with, read from their metadata (nothing imported).
 - ``machine``: what a suite ran on (GPU, its memory, CPU model and count, host RAM): a suite measured
   over several calls must have run every call on one kind of machine (``continuing``).
@@ -45,6 +47,7 @@ __all__ = [
     "COMPUTE_LANES",
     "FLOPS_FORMULA",
     "PACKAGES",
+    "did_not_fit",
     "does_not_fit",
     "lane_metrics",
     "machine",
@@ -262,6 +265,22 @@ def versions() -> dict[str, str | None]:
 
 
 # ---------------------------------------------------------------------------- why a run did not fit
+
+#: What a row's reason starts with, or for the planner's refusal contains, when the run measured that it
+#: does not fit this machine (``does_not_fit``; ``children``' memory watchdog; ``slidekit.planning.fit``).
+_NO_ROOM_PREFIXES = ("does not fit in GPU memory", "host RAM exhausted")
+_NO_ROOM_PLANNER = "this configuration does not fit on this machine"
+
+
+def did_not_fit(row: dict[str, Any]) -> bool:
+    """Whether ``row`` measured that its run does not fit this machine: out of GPU memory, host RAM
+    exhausted, or slidekit's planner refusing the placement. Not a failure of another kind, a timeout or
+    a run that did not start."""
+    reason = str(row.get("reason") or "")
+    if row.get("status") != "unavailable":
+        return False
+    return reason.startswith(_NO_ROOM_PREFIXES) or _NO_ROOM_PLANNER in reason
+
 
 _ALLOC = re.compile(r"Tried to allocate ([\d.]+) ([KMG]i?B)")
 _FREE = re.compile(r"total capacity of ([\d.]+) GiB of which ([\d.]+) ([KMG]i?B) is free")

@@ -24,6 +24,14 @@
 3. The runs left out (by the plan and not taken up when ahead) get a row per batch: "not run: time
    budget (predicted S s; ...)".
 
+A later repeat does not run again a batch that an earlier repeat of the same run (label, recipe,
+GPUs), in this call or in the records it continues, measured not to fit this machine (out of GPU
+memory, host RAM exhausted, slidekit's planner refusing the placement: ``records.did_not_fit``). Those
+results do not vary from one process to the next as times do, and at 7B and 14B the alternatives'
+attempts take a minute or more each until the watchdog stops them. Such a batch gets the row
+"unavailable" with "not repeated: repeat N did not fit this machine" (``not_repeated``: N); the run's
+other batches still run, and a run with none left starts no process.
+
 A run on N GPUs (``RunSpec.ranks``) is ``python -m torch.distributed.run --standalone
 --nproc-per-node N`` around the same module or script (``torchrun_command``): its ranks run in
 sessions of their own, and the deadline and the memory watchdog take the whole tree
@@ -40,6 +48,7 @@ levers its mode sets), the commit, the date and the package versions; the suite'
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -52,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from slidekit.tools.bench.costs import BUILD_S
+from slidekit.tools.bench.records import did_not_fit
 from slidekit.tools.bench.suites import BASELINE_PACKAGE, RunSpec, Suite, expand
 from slidekit.tools.bench.timeplan import Plan, Planned, builds_for, format_plan
 from slidekit.tools.children import ChildRun, MemoryWatchdog, last_error, stream_child
@@ -246,6 +256,15 @@ def run_suite(
         base |= {"ranks": run.ranks, "family": run.family or run.label}
         if run.levers:  # only where the mode sets them: other suites' rows stay as they were
             base["levers"] = dict(run.levers)
+        no_room = _no_room(recorder.rows, run)
+        for batch, repeat in no_room.items():
+            why = f"not repeated: repeat {repeat} did not fit this machine"
+            row = {**base, "batch": batch, "status": "unavailable", "reason": why, "not_repeated": repeat}
+            recorder.add(row)
+        if len(no_room) == len(run.batches):
+            continue
+        if no_room:
+            run = dataclasses.replace(run, batches=tuple(b for b in run.batches if b not in no_room))
         ahead = not planned.keep and _taken_up(planned, plan, left() - rate * kept_after[i], rate)
         if not (planned.keep or ahead) or need > left() or left() < _MIN_RUN_S:
             why = f"not run: time budget (predicted {planned.predicted_s:.0f} s"
@@ -278,6 +297,20 @@ def run_suite(
         predicted_so_far_s += planned.predicted_s
     recorder.rewrite()
     return recorder.rows
+
+
+def _no_room(rows: Sequence[dict[str, Any]], run: RunSpec) -> dict[int, int]:
+    """The batches of ``run`` that an earlier repeat of the same run (label, recipe, GPUs) measured not to
+    fit this machine (``records.did_not_fit``), each with the first such repeat."""
+    found: dict[int, int] = {}
+    for row in rows:
+        repeat, batch = row.get("repeat"), row.get("batch")
+        if not (isinstance(repeat, int) and isinstance(batch, int)) or repeat >= run.repeat:
+            continue
+        which = (row.get("label"), row.get("max_grad_norm"), row.get("ranks", 1))
+        if which == (run.label, run.clip, run.ranks) and batch in run.batches and did_not_fit(row):
+            found[batch] = min(found.get(batch, repeat), repeat)
+    return found
 
 
 #: The range a call's pace is held to: a run that fails at once must not make every later one look short.
