@@ -126,10 +126,7 @@ def cells(rows: Sequence[dict[str, Any]]) -> list[Cell]:
         if best is not None and best.median_tokens:
             cell.vs_best = (cell.median_tokens / best.median_tokens, best.label)
         for system, _ in _OFFLOAD_ALTS:
-            alt = next((c for c in peers if c.system == system), None)
-            cell.vs[system] = (
-                cell.median_tokens / alt.median_tokens if alt and alt.median_tokens else None
-            )
+            cell.vs[system] = _vs_alternative(cell, found, system)
     return found
 
 
