@@ -14,7 +14,10 @@ one code among the subnormals):
   the encoder unscaled; under every ATen CPU capability this machine has (the
   AVX-512 block pass, and the portable loops of the AVX2 and DEFAULT builds);
 * random blocks (hypothesis): the kernel's blockwise quantization equals
-  ``quant8.quantize_blockwise``, scales and codes, bit for bit.
+  ``quant8.quantize_blockwise``, scales and codes, bit for bit;
+* blocks of extreme scales (the smallest normal float to 2^127 and past it, subnormal), each with
+  elements of every exponent below its scale, zeros of both signs and subnormals: codes and
+  scales equal ``quant8.quantize_blockwise``'s.
 
 That the whole fused step equals the torch path is tests/plugins/test_adamw8_kernel.py's job.
 
@@ -238,3 +241,36 @@ def test_kernel_quantizes_random_blocks_like_quant8(kernel, values, name):
     nan = torch.isnan(ref_absmax)
     assert torch.equal(torch.isnan(absmax), nan)
     assert torch.equal(absmax[~nan].view(torch.int32), ref_absmax[~nan].view(torch.int32))
+
+
+#: Block scales: the smallest normal float (and its significand all ones), ordinary ones, just below
+#: 2^127, 2^127, a subnormal and the largest float.
+_SCALES = [2.0**-126, 2.0**-126 * (2 - 2.0**-23), 3.0e-20, 1.0, 1.5, 7.0e15, 2.0**126 * (2 - 2.0**-23)]
+_SCALES += [2.0**127, 2.0**-140, 3.4028234663852886e38]
+
+
+def _block_of_scale(scale: float, generator: torch.Generator) -> torch.Tensor:
+    """One block led by ``scale``: random elements of every exponent from the scale's down to
+    subnormals, signed, and +0, -0, the smallest subnormal and -scale."""
+    x = torch.empty(BLOCK_SIZE, dtype=torch.float64)
+    x[0] = scale
+    exponents = torch.randint(-160, 1, (BLOCK_SIZE,), generator=generator).double()
+    fractions = torch.rand(BLOCK_SIZE, generator=generator, dtype=torch.float64)
+    signs = torch.randint(0, 2, (BLOCK_SIZE,), generator=generator).double() * 2 - 1
+    x[1:] = (signs * fractions * 2.0**exponents * scale)[1:]
+    x[1:5] = torch.tensor([0.0, -0.0, 2.0**-149, -scale], dtype=torch.float64)
+    out = x.float()
+    return torch.where(out.abs() > scale, torch.zeros_like(out), out)  # a rounding up past the scale
+
+
+@pytest.mark.parametrize("name", ["signed", "unsigned keep_nonzero", "exponential", "subnormal code"])
+def test_kernel_quantizes_blocks_of_extreme_scales_like_quant8(kernel, name):
+    qmap = _map(name)
+    generator = torch.Generator().manual_seed(5)
+    x = torch.cat([_block_of_scale(scale, generator) for scale in _SCALES for _ in range(8)])
+    if name.startswith("unsigned"):
+        x = x.abs()
+    codes, absmax = _kernel_codes(kernel, x, qmap)
+    ref_codes, ref_absmax = quantize_blockwise(x, qmap)
+    _assert_codes(codes, ref_codes, x, f"{name}, extreme scales")
+    assert torch.equal(absmax.view(torch.int32), ref_absmax.view(torch.int32))
