@@ -51,7 +51,7 @@ from slidekit.tools.bench import (
     throughput,
 )
 from slidekit.tools.bench.cli import build_suite
-from slidekit.tools.bench.records import did_not_fit
+from slidekit.tools.bench.records import did_not_fit, no_room
 from slidekit.tools.bench.suites import expand
 from slidekit.tools.bench.summary import suite_markdown
 from slidekit.tools.bench.timeplan import make_plan
@@ -167,20 +167,22 @@ def test_the_suite_page_rounds_each_ratio_once():
 
 
 @pytest.mark.parametrize(
-    ("status", "reason", "no_room"),
+    ("status", "reason", "where"),
     [
-        ("unavailable", "does not fit in GPU memory: tried to allocate 4.00 GiB with 1.00 GiB free of 80.00 GiB", True),
-        ("unavailable", "host RAM exhausted: child RSS 121.4 GiB, peak 121.4 GiB (killed by the bench's ...)", True),
-        ("unavailable", "ConfigError: this configuration does not fit on this machine (GPU ...): ...", True),
-        ("unavailable", "no line for batch 8; timed out after 43 s", False),
-        ("unavailable", "no line for batch 8; exit code 3: RuntimeError: boom", False),
-        ("unavailable", "liger-kernel not installed", False),
-        ("unavailable", "not repeated: repeat 1 did not fit this machine", False),
-        ("not run", "not run: time budget (predicted 36 s; 20 s were left)", False),
+        ("unavailable", "does not fit in GPU memory: tried to allocate 4.00 GiB with 1.00 GiB free of 80.00 GiB", "gpu"),
+        ("unavailable", "host RAM exhausted: child RSS 121.4 GiB, peak 121.4 GiB (killed by the bench's ...)", "host"),
+        ("unavailable", "ConfigError: this configuration does not fit on this machine (GPU ...): ...", "planner"),
+        ("unavailable", "no line for batch 8; timed out after 43 s", None),
+        ("unavailable", "no line for batch 8; exit code 3: RuntimeError: boom", None),
+        ("unavailable", "liger-kernel not installed", None),
+        ("unavailable", "not repeated: repeat 1 did not fit this machine", None),
+        ("not run", "not run: time budget (predicted 36 s; 20 s were left)", None),
+        ("ok", "host RAM exhausted", None),  # only an unavailable row measured a failure
     ],
 )
-def test_did_not_fit_is_a_measured_memory_failure_only(status, reason, no_room):
-    assert did_not_fit({"status": status, "reason": reason}) is no_room
+def test_did_not_fit_is_a_measured_memory_failure_only(status, reason, where):
+    row = {"status": status, "reason": reason}
+    assert no_room(row) == where and did_not_fit(row) is (where is not None)
 
 
 # ---------------------------------------------------------------------------- a whole suite on stand-ins

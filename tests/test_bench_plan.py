@@ -159,7 +159,14 @@ def test_measured_records_replace_the_estimates():
     rows.append({**rows[0], "batch": 32, "period_s": 24.0})
     rows.append({"record": "run", "model": "m", "cost_key": "liger", "status": "unavailable", "batch": 64})
     rows[-1]["reason"] = "does not fit in GPU memory: tried to allocate 9 GiB"
+    # slidekit's planner refusing a placement (for host RAM, too) fails as fast as a GPU OOM; a repeat the
+    # runner did not start ("not repeated") measured nothing and leaves the estimate alone.
+    refused = {"record": "run", "model": "m", "cost_key": "slidekit:all", "status": "unavailable", "batch": 8}
+    refused["reason"] = "ConfigError: this configuration does not fit on this machine (...): RAM: needs 130 GiB"
+    skipped = {**refused, "model": "qwen2.5-3b", "reason": "not repeated: repeat 1 did not fit this machine"}
+    rows += [refused, skipped]
     table = costs_from_records(json.loads(json.dumps(r)) for r in rows)
+    assert table[("m", "slidekit:all")].oom == {8} and not table[("m", "slidekit:all")].steps
     assert table[("m", "liger")].steps == {8: 0.5, 32: 2.0} and table[("m", "liger")].setup_s == 4.0
     assert table[("m", "liger")].oom == {64}
     assert table[("m", "torchao")].host_oom_s == 75.0

@@ -38,6 +38,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from slidekit.tools.bench.records import no_room
 from slidekit.tools.bench.suites import RunSpec
 
 __all__ = [
@@ -308,7 +309,7 @@ def predict(
 
 def costs_from_records(rows: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str], Cost]:
     """``MEASURED`` with what the suite records ``rows`` measured in its place (their setup and whole steps;
-    out-of-memory batches; host RAM exhausted)."""
+    batches out of GPU memory or refused by the planner; host RAM exhausted: ``records.no_room``)."""
     table = dict(MEASURED)
     found: dict[tuple[str, str], dict[str, Any]] = {}
     for row in rows:
@@ -320,9 +321,9 @@ def costs_from_records(rows: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str
             entry["steps"].setdefault(int(row["batch"]), []).append(
                 float(row["period_s"]) / len(row["step_seconds"])
             )
-        elif "GPU memory" in str(row.get("reason", "")):
+        elif no_room(row) in ("gpu", "planner"):  # the batch fails soon after its setup
             entry["oom"].add(int(row["batch"]))
-        elif str(row.get("reason", "")).startswith("host RAM exhausted"):
+        elif no_room(row) == "host":
             entry["host_oom_s"] = float(row.get("process_wall_s") or 60.0)
     for key, e in found.items():
         if e.get("host_oom_s") is not None:

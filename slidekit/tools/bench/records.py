@@ -29,7 +29,7 @@ import os
 import platform
 import re
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from statistics import median
 from typing import TYPE_CHECKING, Any
@@ -51,6 +51,7 @@ __all__ = [
     "does_not_fit",
     "lane_metrics",
     "machine",
+    "no_room",
     "peak_gpu_gib",
     "peak_rss_gib",
     "run_header",
@@ -266,20 +267,32 @@ def versions() -> dict[str, str | None]:
 
 # ---------------------------------------------------------------------------- why a run did not fit
 
-#: What a row's reason starts with, or for the planner's refusal contains, when the run measured that it
+#: How a row's reason starts, or for the planner's refusal what it contains, when the run measured that it
 #: does not fit this machine (``does_not_fit``; ``children``' memory watchdog; ``slidekit.planning.fit``).
-_NO_ROOM_PREFIXES = ("does not fit in GPU memory", "host RAM exhausted")
+_NO_ROOM_GPU = "does not fit in GPU memory"
+_NO_ROOM_HOST = "host RAM exhausted"
 _NO_ROOM_PLANNER = "this configuration does not fit on this machine"
 
 
-def did_not_fit(row: dict[str, Any]) -> bool:
-    """Whether ``row`` measured that its run does not fit this machine: out of GPU memory, host RAM
-    exhausted, or slidekit's planner refusing the placement. Not a failure of another kind, a timeout or
-    a run that did not start."""
-    reason = str(row.get("reason") or "")
+def no_room(row: Mapping[str, Any]) -> str | None:
+    """Where ``row`` measured that its run does not fit this machine: "gpu" (out of GPU memory), "host"
+    (host RAM exhausted) or "planner" (slidekit's planner refused the placement before allocating it).
+    None for any other outcome: it ran, failed another way, timed out, or did not start."""
     if row.get("status") != "unavailable":
-        return False
-    return reason.startswith(_NO_ROOM_PREFIXES) or _NO_ROOM_PLANNER in reason
+        return None
+    reason = str(row.get("reason") or "")
+    if reason.startswith(_NO_ROOM_GPU):
+        return "gpu"
+    if reason.startswith(_NO_ROOM_HOST):
+        return "host"
+    return "planner" if _NO_ROOM_PLANNER in reason else None
+
+
+def did_not_fit(row: Mapping[str, Any]) -> bool:
+    """Whether ``row`` measured that its run does not fit this machine (``no_room``): out of GPU memory,
+    host RAM exhausted, or slidekit's planner refusing the placement. Not a failure of another kind, a
+    timeout or a run that did not start."""
+    return no_room(row) is not None
 
 
 _ALLOC = re.compile(r"Tried to allocate ([\d.]+) ([KMG]i?B)")
