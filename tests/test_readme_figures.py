@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from slidekit.tools.bench.records import no_room
 from slidekit.tools.bench.summary import suite_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,12 +72,9 @@ ROWS = {
     "DeepSpeed ZeRO-3 partial offload (ratio 0.5)": "DeepSpeed ZeRO-3 partial offload (ratio 0.5)",
     "DeepSpeed ZeRO-3 partial offload (ratio 0.35)": "DeepSpeed ZeRO-3 partial offload (ratio 0.35)",
 }
-#: README's cell for a run measured not to fit -> how the page's tokens/s cell starts: out of GPU memory
-#: (or the planner's refusal, before any allocation), or host RAM exhausted.
-UNAVAILABLE = {
-    "does not fit": ("unavailable: does not fit", "unavailable: ConfigError: this configuration does not fit"),
-    "host RAM exhausted": ("unavailable: host RAM exhausted",),
-}
+#: README's cell for a run measured not to fit -> where the run had no room (``records.no_room`` of the
+#: page's reason): out of GPU memory or the planner's refusal (before any allocation), or host RAM.
+UNAVAILABLE = {"does not fit": ("gpu", "planner"), "host RAM exhausted": ("host",)}
 #: README's ratio rows -> (the slidekit run, the page's column or columns). One column: README's cell
 #: starts with the page's ("-" where the page has none, or the suite has no such run there). Several:
 #: README's cell is the smallest of them, the fastest alternative's, named in parentheses by its column's
@@ -201,7 +199,8 @@ def test_readmes_table_is_the_suites_cells(quoted):
             tokens = cell["tokens/s median [min-max] (n)"]
             unavailable = next((u for u in UNAVAILABLE if value.startswith(u)), None)
             if unavailable is not None:
-                assert tokens.startswith(UNAVAILABLE[unavailable]), (run, batch, value, tokens)
+                measured = {"status": "unavailable", "reason": tokens.removeprefix("unavailable: ")}
+                assert no_room(measured) in UNAVAILABLE[unavailable], (run, batch, value, tokens)
                 continue
             m = CELL.fullmatch(value)
             assert m, (label, value)
