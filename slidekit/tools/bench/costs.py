@@ -321,9 +321,9 @@ def costs_from_records(rows: Iterable[Mapping[str, Any]]) -> dict[tuple[str, str
             entry["steps"].setdefault(int(row["batch"]), []).append(
                 float(row["period_s"]) / len(row["step_seconds"])
             )
-        elif no_room(row) in ("gpu", "planner"):  # the batch fails soon after its setup
+        elif (room := no_room(row)) in ("gpu", "planner"):  # the batch fails soon after its setup
             entry["oom"].add(int(row["batch"]))
-        elif no_room(row) == "host":
+        elif room == "host":
             entry["host_oom_s"] = float(row.get("process_wall_s") or 60.0)
     for key, e in found.items():
         if e.get("host_oom_s") is not None:
