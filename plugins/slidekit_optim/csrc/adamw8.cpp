@@ -92,6 +92,7 @@ constexpr const char* kKernel = "adamw8_step";
 
 #ifdef SLIDEKIT_ADAMW8_AVX512
 constexpr int64_t kVectorWidth = 16;  // the AVX-512 block pass (quant8_avx512.h)
+static_assert(kBlock == slidekit::avx512::kBlockLen, "quant8_avx512.h's whole block is quant8's");
 #else
 constexpr int64_t kVectorWidth = 1;  // the portable loops (vectorised by the compiler where it can)
 #endif
@@ -132,13 +133,16 @@ uint32_t block_top(int64_t len, const float* __restrict x) {
 
 // Encodes the block x (len <= kBlock, x readable to kBlock) whose largest |x| pattern is `top`
 // into codes; returns its scale max |x|.
-float encode_block(int64_t len, const float* __restrict x, uint32_t top, const PackedTable& table,
-                   uint8_t* __restrict codes) {
+// kFull: len is kBlock (the AVX-512 pass's constant-length form).
+template <bool kFull = false>
+__attribute__((always_inline)) inline float encode_block(int64_t len, const float* __restrict x, uint32_t top,
+                                                         const PackedTable& table, uint8_t* __restrict codes) {
   const float amax = float_of(top);
   const float scale = amax > 0.0f ? amax : 1.0f;  // an all-zero block keeps scale 0, encodes x / 1
 #ifdef SLIDEKIT_ADAMW8_AVX512
-  slidekit::avx512::encode_block(len, x, scale, table, codes);
+  slidekit::avx512::encode_block<kFull>(len, x, scale, table, codes);
 #else
+  (void)kFull;
   slidekit::encode_block_portable(len, x, scale, table, codes);
 #endif
   return amax;
@@ -336,10 +340,26 @@ void run_blocks_avx512(int64_t b_lo, int64_t b_hi, const Args& a) {
                                       d.v_scale};
     uint32_t m_top = 0;
     uint32_t v_top = 0;
-    slidekit::avx512::update<G, kLowp, kGather>(blk, a.m.map.values, a.v.map.values, a.s, decay, m, v, m_top,
-                                                 v_top);
-    const float m_scale = encode_block(len, m, m_top, a.m.map.packed, d.m_codes);
-    const float v_scale = encode_block(len, v, v_top, a.v.map.packed, d.v_codes);
+    while (a.seg_stop[seg] <= lo) {
+      ++seg;
+    }
+    float m_scale = 0.0f;
+    float v_scale = 0.0f;
+    if (len == kBlock && a.seg_stop[seg] >= lo + len) {
+      // A whole block inside one decay segment (all but a unit's last block and the few a segment
+      // ends in): constant lanes, one factor.
+      const __m512 factor = _mm512_set1_ps(a.seg_decay[seg]);
+      auto one = [factor](int64_t) { return factor; };
+      slidekit::avx512::update<G, kLowp, kGather, true>(blk, a.m.map.values, a.v.map.values, a.s, one, m, v,
+                                                         m_top, v_top);
+      m_scale = encode_block<true>(len, m, m_top, a.m.map.packed, d.m_codes);
+      v_scale = encode_block<true>(len, v, v_top, a.v.map.packed, d.v_codes);
+    } else {
+      slidekit::avx512::update<G, kLowp, kGather, false>(blk, a.m.map.values, a.v.map.values, a.s, decay, m, v,
+                                                          m_top, v_top);
+      m_scale = encode_block(len, m, m_top, a.m.map.packed, d.m_codes);
+      v_scale = encode_block(len, v, v_top, a.v.map.packed, d.v_codes);
+    }
     close_block(a, b, lo, len, d, m_scale, v_scale);
   }
   slidekit::backup_fence();  // this task's streaming stores (the copy's, the outputs'), complete on return
@@ -550,7 +570,9 @@ void quantize_blockwise_(const at::Tensor& x, const at::Tensor& packed, at::Tens
     const int64_t lo = b * kBlock;
     const int64_t len = std::min(n, lo + kBlock) - lo;
     std::copy(src + lo, src + lo + len, buf);
-    scales[b] = encode_block(len, buf, block_top(len, buf), table, out + lo);
+    // as the update pass encodes: a whole block by the constant-length form
+    scales[b] = len == kBlock ? encode_block<true>(len, buf, block_top(len, buf), table, out + lo)
+                              : encode_block(len, buf, block_top(len, buf), table, out + lo);
   }
 }
 

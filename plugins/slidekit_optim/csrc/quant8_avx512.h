@@ -52,35 +52,51 @@ inline __m512 lookup(const float* t, __m512i idx) {
   }
 }
 
-// quant8_packed.h's lookup for kVec x 16 lanes. The gathers are issued together: they are the slow
-// part, and independent of each other.
-template <int kVec>
-inline void encode(const PackedTable& t, const __m512* y, __m512i* code) {
-  const __m512i lo_p = _mm512_set1_epi32(t.lo[0] - 2), lo_n = _mm512_set1_epi32(t.lo[1] - 2);
-  const __m512i top_p = _mm512_set1_epi32(t.top[0]), top_n = _mm512_set1_epi32(t.top[1]);
-  const __m512i base_n = _mm512_set1_epi32(t.base[1] - t.base[0]);
-  const int32_t* entries = t.entries + t.base[0];
-  const __m512i one = _mm512_set1_epi32(1);
-  __m512i entry[kVec];
-  for (int j = 0; j < kVec; ++j) {
-    const __m512i u = _mm512_castps_si512(y[j]);
-    const __mmask16 negative = _mm512_movepi32_mask(u);
-    const __m512i key = _mm512_and_si512(_mm512_srli_epi32(u, 15), _mm512_set1_epi32(0xFFFF));
-    __m512i slot = _mm512_sub_epi32(key, _mm512_mask_blend_epi32(negative, lo_p, lo_n));
-    slot = _mm512_min_epi32(_mm512_max_epi32(slot, one), _mm512_mask_blend_epi32(negative, top_p, top_n));
-    slot = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(key, key), slot);  // key 0: slot 0
-    slot = _mm512_mask_add_epi32(slot, negative, slot, base_n);
-    entry[j] = _mm512_i32gather_epi32(slot, entries, 4);
+// quant8_packed.h's lookup for 16 lanes at a time: its table's constants, broadcast once per block (a
+// loop that rebuilt them would spend nine broadcasts per round of four vectors).
+struct Encoder {
+  __m512i lo_p, lo_n, top_p, top_n, base_n, one, key_mask, low_mask, code_mask;
+  const int32_t* entries;
+  explicit Encoder(const PackedTable& t)
+      : lo_p(_mm512_set1_epi32(t.lo[0] - 2)),
+        lo_n(_mm512_set1_epi32(t.lo[1] - 2)),
+        top_p(_mm512_set1_epi32(t.top[0])),
+        top_n(_mm512_set1_epi32(t.top[1])),
+        base_n(_mm512_set1_epi32(t.base[1] - t.base[0])),
+        one(_mm512_set1_epi32(1)),
+        key_mask(_mm512_set1_epi32(0xFFFF)),
+        low_mask(_mm512_set1_epi32(0x7FFF)),
+        code_mask(_mm512_set1_epi32(0xFF)),
+        entries(t.entries + t.base[0]) {}
+
+  // The codes of kVec x 16 values y. The gathers are issued together: they are the slow part, and
+  // independent of each other.
+  template <int kVec>
+  __attribute__((always_inline)) inline void operator()(const __m512* y, __m512i* code) const {
+    __m512i entry[kVec];
+    for (int j = 0; j < kVec; ++j) {
+      const __m512i u = _mm512_castps_si512(y[j]);
+      const __mmask16 negative = _mm512_movepi32_mask(u);
+      const __m512i key = _mm512_and_si512(_mm512_srli_epi32(u, 15), key_mask);
+      __m512i slot = _mm512_sub_epi32(key, _mm512_mask_blend_epi32(negative, lo_p, lo_n));
+      slot = _mm512_min_epi32(_mm512_max_epi32(slot, one), _mm512_mask_blend_epi32(negative, top_p, top_n));
+      slot = _mm512_maskz_mov_epi32(_mm512_test_epi32_mask(key, key), slot);  // key 0: slot 0
+      slot = _mm512_mask_add_epi32(slot, negative, slot, base_n);
+      entry[j] = _mm512_i32gather_epi32(slot, entries, 4);
+    }
+    for (int j = 0; j < kVec; ++j) {
+      const __m512i u = _mm512_castps_si512(y[j]);
+      const __m512i flip = _mm512_srai_epi32(u, 31);  // all ones where negative: invert the low bits
+      const __m512i low = _mm512_and_si512(_mm512_xor_si512(u, flip), low_mask);
+      const __m512i c = _mm512_and_si512(entry[j], code_mask);
+      const __mmask16 up = _mm512_cmpgt_epi32_mask(low, _mm512_srli_epi32(entry[j], 8));
+      code[j] = _mm512_mask_add_epi32(c, up, c, one);
+    }
   }
-  for (int j = 0; j < kVec; ++j) {
-    const __m512i u = _mm512_castps_si512(y[j]);
-    const __m512i flip = _mm512_srai_epi32(u, 31);  // all ones where negative: invert the low bits
-    const __m512i low = _mm512_and_si512(_mm512_xor_si512(u, flip), _mm512_set1_epi32(0x7FFF));
-    const __m512i c = _mm512_and_si512(entry[j], _mm512_set1_epi32(0xFF));
-    const __mmask16 up = _mm512_cmpgt_epi32_mask(low, _mm512_srli_epi32(entry[j], 8));
-    code[j] = _mm512_mask_add_epi32(c, up, c, one);
-  }
-}
+};
+
+// Elements in a whole block (adamw8.cpp's kBlock, quant8.BLOCK_SIZE); only a unit's last block is shorter.
+constexpr int64_t kBlockLen = 256;
 
 // The lanes of a vector that hold elements: all 16, the first `left`, or none.
 inline __mmask16 lanes(int64_t left) {
@@ -147,7 +163,10 @@ inline __m512 decode16(const float* values, __m512i codes) {
   }
 }
 
-template <typename G, bool kLowp, bool kGather, typename DecayAt>
+// kFull: the block is whole (b.len == kBlockLen), so every vector's lanes are all 16, a constant: the
+// loads, stores and maxima go unmasked and no mask is computed (the kmovw of a computed mask issues on
+// port 5, one of the two that run 512-bit arithmetic). The same bits either way.
+template <typename G, bool kLowp, bool kGather, bool kFull, typename DecayAt>
 inline void update(const Block& b, const float* m_values, const float* v_values, const AdamScalars& s,
                    DecayAt&& decay, float* __restrict m_buf, float* __restrict v_buf, uint32_t& m_top,
                    uint32_t& v_top) {
@@ -163,8 +182,9 @@ inline void update(const Block& b, const float* m_values, const float* v_values,
   const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
   __m512i m_max = _mm512_setzero_si512();
   __m512i v_max = _mm512_setzero_si512();
-  for (int64_t i = 0; i < b.len; i += 16) {
-    const __mmask16 k = lanes(b.len - i);
+  const int64_t len = kFull ? kBlockLen : b.len;
+  for (int64_t i = 0; i < len; i += 16) {
+    const __mmask16 k = kFull ? static_cast<__mmask16>(0xFFFF) : lanes(len - i);
     const __m512i mc = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, b.m_codes + i));
     const __m512i vc = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(k, b.v_codes + i));
     const __m512 gi = load_grad(g + i, k);
@@ -189,21 +209,32 @@ inline void update(const Block& b, const float* m_values, const float* v_values,
   v_top = _mm512_reduce_max_epu32(v_max);
 }
 
-// Pass 2 for one moment: the codes of x / scale. x: 256 floats (lanes past len read, ignored).
-inline void encode_block(int64_t len, const float* __restrict x, float scale, const PackedTable& t,
-                         uint8_t* __restrict codes) {
+// Pass 2 for one moment: the codes of x / scale. x: 256 floats (lanes past len read, ignored). kFull: len
+// is kBlockLen (update's kFull).
+// Always inlined, so that the encoder's constants are built once per block, outside its loop (a called
+// clone rebuilt them every round, NOTES 55).
+template <bool kFull>
+__attribute__((always_inline)) inline void encode_block(int64_t len, const float* __restrict x, float scale,
+                                                        const PackedTable& t, uint8_t* __restrict codes) {
   constexpr int kVec = 4;  // 64 elements per round: four gathers in flight
-  const PackedTable table = t;  // a local copy: the byte stores below cannot alias it
+  const Encoder encode(t);  // built from a copy: the byte stores below cannot alias it
   const __m512 sc = _mm512_set1_ps(scale);
+  if constexpr (kFull) {
+    len = kBlockLen;
+  }
   for (int64_t i = 0; i < len; i += 16 * kVec) {
     __m512 y[kVec];
     __m512i c[kVec];
     for (int j = 0; j < kVec; ++j) {
       y[j] = _mm512_div_ps(_mm512_load_ps(x + i + 16 * j), sc);
     }
-    encode<kVec>(table, y, c);
+    encode.operator()<kVec>(y, c);
     for (int j = 0; j < kVec; ++j) {
-      _mm512_mask_cvtepi32_storeu_epi8(codes + i + 16 * j, lanes(len - i - 16 * j), c[j]);
+      if constexpr (kFull) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i + 16 * j), _mm512_cvtepi32_epi8(c[j]));
+      } else {
+        _mm512_mask_cvtepi32_storeu_epi8(codes + i + 16 * j, lanes(len - i - 16 * j), c[j]);
+      }
     }
   }
 }
