@@ -130,5 +130,8 @@ def test_nonfinite_unit_in_pieces_stops_the_step(tmp_path):
     with Trainer(cfg, plugins=Plugins(extra=[("poison", _PoisonHead())])) as t:
         head = len(t.spec.units) - 1
         assert len(t.engine.host.pieces(head)) > 1
-        with pytest.raises(NonFiniteError, match=rf"unit {head} \(head\) are not finite; no update"):
+        # Two refusals race, both right: the optimizer's, of the head's pieces, and the step's own, when the
+        # main thread reaches the NaN loss first (CI, 2026-12-07, on a loaded 2-core machine).
+        refused = rf"unit {head} \(head\) are not finite; no update|loss nan / gradient norm nan is not finite"
+        with pytest.raises(NonFiniteError, match=refused):
             t.fit(random_batches(VOCAB, steps=1))  # and does not hang on the pieces still in flight
