@@ -126,11 +126,16 @@ class EngineBuilding:
                 "engine.gpu_resident='none' (CLI: --gpu-resident none), or use an optimizer that updates "
                 "on the GPU too (layer_adam, adamw_8bit)"
             )
-        placement = Placement.of(ec)
-        layout = planner.layout(placement, self.machine())
-        traded = planner.residency_note(placement, self.machine(), layout)
+        chosen = planner.choose(Placement.of(ec), self.machine())
+        layout = chosen.layout
+        self.notes.extend(chosen.notes)
+        traded = planner.residency_note(layout, self.machine())
         if traded:
             self.notes.append(traded)
+        if layout.activation_tier != "device" and "activation_tier" not in self.selections:  # "auto" chose it
+            self.selections["activation_tier"] = self.plugins.select(
+                "tier", layout.activation_tier, device_family(self.device)
+            )
         for decide, policy in (
             (overlap_layout, self.config.optim.clip_overlap),
             (order_layout, ec.update_order),

@@ -94,7 +94,12 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--state-tier": ("engine.state_tier", str, "tier for optimizer state"),
     "--state-offload-tier": ("engine.state_offload_tier", str, "a second tier for part of the state"),
     "--state-offload-fraction": ("engine.state_offload_fraction", float, "fraction of units on that tier"),
-    "--activation-tier": ("engine.activation_tier", str, "'device' or a tier for boundary activations"),
+    "--activation-tier": (
+        "engine.activation_tier",
+        str,
+        "where boundary activations go: auto (the GPU where the placement fits, else RAM, else disk), device "
+        "or a tier",
+    ),
     "--offload-dir": ("engine.offload_dir", str, "directory for file-backed tiers"),
     "--window": ("engine.window", int, "cache units taking turns on the device"),
     "--gpu-resident": ("engine.gpu_resident", str, "units kept on the GPU: auto, none, all or a fraction"),
@@ -102,7 +107,8 @@ FLAGS: dict[str, tuple[str, Any, str]] = {
     "--resident-weights": (
         "engine.resident_weights",
         str,
-        "units on the GPU keep their BF16 weights (keep), slide them through the window (slide), or auto",
+        "units on the GPU keep their BF16 weights (keep), slide them through the window (slide), or auto (keep "
+        "where that fits and is not predicted slower)",
     ),
     "--upload-copy": (
         "engine.upload_copy",

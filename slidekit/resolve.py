@@ -64,7 +64,7 @@ def resolve(config: TrainConfig, plugins: Plugins) -> RunSetup:
         "optimizer": plugins.select("optimizer", config.optim.name, family),
         "state_tier": plugins.select("tier", ec.state_tier, family),
     }
-    if ec.activation_tier != "device":
+    if ec.activation_tier not in ("device", "auto"):  # "auto": the engine builder selects the one chosen
         selections["activation_tier"] = plugins.select("tier", ec.activation_tier, family)
     if ec.state_offload_fraction > 0 and ec.state_offload_tier:
         selections["state_offload_tier"] = plugins.select("tier", ec.state_offload_tier, family)

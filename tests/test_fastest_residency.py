@@ -91,7 +91,7 @@ def test_where_every_units_activations_fit_auto_keeps_them_all_resident():
     assert all(chosen)
     layout = p.layout(AUTO, machine)
     assert _kept(layout) == sum(u.kind == "layer" for u in layout.units)
-    assert p.residency_note(AUTO, machine, layout) is None
+    assert p.residency_note(layout, machine) is None
 
 
 @pytest.mark.parametrize(
@@ -106,7 +106,7 @@ def test_without_a_prediction_or_a_choice_auto_keeps_as_many_as_fit(case):
     p = _planner("qwen2.5-3b", 32, recompute="all" if case == "recompute all" else "auto")
     placement = Placement(gpu_resident="0.5") if case == "a fixed share" else AUTO
     assert p.residency(placement, machine) == p.most_resident(placement, machine)
-    assert p.residency_note(placement, machine, p.layout(placement, machine)) is None
+    assert p.residency_note(p.layout(placement, machine), machine) is None
 
 
 def test_units_leave_the_gpu_only_as_far_as_host_ram_holds_them():

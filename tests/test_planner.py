@@ -82,7 +82,7 @@ def test_auto_residency_keeps_the_fewest_host_units_the_spare_memory_allows_spre
         machine = dataclasses.replace(
             cuda_machine(80), device_free=none.device_bytes + reserve + spare, device_total=1
         )
-        res = p.residency(Placement(), machine)
+        res = p.residency(Placement(resident_weights="keep"), machine)
         host = units - sum(res)
         assert res == [not h for h in layouts[host]], spare  # one of the spread layouts
         assert kept(layouts[host]) <= spare  # that fits
@@ -156,17 +156,21 @@ def test_recommendation_is_the_fastest_placement_that_fits():
 
 def test_candidates_run_from_fastest_to_slowest():
     p = planner(tiny_spec())
-    order = p.candidates(Placement(), "posix")
+    keep = Placement(resident_weights="keep")
+    order = p.candidates(keep, "posix")
     assert order[:4] == [
-        Placement(gpu_resident="all"),
-        Placement(gpu_resident="all", resident_weights="auto"),  # more of a large model on the GPU
-        Placement(gpu_resident="auto"),
-        Placement(gpu_resident="auto", resident_weights="auto"),
+        Placement(gpu_resident="all", activation_tier="device", resident_weights="keep"),
+        Placement(gpu_resident="all", activation_tier="device", resident_weights="auto"),  # more on the GPU
+        Placement(gpu_resident="auto", activation_tier="device", resident_weights="keep"),
+        Placement(gpu_resident="auto", activation_tier="device", resident_weights="auto"),
     ]
+    # The defaults ("auto" activations and weights): each candidate names its activation tier.
+    assert [c.gpu_resident for c in p.candidates(Placement(), "posix")[:2]] == ["all", "auto"]
+    assert all(c.activation_tier != "auto" for c in p.candidates(Placement(), "posix"))
     # A choice of the user's other than "keep" is kept; nothing slides on the CPU or without device updates.
     assert {c.resident_weights for c in p.candidates(Placement(resident_weights="slide"), "posix")} == {"slide"}
     for other in (planner(tiny_spec(), device_updates=False), planner(tiny_spec(), device_type="cpu")):
-        assert {c.resident_weights for c in other.candidates(Placement(), "posix")} == {"keep"}
+        assert {c.resident_weights for c in other.candidates(keep, "posix")} == {"keep"}
     fractions = [c.state_offload_fraction for c in order]
     assert fractions == sorted(fractions) and fractions[-1] == 1.0
     assert order[-1].activation_tier == "posix"
@@ -206,11 +210,13 @@ def test_recommendation_slides_resident_weights_where_keeping_them_does_not_fit(
         assert all(rec.resident) and any(slid) and not all(slid)  # every copy that fits is kept
         # Without the choice nothing fits, not even with state on disk: the masters of the units that would
         # leave the GPU need host RAM (the recommendation used to be "no placement fits").
-        keeping = [c for c in p.split_candidates(Placement(), "posix", m) if c.resident_weights == "keep"]
+        keep = Placement(resident_weights="keep")
+        keeping = [c for c in p.split_candidates(keep, "posix", m) if c.resident_weights == "keep"]
         assert keeping and not any(p.estimate(c, m).fits(m) for c in keeping)
     # Where keeping fits, it is kept (a tie or faster: the same layout).
     roomy = p.recommend(Placement(), dataclasses.replace(big, rates=H200), "posix")
-    assert roomy is not None and roomy.placement == Placement(gpu_resident="all")
+    assert roomy is not None and roomy.placement == Placement(gpu_resident="all", activation_tier="device")
+    assert not any(u.weights_slide for u in roomy.layout.units)
 
 
 def test_planner_matches_what_the_engine_allocates(tmp_path):
@@ -278,13 +284,22 @@ def test_plan_run_and_cli(tmp_path, capsys):
 
 def test_the_2_gpu_machine_holds_a_70b_shape_without_disk(capsys):
     """Issue 19's target: Llama-3.1-70B with FP32 masters on two H200 ranks sharing 250 GiB of RAM. The
-    default placement does not fit; the recommendation puts 36 units' master and state on each GPU with
-    sliding weights and needs no disk (it was state on disk, disk-bound, before sliding was a candidate)."""
+    default placement ("auto" resident weights) fits without disk: about 35 units' master and state on each
+    GPU with sliding weights. Keeping every resident unit's weights ("keep") does not fit host RAM, and its
+    recommendation is the sliding one (it was state on disk, disk-bound, before sliding was a candidate)."""
     argv = ["plan", "--preset", "llama-3.1-70b", "--gpu", "h200", "--ram-gib", "250", "--disk-gib", "120"]
     argv += ["--nproc-per-node", "2", "--seq-len", "1024", "--batch-size", "4", "--optimizer", "adamw_8bit"]
-    assert main([*argv, "--offload-dir", "/nonexistent/off"]) == 1
+    argv += ["--offload-dir", "/nonexistent/off"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "does NOT fit" in out and "planned for rank 0" in out
+    assert "verdict: fits" in out and "planned for rank 0" in out
+    requested = out.split("requested placement: ")[1]
+    assert requested.startswith("--gpu-resident auto --state-tier ram --activation-tier device --resident-weights auto")
+    assert "weights slide" in requested and "0 with master in RAM and state on disk" in requested
+    assert "engine.resident_weights='auto'" in out and "('keep')" in out  # the note says what it traded
+    assert main([*argv, "--resident-weights", "keep"]) == 1
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out
     best = out.split("fastest placement that fits with the shortest predicted step: ")[1].splitlines()[0]
     assert "--resident-weights auto" in best and "--state-offload" not in best
     assert "0 with master in RAM and state on disk" in out.split(best)[1]

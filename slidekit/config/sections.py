@@ -220,7 +220,9 @@ class EngineConfig:
     state_offload_tier: str | None = None  # a second, slower tier for part of the optimizer state
     state_offload_fraction: float = 0.0  # fraction of units whose state goes to state_offload_tier
     state_chunk: int = 1 << 22  # parameters per chunk when state is streamed from a tier that cannot map
-    activation_tier: str = "device"  # "device" keeps boundary activations where computed, else a tier name
+    activation_tier: str = "auto"  # where boundary activations go: "device" (where computed), a tier name, or
+    # "auto": the device where the placement fits, else the host tier, else the disk tier
+    # (slidekit.planning.activations)
     offload_dir: str | None = None  # directory for file-backed tiers
     window: int = 3  # cache units that take turns on the device (a tied embedding adds one)
     gpu_resident: str = "auto"  # units kept on the compute device (the GPU; the CPU takes the same path) with
@@ -232,11 +234,12 @@ class EngineConfig:
     recompute: str = "auto"  # decoder layers recomputed in the backward instead of keeping their activations:
     # "auto" (layers, resident or sliding, keep what the GPU's memory left holds, the last first), "all"
     # (every layer recomputes), "none" (every layer keeps). See slidekit.planning.keeping
-    resident_weights: str = "keep"  # what a unit on the device (gpu_resident) holds besides its FP32 master
-    # and state: "keep" a compute-dtype copy of its weights and gradients for good (today's behaviour),
-    # "slide" them through the window (cast there from the master on the device per visit: 4 + state B/param
-    # instead of 4 + state + 4), or "auto" (the planner puts as many units on the device as fit at the cheaper
-    # cost, then keeps the copy for as many of those as the memory left holds). See slidekit.planning.weights
+    resident_weights: str = "auto"  # what a unit on the device (gpu_resident) holds besides its FP32 master
+    # and state: "keep" a compute-dtype copy of its weights and gradients for good, "slide" them through the
+    # window (cast there from the master on the device per visit: 4 + state B/param instead of 4 + state + 4),
+    # or "auto": "keep" where that fits and is not predicted slower, else as many units on the device as fit
+    # at the sliding cost, keeping the copy for as many of those as the memory left holds
+    # (slidekit.planning.weights, Planner.weights_layout)
     upload_copy: str = "off"  # "on": every host unit (master in host RAM) keeps a pinned BF16 copy of its
     # weights (2 B/param of host RAM), written by its host update in the same pass, and uploads those bytes as
     # they are (2 B/param over the bus instead of the FP32 master's 4, no device cast); bitwise the same

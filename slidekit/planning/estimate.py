@@ -153,11 +153,11 @@ class Estimate:
 
     def shortfalls(self, machine: Machine) -> list[str]:
         """One line per medium that lacks room, with the numbers (empty when the run fits)."""
-        return self._placement_shortfalls(machine) + self._run_dir_shortfalls(machine)
+        return self.placement_shortfalls(machine) + self._run_dir_shortfalls(machine)
 
     def placement_fits(self, machine: Machine) -> bool:
         """Whether GPU, RAM and offload disk hold the placement (the run directory aside)."""
-        return not self._placement_shortfalls(machine)
+        return not self.placement_shortfalls(machine)
 
     def _run_dir_shortfalls(self, machine: Machine) -> list[str]:
         need = self.run_dir_bytes
@@ -180,7 +180,8 @@ class Estimate:
         """Whether the machine's RAM holds the placement (whatever the GPU and the disk say)."""
         return self.host_need(machine) <= machine.host_available
 
-    def _placement_shortfalls(self, machine: Machine) -> list[str]:
+    def placement_shortfalls(self, machine: Machine) -> list[str]:
+        """``shortfalls`` of GPU, RAM and offload disk only (the run directory aside)."""
         out = []
         host_need = self.host_need(machine)
         if machine.device_free is not None:

@@ -92,9 +92,9 @@ class Placement:
     state_tier: str = "ram"
     state_offload_tier: str | None = None
     state_offload_fraction: float = 0.0
-    activation_tier: str = "device"
+    activation_tier: str = "auto"  # "device", a tier, or "auto" (slidekit.planning.activations)
     gpu_resident: str = "auto"
-    resident_weights: str = "keep"  # units on the device keep or slide their weights (slidekit.planning.weights)
+    resident_weights: str = "auto"  # units on the device keep or slide their weights (slidekit.planning.weights)
 
     @classmethod
     def of(cls, engine: object) -> Placement:
@@ -110,8 +110,7 @@ class Placement:
                 f"--state-offload-fraction {self.state_offload_fraction:g}",
             ]
         out.append(f"--activation-tier {self.activation_tier}")
-        if self.resident_weights != "keep":
-            out.append(f"--resident-weights {self.resident_weights}")
+        out.append(f"--resident-weights {self.resident_weights}")
         return " ".join(out)
 
 

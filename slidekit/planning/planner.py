@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from slidekit.capabilities import fuses_backup, updates_out_of_place
@@ -37,6 +38,7 @@ from slidekit.config import resident_fraction, upload_copy_dtype_error
 from slidekit.errors import ConfigError
 from slidekit.models.base import ArchSpec
 from slidekit.models.loading import load_staging_bytes
+from slidekit.planning.activations import AUTO, activation_candidates, activation_note
 from slidekit.planning.estimate import (
     DEVICE_HEADROOM,
     DEVICE_SLACK,
@@ -72,7 +74,7 @@ if TYPE_CHECKING:
     from slidekit.plugins import Plugins
     from slidekit.resolve import RunSetup
 
-__all__ = ["RESIDENCY_CANDIDATES", "RESIDENCY_GAIN", "RESIDENT_RESERVE", "TIE", "Planner"]
+__all__ = ["RESIDENCY_CANDIDATES", "RESIDENCY_GAIN", "RESIDENT_RESERVE", "TIE", "Choice", "Planner"]
 
 #: "auto" residency leaves max(RESIDENT_RESERVE, 5% of the device) free beyond the plan.
 RESIDENT_RESERVE = 4 << 30
@@ -82,6 +84,15 @@ RESIDENT_RESERVE = 4 << 30
 #: layouts 1-15% faster against all-resident than the H200 measured (NOTES.md 38): a margin, not a tie.
 RESIDENCY_GAIN = 0.05
 RESIDENCY_CANDIDATES = 12
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """A layout with the placement's "auto" settings decided, and notes on what they traded (the run and
+    ``slidekit plan`` print them)."""
+
+    layout: Layout
+    notes: tuple[str, ...] = ()
 
 
 class Planner(Recommendations):
@@ -294,6 +305,7 @@ class Planner(Recommendations):
     def residency(self, placement: Placement, machine: Machine) -> list[bool]:
         """Units kept on the device: the configured share, or for "auto" what the device's spare memory holds
         (``most_resident``), fewer where the step-time model predicts that faster (``fastest_residency``)."""
+        placement = self.decided_tier(placement, machine)
         most = self.most_resident(placement, machine)
         if resident_fraction(placement.gpu_resident) is not None:
             return most
@@ -301,6 +313,7 @@ class Planner(Recommendations):
 
     def most_resident(self, placement: Placement, machine: Machine) -> list[bool]:
         """The configured share of the units, or for "auto" as many as the device's spare memory holds."""
+        placement = self.decided_tier(placement, machine)
         fraction = resident_fraction(placement.gpu_resident)
         units = len(self.numels)
         free = machine.device_free
@@ -331,7 +344,7 @@ class Planner(Recommendations):
         units, host_most = len(most), most.count(False)
         if machine.rates is None or self.device_type == "cpu" or self.recompute != "auto" or host_most == units:
             return most
-        full = self.layout(placement, machine, resident=most)
+        full = self.placed(placement, machine, resident=most)
         if all(u.keeps for u in full.units if u.kind == "layer"):
             return most  # every layer keeps its activations already: memory has nothing to buy
         base = self.predict(full, machine)
@@ -341,22 +354,23 @@ class Planner(Recommendations):
         span, n = units - host_most, RESIDENCY_CANDIDATES
         for host in sorted({host_most + -(-span * k // n) for k in range(1, n + 1)}):  # up to every unit
             resident = [not h for h in spread_host_units(units, host)]
-            layout = self.layout(placement, machine, resident=resident)
+            layout = self.placed(placement, machine, resident=resident)
             pred = self.predict(layout, machine)
             if pred is not None and pred.seconds < best_s and self.estimate_layout(layout, machine).fits(machine):
                 best, best_s = resident, pred.seconds
         return best
 
-    def residency_note(self, placement: Placement, machine: Machine, layout: Layout) -> str | None:
+    def residency_note(self, layout: Layout, machine: Machine) -> str | None:
         """What "auto" residency traded, where ``layout`` keeps fewer units resident than fit
         (``fastest_residency``): the two predicted steps and the layers that keep their activations."""
+        placement = layout.placement
         if resident_fraction(placement.gpu_resident) is not None:
             return None
         most = self.most_resident(placement, machine)
         chosen = sum(u.resident for u in layout.units)
         if chosen >= sum(most):
             return None
-        full = self.layout(placement, machine, resident=most)
+        full = self.placed(placement, machine, resident=most)
         ahead, behind = self.predict(layout, machine), self.predict(full, machine)
         if ahead is None or behind is None:
             return None
@@ -370,6 +384,7 @@ class Planner(Recommendations):
     def device_budget(self, placement: Placement, machine: Machine) -> int | None:
         """Device bytes left for resident units beyond the window, the staging, a step's work and the
         reserve (None on the CPU's own planning)."""
+        placement = self.decided_tier(placement, machine)
         if machine.device_free is None:
             return None
         nothing = self._layout(placement, [False] * len(self.numels), None).allocations()["device"]
@@ -382,6 +397,7 @@ class Planner(Recommendations):
 
     def weights_slide(self, placement: Placement, machine: Machine, resident: Sequence[bool]) -> list[bool]:
         """The resident units whose weights slide through the window (``slidekit.planning.weights``)."""
+        placement = self.decided_tier(placement, machine)
         mode = placement.resident_weights
         units = range(len(self.numels))
         return plan_weights(
@@ -398,6 +414,7 @@ class Planner(Recommendations):
         """Layers that keep their activations (``slidekit.planning.keeping``): for "auto", as many layers,
         resident or sliding, as the device memory left beyond the layout without any (and the reserve)
         holds."""
+        placement = self.decided_tier(placement, machine)
         kinds = [str(u.kind) for u in self.spec.units]
         budget = None
         w, s = self.workload, self.itemsize
@@ -425,8 +442,98 @@ class Planner(Recommendations):
         resident: Sequence[bool] | None = None,
         slide: Sequence[bool] | None = None,
     ) -> Layout:
-        """Where every buffer of ``placement`` lives (``resident`` overrides the residency plan, ``slide``
-        which resident units' weights slide)."""
+        """Where every buffer of ``placement`` lives, its "auto" activation tier and resident weights decided
+        (``choose``). ``resident`` overrides the residency plan, ``slide`` which resident units' weights
+        slide: then only the activation tier is chosen, and the weights' rule applies as ``placed`` does."""
+        if resident is None and slide is None:
+            return self.choose(placement, machine).layout
+        return self.placed(placement, machine, resident, slide)
+
+    def choose(self, placement: Placement, machine: Machine) -> Choice:
+        """``placement``'s layout with "auto" decided, and notes on what was traded: the activation tier
+        (``slidekit.planning.activations``: the first of the device, the host tier, the disk tier with
+        which the placement fits), and for each the resident weights (``weights_layout``)."""
+        refused: list[tuple[str, list[str]]] = []
+        tiers = activation_candidates(placement, self.drivers, machine)
+        first: Choice | None = None
+        for tier in tiers:
+            chosen = self.weights_layout(dataclasses.replace(placement, activation_tier=tier), machine)
+            first = first or chosen
+            if len(tiers) == 1:
+                return chosen
+            short = self.estimate_layout(chosen.layout, machine).placement_shortfalls(machine)
+            if not short:
+                note = activation_note(chosen.layout, refused)
+                return Choice(chosen.layout, chosen.notes + ((note,) if note else ()))
+            refused.append((tier, short))
+        assert first is not None
+        return first  # nothing fits: the device's layout is refused, with the placement that would fit
+
+    def decided_tier(self, placement: Placement, machine: Machine) -> Placement:
+        """``placement`` with an "auto" activation tier replaced by the one ``choose`` takes."""
+        if placement.activation_tier != AUTO:
+            return placement
+        return dataclasses.replace(
+            placement, activation_tier=self.choose(placement, machine).layout.activation_tier
+        )
+
+    def weights_layout(self, placement: Placement, machine: Machine) -> Choice:
+        """``placement``'s layout with ``resident_weights`` "auto" decided: the layout of "keep" (every unit on
+        the device keeps its weights) where it fits and the step-time model does not predict the sliding-first
+        rule's layout (``placed``: as many units on the device as fit at the sliding cost, then as many copies
+        as the memory left holds) more than ``TIE`` faster; else the sliding-first layout. "Fits" includes
+        leaving the reserve free (``device_budget``), as "auto" residency does, also where a configured share
+        ("all") fixes which units are resident. Without a device
+        budget (the CPU's own planning) or an optimizer that updates on the device: "keep"'s layout. The layout's
+        placement says "keep" only where that was chosen over a different layout; else it stays "auto"."""
+        if placement.resident_weights != "auto":
+            return Choice(self.placed(placement, machine))
+        keep = self.placed(dataclasses.replace(placement, resident_weights="keep"), machine)
+        if machine.device_free is None or not self.device_updates:
+            return Choice(dataclasses.replace(keep, placement=placement))  # nothing to choose: "auto" stays
+        fill = self.placed(placement, machine)
+        if [(u.resident, u.weights_slide) for u in fill.units] == [(u.resident, u.weights_slide) for u in keep.units]:
+            return Choice(fill)  # the same layout: "auto" stays
+        keep_short = self.estimate_layout(keep, machine).placement_shortfalls(machine)
+        budget = self.device_budget(placement, machine)
+        kept_bytes = sum(self.resident_cost(u.index) for u in keep.units if u.resident)
+        if not keep_short and budget is not None and kept_bytes > budget:  # a configured share ("all")
+            keep_short = [f"its resident units need {kept_bytes / 2**30:.2f} GiB of the GPU, more than the "
+                          f"{max(budget, 0) / 2**30:.2f} GiB that leave the reserve free"]  # fmt: skip
+        fill_fits = self.estimate_layout(fill, machine).placement_fits(machine)
+        why = ""
+        if keep_short:
+            if not fill_fits:
+                return Choice(fill)  # neither fits: the one with more on the device is refused
+            why = "it does not fit: " + ", ".join(keep_short)
+        elif fill_fits:
+            a, b = self.predict(keep, machine), self.predict(fill, machine)
+            if a is None or b is None or a.seconds <= b.seconds * (1 + TIE):
+                return Choice(keep)
+            why = f"the step-time model predicts {a.seconds:.3f} s a step against {b.seconds:.3f} s"
+        else:
+            return Choice(keep)
+        on_device = sum(u.resident for u in fill.units)
+        slides = sum(u.weights_slide for u in fill.units)
+        note = (
+            f"engine.resident_weights='auto': {on_device} of {len(fill.units)} units keep their master and "
+            f"state on the GPU, {slides} of them sliding their weights through the window; with every one "
+            f"keeping its weights ('keep'), {sum(u.resident for u in keep.units)} units would, but {why} "
+            "(--resident-weights keep asks for that)"
+        )
+        return Choice(fill, (note,))
+
+    def placed(
+        self,
+        placement: Placement,
+        machine: Machine,
+        resident: Sequence[bool] | None = None,
+        slide: Sequence[bool] | None = None,
+    ) -> Layout:
+        """Where every buffer of ``placement`` lives, its activation tier as given and ``resident_weights``
+        applied as a rule ("auto": sliding first, ``slidekit.planning.weights``); ``resident`` overrides the
+        residency plan, ``slide`` which resident units' weights slide."""
+        placement = self.decided_tier(placement, machine)
         res = tuple(self.residency(placement, machine) if resident is None else resident)
         lean = tuple(self.weights_slide(placement, machine, res) if slide is None else slide)
         return self._layout(placement, res, tuple(self.keeps(placement, machine, res, lean)), lean)

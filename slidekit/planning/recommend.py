@@ -63,15 +63,15 @@ class Recommendations:
         """
         host = self.drivers.host_tier
         host_tier = base.state_tier if self.medium(base.state_tier) == "host" else host
-        acts_host = base.activation_tier if base.activation_tier != "device" and self.medium(
-            base.activation_tier) == "host" else host  # fmt: skip
+        concrete = base.activation_tier not in ("device", "auto")  # "auto" is what candidates spell out
+        acts_host = base.activation_tier if concrete and self.medium(base.activation_tier) == "host" else host
         weights = [base.resident_weights]
         if self.device_type == "cpu":
             residents = [base.gpu_resident]  # the CPU computes where the masters are: nothing to choose
         else:
             residents = ["all", "auto"] if self.device_updates else ["none"]
             if base.resident_weights == "keep" and self.device_updates:
-                weights.append("auto")  # keeps every copy that fits: the same layout wherever "keep" fits
+                weights.append("auto")  # "keep" where that fits and is not predicted slower
         out: list[Placement] = []
         fractions = [0.0] + ([0.25, 0.5, 0.75, 1.0] if disk_tier else [])
         for fraction in fractions:

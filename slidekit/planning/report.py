@@ -178,8 +178,10 @@ def plan_run(
     placement = Placement.of(config.engine)
     notes: list[str] = []
     policies = (config.optim.clip_overlap, config.engine.update_order)
-    requested = planner.estimate(placement, machine)
-    if requested.layout is not None and (traded := planner.residency_note(placement, machine, requested.layout)):
+    chosen = planner.choose(placement, machine)
+    requested = planner.estimate_layout(chosen.layout, machine)
+    notes.extend(chosen.notes)
+    if traded := planner.residency_note(chosen.layout, machine):
         notes.append(traded)
     requested = _overlap(planner, requested, machine, policies, notes)
     recommended = planner.recommend(placement, machine)

@@ -120,7 +120,7 @@ def what_if_setup(config: TrainConfig, plugins: Plugins) -> RunSetup:
         "optimizer": plugins.select("optimizer", config.optim.name, FAMILY),
         "state_tier": _tier(plugins, ec.state_tier),
     }
-    if ec.activation_tier != "device":
+    if ec.activation_tier not in ("device", "auto"):
         selections["activation_tier"] = _tier(plugins, ec.activation_tier)
     if ec.state_offload_fraction > 0 and ec.state_offload_tier:
         selections["state_offload_tier"] = _tier(plugins, ec.state_offload_tier)

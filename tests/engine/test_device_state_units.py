@@ -255,15 +255,15 @@ def test_auto_keeps_the_weights_the_room_left_holds():
     extra = [4 * p.numels[u] for u in order]
     for upgrades in (0, 1, 3, n - 1):
         for room in (sum(extra[:upgrades]), sum(extra[: upgrades + 1]) - 1):
-            layout = p.layout(Placement(gpu_resident="auto", resident_weights="auto"), _gpu(fixed + slide + room))
+            layout = p.placed(Placement(gpu_resident="auto", resident_weights="auto"), _gpu(fixed + slide + room))
             assert all(u.resident for u in layout.units)  # all fit at the sliding cost
             kept = [u.index for u in layout.units if not u.weights_slide]
             assert sorted(kept) == sorted(order[:upgrades]), (room, kept)
-    layout = p.layout(Placement(gpu_resident="all", resident_weights="auto"), _gpu(fixed + 10**12))
+    layout = p.placed(Placement(gpu_resident="all", resident_weights="auto"), _gpu(fixed + 10**12))
     assert not any(u.weights_slide for u in layout.units)  # room for every unit's weights: all keep
     assert len(layout.units) == n
     # Described as such by ``slidekit plan``.
-    some = p.layout(Placement(gpu_resident="auto", resident_weights="auto"), _gpu(fixed + slide + extra[0]))
+    some = p.placed(Placement(gpu_resident="auto", resident_weights="auto"), _gpu(fixed + slide + extra[0]))
     assert f"{n - 1} units on the GPU with sliding weights" in some.describe()
 
 

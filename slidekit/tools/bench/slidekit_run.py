@@ -83,7 +83,7 @@ def _config(args: argparse.Namespace, model_dir: str) -> Any:
             state_offload_fraction=args.state_offload_fraction,
             offload_dir=args.offload_dir,
             recompute=args.recompute,
-            resident_weights=getattr(args, "resident_weights", "keep"),
+            resident_weights=getattr(args, "resident_weights", "auto"),
             upload_copy=getattr(args, "upload_copy", "off"),
             update_order=getattr(args, "update_order", "auto"),
         ),
@@ -164,12 +164,14 @@ def measure_slidekit(args: argparse.Namespace, parallel: DataParallel | None = N
         "upload_copy": trainer.config.engine.upload_copy,
         "update_order": trainer.config.engine.update_order,  # asked for; "forward_updates": what the plan gave
         "forward_updates": forward,
-        "resident_weights": trainer.config.engine.resident_weights,
+        "resident_weights": trainer.config.engine.resident_weights,  # asked for; the plan's choice:
+        "resident_weights_chosen": engine.layout.placement.resident_weights,
         "repeat_batch": args.repeat_batch,
         "lr": trainer.config.optim.lr,
         "clip_speculated": metrics.per_step("clip_speculated", args.steps),
         "clip_rollback": metrics.per_step("clip_rollback", args.steps),
         "activations": args.activations,
+        "activation_tier": engine.layout.activation_tier,  # where "auto" put them
         "state_tier": args.state_tier,
         "state_offload": [args.state_offload_tier, args.state_offload_fraction]
         if args.state_offload_fraction
@@ -252,7 +254,7 @@ def slidekit_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=None, help="Chrome trace of the steps (open in Perfetto)")
     p.add_argument(
         "--resident-weights",
-        default="keep",
+        default="auto",
         help="engine.resident_weights: keep, slide or auto (units on the GPU keep or slide their weights)",
     )
     p.add_argument(
@@ -277,7 +279,11 @@ def engine_arguments(p: argparse.ArgumentParser, *, resident_help: str, crossed:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--kernels", default="auto", help="kernel-set driver, or auto")
     p.add_argument("--optimizer", default="layer_adam", help="slidekit optimizer driver")
-    p.add_argument("--activations", default="device", help="'device' or a tier for boundary activations")
+    p.add_argument(
+        "--activations",
+        default="auto",
+        help="engine.activation_tier: auto, device or a tier for boundary activations",
+    )
     p.add_argument("--window", type=int, default=3, help="cache units taking turns on the device")
     p.add_argument("--resident", default="auto", help=resident_help)
     p.add_argument("--state-tier", default="ram", help="tier for the optimizer state of host units")
