@@ -48,7 +48,7 @@ def test_auto_takes_the_first_tier_that_fits(gpu, ram, disk, resident, recompute
     tiers = activation_candidates(auto, p.drivers, machine)
     assert tiers == ["device", "ram"] + (["posix"] if disk is not None else [])
     named = [dataclasses.replace(auto, activation_tier=t) for t in tiers]
-    fitting = [pl for pl in named if p.estimate(pl, machine).placement_fits(machine)]
+    fitting = [pl for pl in named if p.estimate_layout(p.as_run(p.layout(pl, machine), machine), machine).placement_fits(machine)]
     expected = fitting[0] if fitting else named[0]
     layout = p.layout(auto, machine)
     assert layout == p.layout(expected, machine)  # exactly the named tier's layout

@@ -39,6 +39,7 @@ from slidekit.errors import ConfigError
 from slidekit.models.base import ArchSpec
 from slidekit.models.loading import load_staging_bytes
 from slidekit.planning.activations import AUTO, activation_candidates, activation_note
+from slidekit.planning.clip_overlap import overlap_layout
 from slidekit.planning.estimate import (
     DEVICE_HEADROOM,
     DEVICE_SLACK,
@@ -66,6 +67,7 @@ from slidekit.planning.recommend import TIE, Recommendations
 from slidekit.planning.run_space import checkpoint_bytes, checkpoint_writes, run_dir_need
 from slidekit.planning.shards import unit_shards
 from slidekit.planning.timing import StepPrediction, StepWork, predict_step
+from slidekit.planning.update_order import order_layout
 from slidekit.planning.weights import device_unit_bytes, plan_weights
 
 if TYPE_CHECKING:
@@ -107,7 +109,9 @@ class Planner(Recommendations):
     speculative clipping's backups in its update's pass) and ``out_of_place`` (it updates out of place
     instead, ``fused_update_out``) are what the step-time model needs.
     ``recompute`` (``engine.recompute``) and ``fused_kernels`` (the kernel set keeps only its inputs,
-    ``estimate.kept_bytes``): which layers keep their activations (``keeps``).
+    ``estimate.kept_bytes``): which layers keep their activations (``keeps``). ``clip_overlap`` and
+    ``update_order`` (``optim.clip_overlap``, ``engine.update_order``): the policies a layout runs with
+    (``as_run``), which the "auto" choices weigh.
     """
 
     def __init__(
@@ -140,6 +144,8 @@ class Planner(Recommendations):
         rank: int = 0,
         recompute: str = "auto",
         fused_kernels: bool = True,
+        clip_overlap: str = "auto",
+        update_order: str = "auto",
     ) -> None:
         if state_layout is None:
             if state_bytes is None:
@@ -188,6 +194,7 @@ class Planner(Recommendations):
         self.out_of_place = out_of_place
         self.recompute = recompute
         self.fused_kernels = fused_kernels
+        self.clip_overlap, self.update_order = clip_overlap, update_order  # the policies ``as_run`` applies
 
     @classmethod
     def for_run(
@@ -249,6 +256,8 @@ class Planner(Recommendations):
             rank=rank,
             recompute=ec.recompute,
             fused_kernels=setup.selections["kernels"].descriptor.name != "torch_ref",
+            clip_overlap=oc.clip_overlap,
+            update_order=ec.update_order,
         )
 
     # ------------------------------------------------------------------ pieces
@@ -304,7 +313,8 @@ class Planner(Recommendations):
 
     def residency(self, placement: Placement, machine: Machine) -> list[bool]:
         """Units kept on the device: the configured share, or for "auto" what the device's spare memory holds
-        (``most_resident``), fewer where the step-time model predicts that faster (``fastest_residency``)."""
+        (``most_resident``), fewer where the step-time model predicts that faster (``fastest_residency``).
+        ``resident_weights`` applies as a rule ("auto": at the sliding cost first, as ``placed`` does)."""
         placement = self.decided_tier(placement, machine)
         most = self.most_resident(placement, machine)
         if resident_fraction(placement.gpu_resident) is not None:
@@ -461,13 +471,19 @@ class Planner(Recommendations):
             first = first or chosen
             if len(tiers) == 1:
                 return chosen
-            short = self.estimate_layout(chosen.layout, machine).placement_shortfalls(machine)
+            short = self.estimate_layout(self.as_run(chosen.layout, machine), machine).placement_shortfalls(machine)
             if not short:
                 note = activation_note(chosen.layout, refused)
                 return Choice(chosen.layout, chosen.notes + ((note,) if note else ()))
             refused.append((tier, short))
         assert first is not None
         return first  # nothing fits: the device's layout is refused, with the placement that would fit
+
+    def as_run(self, layout: Layout, machine: Machine) -> Layout:
+        """``layout`` as the engine runs it: ``optim.clip_overlap`` and ``engine.update_order`` decided
+        (``overlap_layout``, ``order_layout``; the engine's builder and ``slidekit plan`` apply them too)."""
+        layout = overlap_layout(self, layout, machine, self.clip_overlap)[0]
+        return order_layout(self, layout, machine, self.update_order)[0]
 
     def decided_tier(self, placement: Placement, machine: Machine) -> Placement:
         """``placement`` with an "auto" activation tier replaced by the one ``choose`` takes."""
@@ -494,20 +510,21 @@ class Planner(Recommendations):
         fill = self.placed(placement, machine)
         if [(u.resident, u.weights_slide) for u in fill.units] == [(u.resident, u.weights_slide) for u in keep.units]:
             return Choice(fill)  # the same layout: "auto" stays
-        keep_short = self.estimate_layout(keep, machine).placement_shortfalls(machine)
+        keep_run, fill_run = self.as_run(keep, machine), self.as_run(fill, machine)  # as the engine runs them
+        keep_short = self.estimate_layout(keep_run, machine).placement_shortfalls(machine)
         budget = self.device_budget(placement, machine)
         kept_bytes = sum(self.resident_cost(u.index) for u in keep.units if u.resident)
         if not keep_short and budget is not None and kept_bytes > budget:  # a configured share ("all")
             keep_short = [f"its resident units need {kept_bytes / 2**30:.2f} GiB of the GPU, more than the "
                           f"{max(budget, 0) / 2**30:.2f} GiB that leave the reserve free"]  # fmt: skip
-        fill_fits = self.estimate_layout(fill, machine).placement_fits(machine)
+        fill_fits = self.estimate_layout(fill_run, machine).placement_fits(machine)
         why = ""
         if keep_short:
             if not fill_fits:
                 return Choice(fill)  # neither fits: the one with more on the device is refused
             why = "it does not fit: " + ", ".join(keep_short)
         elif fill_fits:
-            a, b = self.predict(keep, machine), self.predict(fill, machine)
+            a, b = self.predict(keep_run, machine), self.predict(fill_run, machine)
             if a is None or b is None or a.seconds <= b.seconds * (1 + TIE):
                 return Choice(keep)
             why = f"the step-time model predicts {a.seconds:.3f} s a step against {b.seconds:.3f} s"

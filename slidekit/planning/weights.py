@@ -28,11 +28,14 @@ after its backward, or, deferring, from a gradient buffer of its own on the
 device at the step's end. It never keeps its activations (its cache unit is
 reused: ``slidekit.planning.keeping``).
 
-``engine.resident_weights``: "keep" (the default) keeps every device unit's
-weights; "slide" slides every device unit's weights; "auto" puts as many
-units on the device as fit at the sliding cost first (``Planner.residency``),
-then keeps the weights of as many of them as the device memory left holds
-(``plan_weights``), the smallest first.
+``engine.resident_weights``: "keep" keeps every device unit's weights;
+"slide" slides every device unit's weights; "auto" (the default) is decided by
+``Planner.weights_layout``: "keep"'s layout where it fits and is not predicted
+slower, else the sliding-first rule, which puts as many units on the device as
+fit at the sliding cost first (``Planner.residency``), then keeps the weights
+of as many of them as the device memory left holds (``plan_weights``), the
+smallest first. As a rule (``Planner.placed``, ``plan_weights``), "auto" is
+that sliding-first rule.
 
 Data-parallel (``slidekit.engine.collectives``): a rank keeps its shard's
 master and state, and always a gradient buffer of its shard (the d2h lane
