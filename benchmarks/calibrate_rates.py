@@ -150,7 +150,13 @@ def cells(paths: tuple[Path, ...] = RECORDS) -> list[Cell]:
     out = []
     for source, r in runs(paths):
         planner, machine = _planner(r), h200_machine(r)
-        layout = planner.layout(Placement(gpu_resident=r["resident"], state_tier=r["state_tier"]), machine)
+        placement = Placement(
+            gpu_resident=r["resident"],
+            state_tier=r["state_tier"],
+            activation_tier=r.get("activations", "device"),  # records before the "auto" defaults: as they ran
+            resident_weights=r.get("resident_weights", "keep"),
+        )
+        layout = planner.layout(placement, machine)
         prediction = planner.predict(layout, machine)
         out.append(Cell(source, r, layout, prediction))
     return out
