@@ -138,7 +138,8 @@ def _header_file(tmp_path: Path, scripts: Path, **change) -> Path:
         ({"name": "qwen2.5-3b"}, "another suite (name 'qwen2.5-3b' there, 'tiny' here"),
         ({"source_digest": "f" * 64}, "measured other code (source digest ffffffffffff there"),
         ({"source_digest": None}, "carry no source digest"),
-        ({"gpu": lambda _: "NVIDIA H200"}, "another machine or software (gpu 'NVIDIA H200' there"),
+        # a name no host has: the gate runs this on an H200, where "NVIDIA H200" was this machine's own
+        ({"gpu": lambda _: "Other GPU (test)"}, "another machine or software (gpu 'Other GPU (test)' there"),
         ({"cpu_model": lambda _: "Other CPU"}, "cpu_model 'Other CPU' there"),
         ({"cpus": lambda n: n * 2}, "cpus "),
         ({"host_ram_gib": lambda g: round(g * 1.5, 1)}, "host_ram_gib "),

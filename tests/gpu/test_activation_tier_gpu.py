@@ -25,7 +25,7 @@ from slidekit.testing.models import random_batches, save_tiny_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 SHAPE = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 4,
-         "head_dim": 64, "vocab_size": 32000, "num_hidden_layers": 6}  # fmt: skip
+         "head_dim": 64, "vocab_size": 32000, "num_hidden_layers": 6, "max_position_embeddings": 2048}  # fmt: skip
 
 
 def _config(model_dir, tier: str) -> TrainConfig:
