@@ -30,7 +30,8 @@ SPEC = tiny_spec("llama", num_hidden_layers=6, hidden_size=256, intermediate_siz
 
 
 def _fits(p, placement, machine) -> bool:
-    return p.estimate_layout(p.placed(placement, machine), machine).placement_fits(machine)
+    """Whether ``placement``'s layout, as the engine runs it (``Planner.as_run``), fits ``machine``."""
+    return p.estimate_layout(p.as_run(p.layout(placement, machine), machine), machine).placement_fits(machine)
 
 
 @settings(max_examples=80, deadline=None)
@@ -48,7 +49,7 @@ def test_auto_takes_the_first_tier_that_fits(gpu, ram, disk, resident, recompute
     tiers = activation_candidates(auto, p.drivers, machine)
     assert tiers == ["device", "ram"] + (["posix"] if disk is not None else [])
     named = [dataclasses.replace(auto, activation_tier=t) for t in tiers]
-    fitting = [pl for pl in named if p.estimate_layout(p.as_run(p.layout(pl, machine), machine), machine).placement_fits(machine)]
+    fitting = [pl for pl in named if _fits(p, pl, machine)]
     expected = fitting[0] if fitting else named[0]
     layout = p.layout(auto, machine)
     assert layout == p.layout(expected, machine)  # exactly the named tier's layout
