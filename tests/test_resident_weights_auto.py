@@ -14,12 +14,15 @@ Run: ``pytest tests/test_resident_weights_auto.py``.
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
+from pathlib import Path
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from planning_fixtures import cuda_machine, planner, tiny_spec
 
-from slidekit.planning import Placement
+from slidekit.planning import GIB, Placement
 from slidekit.planning.profiles import H200_RATES
 from slidekit.planning.recommend import TIE
 
@@ -91,7 +94,8 @@ def test_the_cpu_plan_keeps_every_copy():
 
 def test_qwen_14b_at_batch_8_on_an_80_gb_card_slides(capsys):
     """The issue-15 suite's 14B rows: "keep" puts 21 of 50 units on the GPU; "auto" puts 37 there, their
-    weights sliding, and the step-time model predicts that about 1.8x faster (H200 rates)."""
+    weights sliding, and the step-time model predicts that about 1.4x faster (H200 rates; an H100 measured
+    1.53x in arrival order, NOTES 57: ``test_the_measured_80_gb_runs_are_predicted_within_8_percent``)."""
     from slidekit.cli import main
 
     argv = ["plan", "--preset", "qwen2.5-14b", "--gpu", "h200", "--gpu-gib", "79.2", "--ram-gib", "123.5"]
@@ -110,4 +114,37 @@ def test_qwen_14b_at_batch_8_on_an_80_gb_card_slides(capsys):
     def step(text: str) -> float:
         return float(text.split("predicted step ")[1].split(" s")[0])
 
-    assert step(keep) > 1.5 * step(requested)
+    assert step(keep) > 1.3 * step(requested)
+
+
+#: NOTES 57's A/B on an 80 GB card (an H100, one device call): "keep" and "auto", 7B with layer_adam and 14B
+#: with adamw_8bit at batch 8, one process each, host updates in arrival order.
+MEASURED = Path(__file__).resolve().parents[1] / "docs/benchmarks/raw/2026-12-07-s34/weights-8bef229-h100"
+
+
+def test_the_measured_80_gb_runs_are_predicted_within_8_percent(capsys):
+    """Each run's plan (H200 rates, the card's free memory from the call's env.txt) has the layout it ran
+    and predicts its whole step (10 steps start to start, the last drained) within 8%. The sliding rows
+    are what the model missed before it cast their weights into cache units on the upload lane, as the
+    engine does: predicted 9% and 11% fast; "keep" within 6-7% either way."""
+    from slidekit.cli import main
+
+    free = int(re.search(r"\((\d+), \d+\)", (MEASURED / "env.txt").read_text()).group(1)) / GIB
+    records = [json.loads(line) for line in (MEASURED / "weights.jsonl").read_text().splitlines()]
+    assert sorted((r["model"], r["resident_weights"]) for r in records) == [
+        (m, w) for m in ("qwen2.5-14b", "qwen2.5-7b") for w in ("auto", "keep")
+    ]
+    off = []
+    for r in records:
+        argv = ["plan", "--preset", r["model"], "--gpu", "h200", "--gpu-gib", f"{free:.3f}", "--ram-gib", "123.5"]
+        argv += ["--batch-size", str(r["batch"]), "--seq-len", str(r["seq"]), "--optimizer", r["optimizer"]]
+        argv += ["--resident-weights", r["resident_weights"], "--update-order", r["update_order"]]
+        assert main(argv) == 0
+        out = capsys.readouterr().out.split("requested placement: ")[1]
+        on_gpu, units = r["device_state_units"].split("/")
+        assert f"{on_gpu} of {units} units resident on the GPU" in out
+        predicted = float(out.split("predicted step ")[1].split(" s")[0])
+        measured = r["period_s"] / r["steps"]
+        if abs(predicted / measured - 1) > 0.08:
+            off.append(f"{r['model']} {r['resident_weights']}: predicted {predicted:.3f} s, measured {measured:.3f} s")
+    assert not off, off

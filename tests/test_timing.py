@@ -340,7 +340,9 @@ def test_the_replay_accounts_for_every_second(
     assert pred.clipped_s is None or pred.clipped_s >= pred.seconds * (1 - 1e-9)
     assert pred.seconds > 0 and pred.drain_s >= 0 and min(pred.exposed.values(), default=0) >= 0
     assert pred.compute_s + sum(pred.exposed.values()) == pytest.approx(pred.seconds, rel=1e-9)
-    for lane in ("compute", "upload", "grad copy", "host update", "disk"):
+    bus = pred.work.get("upload", 0.0) + pred.work.get("cast", 0.0)  # one host -> device lane
+    assert bus <= pred.seconds * (1 + 1e-9)
+    for lane in ("compute", "grad copy", "host update", "disk"):
         assert pred.work.get(lane, 0.0) <= pred.seconds * (1 + 1e-9), lane
 
 
@@ -349,6 +351,25 @@ def test_simulate_refuses_too_few_steps():
     with pytest.raises(ValueError, match="at least 3 simulated steps"):
         simulate([unit] * 3, window=2, prefetch=1, ring=1, tied=False, defer=False, micro=1,
                  step_overhead_s=0, max_steps=2)  # fmt: skip
+
+
+@pytest.mark.parametrize(("window", "casts"), [(1, 5), (2, 4)])
+def test_a_unit_whose_weights_slide_takes_a_cache_unit_and_casts_on_the_upload_lane(window, casts):
+    """Resident units whose weights slide (three layers) claim cache units as host units do, and each
+    visit that finds none holding its weights casts them on the host -> device lane (``Uploads._cast``).
+    One cache unit: the forward casts the three, the backward finds layer 3 still there and casts 2 and 1
+    again (5). Two: layer 2 is still there too (4). The embedding and head keep their own weights: none."""
+    own = [UnitCost(kind=k, resident=True, fwd_s=0.01, bwd_s=0.01) for k in ("embed", "head")]
+    layer = UnitCost(kind="layer", resident=True, fwd_s=0.01, bwd_s=0.01, weights_slide=True, cast_s=1.0)
+    units = [own[0], layer, layer, layer, own[1]]
+    sim = simulate(units, window=window, prefetch=window - 1, ring=1, tied=False, defer=False, micro=1,
+                   step_overhead_s=0)  # fmt: skip
+    assert sim.busy["cast"] == pytest.approx(casts) and "upload" not in sim.busy
+    assert sim.seconds >= casts and sim.exposed.get("cast", 0.0) > 0.9 * casts
+    kept = [dataclasses.replace(u, weights_slide=False, cast_s=0.0) for u in units]
+    alone = simulate(kept, window=window, prefetch=window - 1, ring=1, tied=False, defer=False, micro=1,
+                     step_overhead_s=0)  # fmt: skip
+    assert "cast" not in alone.busy and alone.seconds == pytest.approx(0.09)  # nine visits of 0.01 s
 
 
 def test_unit_costs_price_each_piece_of_a_large_unit():

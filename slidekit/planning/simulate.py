@@ -31,6 +31,10 @@ engine has work:
 * the updates in forward order (``takes``, a step that does not defer: ``engine.update_order``): as a
   speculating step's, without backups;
 * resident units never move: the device updates them at the end of the step, after the backward;
+* a resident unit whose weights slide (``UnitCost.weights_slide``) takes a cache unit for each visit as
+  a host unit does, and its weights are cast into it from its device master on the host -> device
+  lane, in turn with the uploads (the engine casts on the upload stream: ``Uploads._cast``); it lets
+  the cache unit go after its backward and is updated on the device with the resident units;
 * the step ends when the device is done; the next starts ``step_overhead_s`` later.
 
 Every interval remembers what it waited for (``Ev.cause``), so a gap on the compute stream is
@@ -79,6 +83,8 @@ class UnitCost:
     upload_s: float = 0.0  # its FP32 master up into a cache unit
     pieces: tuple[Piece, ...] = ()  # its gradients down and updated on the host
     device_update_s: float = 0.0  # a resident unit's update on the device
+    weights_slide: bool = False  # resident, its weights cast into a cache unit for each visit
+    cast_s: float = 0.0  # ... one such cast, on the host -> device lane
     act_write_s: float = 0.0  # one micro-batch's boundary activation to its tier (0: on the device)
     act_read_s: float = 0.0  # ... and back
     act_lane: str = "d2h"  # the lane activation traffic shares: "d2h"/"h2d" (a host tier) or "disk"
@@ -164,7 +170,11 @@ class _Sim:
         self.updated = [None] * len(self.units)
         zero = Ev(0.0, 0.0, "host")
         self.lanes = {k: zero for k in ("gpu", "h2d", "h2d_host", "d2h", "optim", "disk")}
-        self.own = {u: _Slot(unit=u, pinned=True, own=True) for u, c in enumerate(self.units) if c.resident}
+        self.own = {
+            u: _Slot(unit=u, pinned=True, own=True)
+            for u, c in enumerate(self.units)
+            if c.resident and not c.weights_slide
+        }
 
     # ---------------------------------------------------------------- lanes
 
@@ -252,7 +262,11 @@ class _Sim:
                 return False
             host = _later(self.lanes["h2d_host"], self.main, self.updated[u])
             self.lanes["h2d_host"] = host
-            device = self._run("h2d", self.units[u].upload_s, "upload", host, slot.free)
+            cost = self.units[u]
+            if cost.weights_slide:
+                device = self._run("h2d", cost.cast_s, "cast", host, slot.free)
+            else:
+                device = self._run("h2d", cost.upload_s, "upload", host, slot.free)
         if u == 0 and self.tied:
             slot.pinned = True
             self.tied_slot = slot
@@ -287,6 +301,9 @@ class _Sim:
         cost = self.units[u]
         if cost.resident:
             c.resident_due.append(u)
+            if cost.weights_slide:  # its gradients kept on the device; its cache unit let go, stale
+                self.version[u] += 1
+                self._release(slot, computed, computed)
             return
         self.version[u] += 1
         if (self.defer and any(p.speculates for p in cost.pieces)) or (self.takes and not self.defer):

@@ -32,11 +32,12 @@ Costs per unit and step (``StepWork``: the model's shape and the run's tokens):
     upload      the FP32 master, 4 B/param at h2d_gbps; with upload copies (``Layout.upload_copy``,
                 ``engine.upload_copy``) its BF16 copy, 2 B/param
     cast        a resident unit whose weights slide (``slidekit.planning.weights``): its weights cast
-                from its device master into a cache unit for each visit (a layer's forward and backward,
-                the embedding's forward, the head's one visit), 4 B read + 2 B written per param at
-                device_gbps; priced on the compute stream (the engine casts on the upload stream, which
-                shares the device's memory bandwidth) and, like a resident unit, without a cache unit
-                of the window taken; no upload, no download, the update on the device
+                from its device master into a cache unit for each visit that finds none holding them (a
+                layer's forward and backward, the embedding's forward, the head's one visit), 4 B read +
+                2 B written per param at device_gbps, on the host -> device lane in turn with the
+                uploads, as the engine casts them (on the upload stream, into a cache unit of the
+                window: NOTES.md 57 measured what pricing them beside the window missed); no upload,
+                no download, the update on the device
     down        the gradients, compute dtype, at d2h_gbps, one ring piece at a time
     update      host: parameters / the optimizer's params/s; device (resident units): its bytes per
                 parameter at device_gbps; clipping adds a 4 B/param pass (host_gbps / device_gbps);
@@ -55,7 +56,10 @@ Costs per unit and step (``StepWork``: the model's shape and the run's tokens):
 
 What it ignores: contention for host memory between the optimizer and the
 bus copies; the bus shared by uploads and activation reads beyond taking
-turns; kernel-launch gaps inside a visit (they are in the calibrated
+turns; a cast's share of the device's memory bandwidth while compute runs
+beside it, and the device sync that a unit whose weights slide takes to read
+its gradient norm before its update (a step that does not defer: engine
+``Updates._finish_lean``); kernel-launch gaps inside a visit (they are in the calibrated
 rates); the compute rate's dependence on the batch and the GPU's clocks
 (one rate per kind of matmul, calibrated on all-resident steps);
 checkpoints and evaluation; and, for a data-parallel rank's layout, the
@@ -82,6 +86,7 @@ __all__ = ["LABELS", "StepPrediction", "StepWork", "backup_costs", "predict_step
 LABELS = {
     "compute": "device compute",
     "upload": "uploads",
+    "cast": "weight casts",
     "grad copy": "gradient copies",
     "host update": "host updates",
     "disk": "disk streaming",
@@ -249,10 +254,12 @@ def unit_costs(layout: Layout, rates: Rates, work: StepWork) -> list[UnitCost]:
                 resident=u.resident,
                 fwd_s=fwd,
                 bwd_s=bwd,
-                grad_pass_s=u.numel * GRAD_PASS_BYTES / dev + _cast_s(u.kind, u.numel, dev, u.weights_slide),
+                grad_pass_s=u.numel * GRAD_PASS_BYTES / dev,
                 upload_s=0.0 if u.resident else u.own * up / h2d,  # a rank uploads its shard's master / copy
                 pieces=pieces,
                 device_update_s=u.own * (rate.device_bytes_per_param + clip) / dev if u.resident else 0.0,
+                weights_slide=u.weights_slide,
+                cast_s=u.own * CAST_BYTES / dev if u.weights_slide else 0.0,
                 act_write_s=per_act / write_bw if on_tier else 0.0,
                 act_read_s=per_act / read_bw if on_tier else 0.0,
                 act_lane=acts_lane,
@@ -291,14 +298,6 @@ def backup_costs(
 
 #: Bytes a cast of a unit's weights from its FP32 device master moves per parameter: 4 read, 2 written.
 CAST_BYTES = 6
-
-
-def _cast_s(kind: str, numel: int, device_bps: float, weights_slide: bool) -> float:
-    """Seconds of a step's casts of a unit whose weights slide (0 otherwise): a layer is visited twice
-    with its weights (forward, backward), the embedding (its backward needs none) and the head once."""
-    if not weights_slide:
-        return 0.0
-    return (2 if kind == "layer" else 1) * numel * CAST_BYTES / device_bps
 
 
 def _priced(layout: Layout, rates: Rates, work: StepWork) -> list[UnitCost]:

@@ -22,7 +22,8 @@ A unit whose master and state are on the device but whose weights slide
 (``UnitPlace.weights_slide``) is updated there with the same fused update as
 a resident unit; for each visit it takes a cache unit like a sliding unit,
 and its weights are cast into it from the master on the device (no bus
-crossing: 4 B read + 2 B written per parameter, ``slidekit.planning.timing``);
+crossing: 4 B read + 2 B written per parameter, priced on the upload lane as the
+engine casts it, on the upload stream: ``slidekit.planning.timing``);
 its gradients stay in the cache unit, and it is updated from there right
 after its backward, or, deferring, from a gradient buffer of its own on the
 device at the step's end. It never keeps its activations (its cache unit is
