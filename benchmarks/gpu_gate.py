@@ -16,6 +16,11 @@ A deadline shorter than 1.1 times what the record's own gate took (its runs'
 wall plus its suite, read from ``--record`` before it is overwritten) is refused
 before anything runs, naming the deadline that fits (``--force`` runs it anyway):
 a suite cut off at the deadline verifies nothing and spends the device time.
+A gate longer than one device call runs in two on one tree: ``--part runs``
+records the runs (``ok`` false, the suite pending), and ``--part tests`` runs
+the suite and completes the record's runs (replacing any suite it had), only
+where they are of this tree's slidekit/ and plugins/ (refused before anything
+runs otherwise).
 
 1. the WHOLE test suite (``pytest tests``: the GPU-only files and the tests
    that take a CUDA branch where there is one), with pass, fail, error and skip
@@ -76,6 +81,10 @@ MODES = ("all", "auto", "0.5", "none")
 #: refused before it starts: session 30's gate at a 395 s deadline had its suite cut off after 270 s
 #: with 0 failures, 417 s of device time that verified nothing.
 DEADLINE_MARGIN = 1.1
+#: --part: the runs and the suite in one call (all), or the gate in two calls on one tree (runs, then tests):
+#: session 35's gate took 531 s of a device call's 600 s on an H100 host (the runs 146 s, the suite 382 s), and
+#: the deadline rule above would have asked 581 s of the next.
+PARTS = ("all", "runs", "tests")
 
 
 # ---------------------------------------------------------------------------- what was verified
@@ -430,14 +439,37 @@ def verdict(
     return not problems, "; ".join(problems) or "all passed"
 
 
-def expected_seconds(record_path: Path, modes: Sequence[str]) -> tuple[float, str] | None:
+def _read_record(path: Path) -> dict[str, Any]:
+    """The record at ``path``, or {} where there is none readable."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _last_suite(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The latest suite a record knows (its ``seconds`` and ``of_commit``): its own, or for a record of the
+    runs alone (``--part runs``) the suite of the record it replaced, so the next deadline has one to go by."""
+    if isinstance(record.get("tests"), dict):
+        return {**record["tests"], "of_commit": record.get("commit")}
+    last = record.get("last_suite")
+    return last if isinstance(last, dict) else None
+
+
+def expected_seconds(
+    record_path: Path, modes: Sequence[str], *, suite: bool = True
+) -> tuple[float, str] | None:
     """What the gate recorded at ``record_path`` took for ``modes`` and the suite, and which gate that was:
     each mode's run wall (the record's run of that mode, else the mean of its runs) plus its suite's
-    seconds (a lower bound where that suite timed out). None where no readable record has a suite."""
+    seconds (a lower bound where that suite timed out; without ``suite``, the runs alone). None where no
+    readable record has a suite."""
+    record = _read_record(record_path)
     try:
-        record = json.loads(record_path.read_text())
-        suite = float(record["tests"]["seconds"])
-    except (OSError, ValueError, KeyError, TypeError):
+        suite_s = float((_last_suite(record) or {})["seconds"]) if suite else 0.0
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not record:
         return None
     walls = {
         r.get("gpu_resident"): float(r["wall_s"])
@@ -446,25 +478,45 @@ def expected_seconds(record_path: Path, modes: Sequence[str]) -> tuple[float, st
     }
     mean = sum(walls.values()) / len(walls) if walls else 0.0
     runs = sum(walls.get(mode, mean) for mode in modes)
-    gpu = (record.get("machine") or {}).get("gpu", "an unnamed GPU")
-    return runs + suite, f"{str(record.get('commit'))[:12]} on {gpu}, {record.get('date', 'undated')}"
+    gpu = (record.get("machine") or {}).get("gpu") or "an unnamed GPU"
+    return runs + suite_s, f"{str(record.get('commit'))[:12]} on {gpu}, {record.get('date', 'undated')}"
 
 
 def deadline_too_short(args: argparse.Namespace, modes: Sequence[str]) -> str | None:
-    """Why ``--deadline`` cannot fit the gate (``expected_seconds`` times ``DEADLINE_MARGIN``), or None."""
-    expected = expected_seconds(args.record, modes)
+    """Why ``--deadline`` cannot fit the gate's ``--part`` (``expected_seconds`` times ``DEADLINE_MARGIN``),
+    or None."""
+    part = getattr(args, "part", "all")
+    expected = expected_seconds(args.record, modes if part != "tests" else (), suite=part != "runs")
     if args.deadline is None or args.force or expected is None:
         return None
     seconds, which = expected
     needed = math.ceil(DEADLINE_MARGIN * seconds)
     if args.deadline >= needed:
         return None
+    what = {"all": "these runs and the suite", "runs": "these runs", "tests": "the suite"}[part]
+    split = "" if part != "all" else "; or split the gate over two calls (--part runs, then --part tests)"
     return (
         f"--deadline {args.deadline:.0f} s is too short: the recorded gate ({which}) took {seconds:.0f} s for "
-        f"these runs and the suite, and a suite cut off at the deadline verifies nothing. Give it "
-        f"--deadline {needed} or more (the call's limit less the install; run nothing else in that call), "
-        "or --force"
+        f"{what}, and a suite cut off at the deadline verifies nothing. Give it "
+        f"--deadline {needed} or more (the call's limit less the install; run nothing else in that call)"
+        f"{split}, or --force"
     )
+
+
+def continued_runs(record_path: Path, digest: str) -> tuple[dict[str, Any] | None, str]:
+    """``--part tests``: the record whose runs the suite completes, or None and why not. The record at
+    ``record_path`` must hold runs of this tree's slidekit/ and plugins/ (``digest``): a suite completes
+    only the runs of the sources it tests. A suite the record had (a gate cut off, or failed by a test
+    mended since in tests/) is replaced."""
+    record = _read_record(record_path)
+    if not record.get("runs"):
+        return None, f"the record at {record_path} holds no runs (or is not there, or not readable)"
+    if record.get("source_digest") != digest:
+        return None, (
+            f"the record's runs (commit {str(record.get('commit'))[:12]}) are of other slidekit/ and plugins/ "
+            "than this tree's"
+        )
+    return record, ""
 
 
 def gate(args: argparse.Namespace) -> int:
@@ -485,6 +537,17 @@ def gate(args: argparse.Namespace) -> int:
         print(f"gpu_gate: not started: {short}", flush=True)
         return 2
     digest = source_digest()
+    earlier: dict[str, Any] | None = None  # --part tests: the record of the runs it completes
+    if args.part == "tests":
+        earlier, why_not = continued_runs(args.record, digest)
+        if earlier is None:
+            print(
+                f"gpu_gate: not started: --part tests completes the runs of a record of this tree's sources, and "
+                f"{why_not}: run --part runs first (or the whole gate, --part all)",
+                flush=True,
+            )
+            return 2
+    last_suite = _last_suite(_read_record(args.record)) if args.part == "runs" else None
     matches = commit_matches_tree(commit, digest)
     if matches is False:
         print(
@@ -500,10 +563,17 @@ def gate(args: argparse.Namespace) -> int:
         "date": started.isoformat(timespec="seconds"),
         "machine": machine(),
         "command": " ".join(["python", "benchmarks/gpu_gate.py", *args.argv]),
+        "part": args.part,
     }
     paths = [args.record] + ([out / "GPU-VERIFIED.json"] if out else [])
     tests: dict[str, Any] | None = None
     runs: list[dict[str, Any]] = []
+    if earlier is not None:  # --part tests: the runs part's runs, and where and when they ran
+        runs = list(earlier["runs"])
+        keys = ("commit", "date", "machine", "command", "seconds")
+        record["runs_part"] = earlier.get("runs_part") or {k: earlier.get(k) for k in keys}
+    elif last_suite is not None:  # --part runs: the suite the next deadline goes by
+        record["last_suite"] = {"seconds": last_suite.get("seconds"), "of_commit": last_suite.get("of_commit")}
 
     def save(pending: str | None) -> tuple[bool, str]:
         """Write the record as it stands; ``pending`` names what has not run yet (then it fails)."""
@@ -518,11 +588,15 @@ def gate(args: argparse.Namespace) -> int:
 
     # The runs go first: each takes what it takes (at most --run-timeout), and the suite, whose length
     # varies most, gets what is left of --deadline instead of a share reserved for runs up front.
-    for i, mode in enumerate(modes):
+    for i, mode in enumerate(modes if args.part != "tests" else ()):
         save(f"the runs {', '.join(modes[i:])} had not finished")
         run = run_mode(args, mode, max(1.0, min(args.run_timeout, left())))
         print(f"gpu_gate: run {json.dumps(run)}", flush=True)
         runs.append(run)
+    if args.part == "runs":
+        ok, why = save("the test suite (gpu_gate.py --part tests on this tree completes this record)")
+        print(f"gpu_gate: runs recorded ({why}); record {', '.join(map(str, paths))}", flush=True)
+        return 0 if all(r["status"] == "ok" for r in runs) else 1
     if not args.skip_tests:
         log = (out or Path(tempfile.gettempdir())) / "gpu-gate-tests.log"
         budget = max(1.0, min(args.tests_timeout, left()))
@@ -574,6 +648,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--skip-tests", action="store_true", help="runs only (the record then says the gate failed)"
+    )
+    p.add_argument(
+        "--part",
+        choices=PARTS,
+        default="all",
+        help="all: the runs and the suite; runs, then tests: the gate in two calls on one tree, the second "
+        "completing the first's record (default: %(default)s)",
     )
     p.add_argument("--pytest-args", default="", help="extra pytest arguments, one string (e.g. '-x --lf')")
     p.add_argument(

@@ -24,7 +24,9 @@ print(platform.python_version(), torch.__version__, triton.__version__, transfor
       torch.cuda.get_device_name(), torch.cuda.mem_get_info())
 PY
 case "${1:-tests}" in
-  tests)  # the GPU gate: the whole suite plus the residency runs, recorded (benchmarks/gpu_gate.py)
+  tests)  # the GPU gate: the whole suite plus the residency runs, recorded (benchmarks/gpu_gate.py); where the
+    # whole gate does not fit one call, two calls on one tree: --part runs, then --part tests (which completes
+    # the record's runs where they are of this tree's slidekit/ and plugins/)
     shift; timeout 585 python3 benchmarks/gpu_gate.py "$@" 2>&1 | tail -40
     ;;
   quick)

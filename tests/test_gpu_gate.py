@@ -280,3 +280,64 @@ def test_the_suite_is_spread_test_by_test(monkeypatch, installed, mode):
 
     monkeypatch.setattr(metadata, "version", version)
     assert gate.xdist_mode() == mode
+
+
+def test_a_gate_in_two_calls_completes_the_runs_of_its_own_sources(tmp_path: Path, monkeypatch, capsys):
+    """Session 35's gate took 531 s of a device call's 600 s: --part runs, then --part tests, on one tree."""
+    monkeypatch.delenv("OUT", raising=False)
+    record = tmp_path / "GPU-VERIFIED.json"
+    earlier = {"commit": "0ld", "source_digest": "d0", "runs": [{"gpu_resident": "all", "wall_s": 30.0}],
+               "tests": {"seconds": 380.0}, "ok": True}  # fmt: skip
+    record.write_text(json.dumps(earlier))
+    digest, started = ["d1"], []
+    suites = [{"passed": 2, "failed": 1, "errors": 0, "skipped": 0, "exit_code": 1, "seconds": 370.0,
+               "failures": ["t::bad"]}]  # fmt: skip
+    monkeypatch.setattr(gate, "source_digest", lambda: digest[0])
+    monkeypatch.setattr(
+        gate, "run_mode", lambda a, mode, t: started.append(mode) or {"gpu_resident": mode, "status": "ok", "wall_s": 40.0}
+    )
+    monkeypatch.setattr(gate, "run_suite", lambda *a, **k: started.append("suite") or suites.pop(0))
+    base = ["--allow-cpu", "--record", str(record), "--commit", "abc", "--modes", "all,none"]
+
+    # The runs: recorded as incomplete, the suite of the record they replace kept for the next deadline.
+    assert gate.main([*base, "--part", "runs"]) == 0 and started == ["all", "none"]
+    runs = json.loads(record.read_text())
+    assert not runs["ok"] and runs["tests"] is None and runs["part"] == "runs"
+    assert runs["why"].startswith("incomplete: the test suite (gpu_gate.py --part tests")
+    assert runs["last_suite"] == {"seconds": 380.0, "of_commit": "0ld"}
+    assert gate.expected_seconds(record, [], suite=True)[0] == 380.0  # the suite's deadline: 1.1 x 380 s
+    assert gate.expected_seconds(record, ["all", "none"], suite=False)[0] == 80.0
+
+    # The suite with a deadline shorter than 1.1 x the last suite is refused before it runs.
+    started.clear()
+    assert gate.main([*base, "--part", "tests", "--deadline", "400"]) == 2 and started == []
+    assert "took 380 s for the suite" in capsys.readouterr().out
+
+    # The suite fails: the record keeps the runs and says so.
+    assert gate.main([*base, "--part", "tests", "--deadline", "419"]) == 1 and started == ["suite"]
+    failed = json.loads(record.read_text())
+    assert not failed["ok"] and failed["why"] == "1 tests failed, 0 errors" and failed["runs"] == runs["runs"]
+    assert failed["runs_part"]["date"] == runs["date"] and failed["runs_part"]["command"] == runs["command"]
+
+    # A test mended in tests/ (the sources unchanged): the suite again completes the same runs.
+    suites.append({"passed": 3, "failed": 0, "errors": 0, "skipped": 0, "exit_code": 0, "seconds": 360.0})
+    started.clear()
+    assert gate.main([*base, "--part", "tests"]) == 0 and started == ["suite"]
+    done = json.loads(record.read_text())
+    assert done["ok"] and done["why"] == "all passed" and done["runs"] == runs["runs"] and done["part"] == "tests"
+    assert done["runs_part"] == failed["runs_part"] and done["source_digest"] == "d1"
+
+    # Other sources than the runs': refused before anything runs, the record untouched.
+    digest[0] = "d2"
+    started.clear()
+    assert gate.main([*base, "--part", "tests"]) == 2 and started == []
+    said = capsys.readouterr().out
+    assert "not started" in said and "other slidekit/ and plugins/" in said and "--part runs first" in said
+    assert json.loads(record.read_text()) == done
+    record.write_text(json.dumps({"commit": "x", "source_digest": "d2", "runs": []}))
+    assert gate.main([*base, "--part", "tests"]) == 2 and "holds no runs" in capsys.readouterr().out
+
+    # A whole gate too long for its deadline names the split.
+    record.write_text(json.dumps(done))
+    assert gate.main([*base, "--deadline", "100"]) == 2
+    assert "--part runs, then --part tests" in capsys.readouterr().out
