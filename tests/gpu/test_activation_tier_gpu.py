@@ -54,10 +54,18 @@ def test_a_gpu_short_of_room_puts_them_in_ram(tmp_path):
             assert t.selections["activation_tier"].name == "ram"
             runs[tier] = (t.fit(batches).losses, trained_state(t), t.notes)
     assert any("engine.activation_tier='auto'" in n for n in runs["auto"][2])
-    # Not bitwise: the gate on an H100 found the two 4.9e-6 apart (losses at step 2; most likely sums in
-    # an unfixed order, such as CUDA's embedding backward). The tier is checked above; this, that it trains.
+    # Not bitwise: two GPU runs of one configuration differ (the source is not isolated; sums in an unfixed
+    # order, such as atomics in a backward, are the likely cause). The tier is checked above; this, that it
+    # trains as the "ram" run does, to within that spread. The gates on H100s measured it: losses 4.9e-6
+    # apart (session 34); the Adam moments 1.05e-2 (exp_avg_sq, norm-wise; exp_avg 9.3e-3), the BF16
+    # gradients' last bits, while every master stayed within 1e-3 (session 35). A wrong gradient (activations
+    # lost or misplaced) moves the moments by O(1), so 5e-2 still tells it apart.
+    auto, ram = runs["auto"][1], runs["ram"][1]
     assert_losses_close(runs["auto"][0], runs["ram"][0], rtol=1e-4)
-    assert_states_close(runs["auto"][1], runs["ram"][1], rtol=1e-3)
+    masters = [n for n in ram if n.startswith("master/")]
+    assert masters and len(masters) < len(ram)
+    assert_states_close({n: auto[n] for n in masters}, {n: ram[n] for n in masters}, rtol=1e-3)
+    assert_states_close(auto, {n: t for n, t in ram.items() if n not in masters}, rtol=5e-2)
 
 
 def test_the_defaults_train_and_say_what_they_chose(tmp_path):
