@@ -23,6 +23,9 @@ import torch, triton, transformers, platform
 print(platform.python_version(), torch.__version__, triton.__version__, transformers.__version__,
       torch.cuda.get_device_name(), torch.cuda.mem_get_info())
 PY
+# The host (H100 hosts differed by 27-33% in the gate's offload runs, session 35): its CPU and memory.
+{ grep -m1 'model name' /proc/cpuinfo; nproc; grep -m1 MemTotal /proc/meminfo; } 2>/dev/null | tr '\n' ' ' | tee -a "$OUT/env.txt"
+echo | tee -a "$OUT/env.txt"
 case "${1:-tests}" in
   tests)  # the GPU gate: the whole suite plus the residency runs, recorded (benchmarks/gpu_gate.py); where the
     # whole gate does not fit one call, two calls on one tree: --part runs, then --part tests (which completes
