@@ -290,8 +290,10 @@ SLOWEST = 15  # the gate record names this many of the slowest tests (where the 
 
 
 def junit_counts(path: Path) -> dict[str, Any]:
-    """Passed, failed, errors, skipped, the failed test ids and the ``SLOWEST`` slowest tests (id,
-    seconds) of a pytest JUnit XML report."""
+    """Passed, failed, errors, skipped, the failed test ids, the ``SLOWEST`` slowest tests (id, seconds)
+    and ``test_seconds``, the tests' summed time, of a pytest JUnit XML report. Against the suite's wall
+    and its workers that sum says whether the suite is bound by its workers (sum / workers near the
+    wall) or by its slowest tests starting late."""
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     failures: list[str] = []
     times: list[tuple[float, str]] = []
@@ -313,7 +315,8 @@ def junit_counts(path: Path) -> dict[str, Any]:
         else:
             counts["passed"] += 1
     slowest = [[name, round(t, 1)] for t, name in sorted(times, reverse=True)[:SLOWEST]]
-    return {**counts, "failures": failures, "slowest": slowest}
+    total = round(sum(t for t, _ in times), 1)
+    return {**counts, "failures": failures, "slowest": slowest, "test_seconds": total}
 
 
 # ---------------------------------------------------------------------------- one real-shape run

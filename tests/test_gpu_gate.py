@@ -114,6 +114,7 @@ def test_junit_counts_and_the_verdict(tmp_path: Path):
     assert counts["failures"] == ["tests.b::bad", "tests.b::broken"]
     assert counts["slowest"][:2] == [["tests.a::ok2", 7.3], ["tests.a::ok1", 0.5]]  # no time: 0
     assert len(counts["slowest"]) == 5
+    assert counts["test_seconds"] == 7.8  # 0.5 + 7.31, the rest without a time
 
     clean = {"passed": 3, "failed": 0, "errors": 0, "skipped": 1, "exit_code": 0}
     run = {"gpu_resident": "all", "status": "ok"}
