@@ -244,6 +244,22 @@ case "${1:-tests}" in
       done
     done
     ;;
+  window)  # the window's depth (NOTES 58): bash benchmarks/run_h200.sh window "MODEL BATCH"... with WINDOWS (default
+    # "4 3") taking turns, REPEATS (default 1) rounds, one process each, 10 steps after 2 warm-up, the planner's
+    # placement and update order unless EXTRA="..." names more bench options (e.g. --optimizer adamw_8bit)
+    shift; build_layer_adam; B="$OUT/window.jsonl"
+    for spec in "$@"; do
+      set -- $spec
+      for r in $(seq "${REPEATS:-1}"); do
+        for w in ${WINDOWS:-4 3}; do
+          # shellcheck disable=SC2086  # EXTRA: one word per option
+          timeout 280 python3 -m slidekit.tools.bench --model "$1" --batch "$2" --seq 1024 --resident auto --steps 10 \
+            --warmup 2 --window "$w" ${EXTRA:-} --out "$B" 2>&1 | tail -1 | cut -c1-300
+          echo "$1-b$2-window-$w round $r: at ${SECONDS}s"
+        done
+      done
+    done
+    ;;
   suite)  # one suite of `slidekit bench` (issue 15): bash benchmarks/run_h200.sh suite NAME COMMIT [BENCH OPTIONS]
     # NAME: a preset of slidekit.tools.bench.suite_presets.SUITES; it builds its kernels itself, then runs what
     # its time plan keeps within what is left of the call (BUDGET, default 575 s, less the install; docs/benchmarking.md
