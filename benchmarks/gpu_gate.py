@@ -283,7 +283,24 @@ def run_suite(
                 "skipped": 0,
                 "failures": ["no JUnit report"],
             }
+        write_durations(junit, durations_path(log))
         return {**result, **junit_counts(junit)}
+
+
+def durations_path(log: Path) -> Path:
+    """Where ``run_suite`` writes every test's seconds: beside its log (``gpu-gate-tests.durations.json``)."""
+    return log.with_name(f"{log.stem}.durations.json")
+
+
+def write_durations(junit: Path, path: Path) -> None:
+    """Every test of a JUnit report, in the report's order, with its seconds (``[[id, seconds], ...]``): what
+    a schedule of the suite over its workers can be worked out from (the record keeps only the slowest)."""
+    rows = [
+        [f"{case.get('classname', '')}::{case.get('name')}", round(float(case.get("time") or 0.0), 2)]
+        for case in ET.parse(junit).getroot().iter("testcase")
+        if case.get("name") is not None
+    ]
+    path.write_text(json.dumps(rows) + "\n")
 
 
 SLOWEST = 15  # the gate record names this many of the slowest tests (where the suite's time goes)

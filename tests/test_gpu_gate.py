@@ -135,6 +135,9 @@ def test_the_suite_reports_its_counts_and_an_overrun_still_names_its_failures(tm
     assert (result["passed"], result["failed"], result["timed_out"]) == (1, 1, False)
     (failed,) = result["failures"]  # its class path depends on where pytest puts its rootdir
     assert failed.endswith("test_sample::test_bad") and result["exit_code"] == 1
+    rows = json.loads(gate.durations_path(tmp_path / "log").read_text())  # every test that ran, with its time
+    assert [n.rsplit("::", 1)[1] for n, _ in rows] == ["test_ok", "test_bad"] and all(t >= 0 for _, t in rows)
+    assert result["test_seconds"] == pytest.approx(sum(t for _, t in rows), abs=0.1)
 
     # The stuck test is interrupted at the deadline; what ran before it is still counted. The deadline is
     # ample for the start and the two tests before it, as long as the run above took on this machine, now.
