@@ -230,13 +230,24 @@ _INTERRUPTIBLE_PYTEST = (
 )
 
 
+#: The environment variable that names the slow tests to start first (tests/suite_order.py's ENV).
+SLOW_FIRST_ENV = "SLIDEKIT_SLOW_FIRST"
+
+
 def run_suite(
-    timeout: float, log: Path, extra: Sequence[str] = (), workers: int = 1, paths: Sequence[str] = ("tests",)
+    timeout: float,
+    log: Path,
+    extra: Sequence[str] = (),
+    workers: int = 1,
+    paths: Sequence[str] = ("tests",),
+    slow_first: Sequence[Sequence[Any]] = (),
 ) -> dict[str, Any]:
     """``pytest tests`` (or ``paths``) in a child process: counts, failures and the time it took.
 
     With ``workers`` > 1 the tests are spread over that many pytest-xdist
-    processes, each with a share of the cores, test by test (``xdist_mode``).
+    processes, each with a share of the cores, test by test (``xdist_mode``);
+    ``slow_first`` (``[[junit id, seconds], ...]``: the last suite's slowest)
+    start first, one at the head of each worker's share (tests/suite_order.py).
     Past ``timeout`` the suite is interrupted (SIGINT: pytest still reports
     what ran, the failures included) and then killed.
     """
@@ -244,9 +255,15 @@ def run_suite(
         junit = Path(tmp) / "junit.xml"
         args = ["-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={junit}"]
         env = dict(os.environ)
+        env.pop(SLOW_FIRST_ENV, None)
+        order = "collected"
         if workers > 1:
             args += ["-n", str(workers), "--dist", xdist_mode()]
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or workers) // workers)))
+            if slow_first:
+                (Path(tmp) / "slow.json").write_text(json.dumps([list(row) for row in slow_first]))
+                env[SLOW_FIRST_ENV] = str(Path(tmp) / "slow.json")
+                order = f"slow first ({len(slow_first)} tests named)"
         args += [*extra, *paths]
         cmd = [sys.executable, "-c", _INTERRUPTIBLE_PYTEST, *args]
         t0 = time.perf_counter()
@@ -270,6 +287,7 @@ def run_suite(
         result: dict[str, Any] = {
             "command": " ".join(["pytest", *(a for a in args if not a.startswith("--junitxml="))]),  # not its tmp path
             "workers": workers,
+            "order": order,
             "seconds": seconds,
             "exit_code": code,
             "timed_out": timed_out,
@@ -303,7 +321,8 @@ def write_durations(junit: Path, path: Path) -> None:
     path.write_text(json.dumps(rows) + "\n")
 
 
-SLOWEST = 15  # the gate record names this many of the slowest tests (where the suite's time goes)
+SLOWEST = 40  # the gate record names this many of the slowest tests: where the suite's time goes, and what
+# the next gate starts first (run_suite's slow_first)
 
 
 def junit_counts(path: Path) -> dict[str, Any]:
@@ -523,6 +542,30 @@ def deadline_too_short(args: argparse.Namespace, modes: Sequence[str]) -> str | 
     )
 
 
+#: ``--order auto`` starts the slow tests first only where the last suite's tests summed to less than this
+#: share of its workers' time (its wall x its workers): a suite that waited on its slowest tests. Where the
+#: workers were busy throughout, no order shortens it (tests/suite_order.py's replay of session 35's suite
+#: with CPU-machine durations: 152 s as collected, 109 s slow first, on 14 workers and a bound of 95 s).
+TAIL_BOUND = 0.8
+
+
+def slow_first(order: str, last_suite: dict[str, Any]) -> list[Any]:
+    """The slow tests the suite starts first (``run_suite``'s ``slow_first``) for ``--order``: none
+    ("collected"), the last suite's slowest ("slow-first"), or for "auto" those where that suite was
+    bound by its slowest tests (``TAIL_BOUND``), none where it cannot tell."""
+    slow = list(last_suite.get("slowest") or [])
+    if order != "auto":
+        return slow if order == "slow-first" else []
+    busy: Any = last_suite.get("test_seconds")
+    wall: Any = last_suite.get("seconds")
+    workers: Any = last_suite.get("workers")
+    try:
+        waited = float(busy) < TAIL_BOUND * float(wall) * int(workers)
+    except (TypeError, ValueError):
+        return []
+    return slow if waited else []
+
+
 def continued_runs(record_path: Path, digest: str) -> tuple[dict[str, Any] | None, str]:
     """``--part tests``: the record whose runs the suite completes, or None and why not. The record at
     ``record_path`` must hold runs of this tree's slidekit/ and plugins/ (``digest``): a suite completes
@@ -567,7 +610,7 @@ def gate(args: argparse.Namespace) -> int:
                 flush=True,
             )
             return 2
-    last_suite = _last_suite(_read_record(args.record)) if args.part == "runs" else None
+    last_suite = _last_suite(_read_record(args.record))  # read before this gate's record replaces it
     matches = commit_matches_tree(commit, digest)
     if matches is False:
         print(
@@ -592,8 +635,9 @@ def gate(args: argparse.Namespace) -> int:
         runs = list(earlier["runs"])
         keys = ("commit", "date", "machine", "command", "seconds")
         record["runs_part"] = earlier.get("runs_part") or {k: earlier.get(k) for k in keys}
-    elif last_suite is not None:  # --part runs: the suite the next deadline goes by
-        record["last_suite"] = {"seconds": last_suite.get("seconds"), "of_commit": last_suite.get("of_commit")}
+    elif args.part == "runs" and last_suite is not None:  # the suite the next deadline and order go by
+        keys = ("seconds", "of_commit", "slowest", "test_seconds", "workers")
+        record["last_suite"] = {k: last_suite[k] for k in keys if k in last_suite}
 
     def save(pending: str | None) -> tuple[bool, str]:
         """Write the record as it stands; ``pending`` names what has not run yet (then it fails)."""
@@ -622,7 +666,8 @@ def gate(args: argparse.Namespace) -> int:
         budget = max(1.0, min(args.tests_timeout, left()))
         print(f"gpu_gate: the whole test suite, at most {budget:.0f} s (log {log})", flush=True)
         save("the test suite is running")  # a gate killed from outside leaves this much
-        tests = run_suite(budget, log, shlex.split(args.pytest_args), pytest_workers(args.workers))
+        slow = slow_first(args.order, last_suite or {})
+        tests = run_suite(budget, log, shlex.split(args.pytest_args), pytest_workers(args.workers), slow_first=slow)
         print(
             f"gpu_gate: tests {json.dumps({k: v for k, v in tests.items() if k != 'failures'})}", flush=True
         )
@@ -677,6 +722,14 @@ def parser() -> argparse.ArgumentParser:
         "completing the first's record (default: %(default)s)",
     )
     p.add_argument("--pytest-args", default="", help="extra pytest arguments, one string (e.g. '-x --lf')")
+    p.add_argument(
+        "--order",
+        choices=("auto", "slow-first", "collected"),
+        default="auto",
+        help="the suite's order over its workers: the last suite's slowest tests first, one at the head of each "
+        "worker's share (tests/suite_order.py), or as collected; auto: slow first where the last suite's "
+        f"tests summed to under {TAIL_BOUND} of its workers' time (default: %(default)s)",
+    )
     p.add_argument(
         "--workers",
         default="auto",

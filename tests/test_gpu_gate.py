@@ -157,7 +157,7 @@ def test_the_record_is_written_before_each_phase_and_the_suite_gets_what_the_run
     clock = [0.0]
     monkeypatch.setattr(gate.time, "perf_counter", lambda: clock[0])
 
-    def suite(timeout, log, extra=(), workers=1, paths=("tests",)):
+    def suite(timeout, log, extra=(), workers=1, paths=("tests",), slow_first=()):
         written = json.loads(record.read_text())
         assert not written["ok"] and [r["gpu_resident"] for r in written["runs"]] == ["all", "none"]
         seen.append(("suite", timeout, written["why"]))
