@@ -8,7 +8,6 @@ docs/testing.md.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,12 +41,5 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under the GPU gate's pytest-xdist workers (``suite_order.ENV`` set, more than one worker): the last
-    gate's slowest tests first, one at the head of each worker's share (``suite_order``)."""
-    path = os.environ.get(suite_order.ENV)
-    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
-    if not path or workers < 2:
-        return
-    seconds = suite_order.read_seconds(Path(path))
-    order = suite_order.spread_slow_first([suite_order.junit_id(i.nodeid) for i in items], seconds, workers)
-    items[:] = [items[i] for i in order]
+    """Under the GPU gate's pytest-xdist workers: the last gate's slowest tests first (``suite_order.reorder``)."""
+    suite_order.reorder(config, items)

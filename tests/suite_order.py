@@ -10,9 +10,9 @@ at the heads of the shares instead, spread by the longest-first rule, the rest a
 collection order.
 
 The gate names the slow tests through ``ENV``: a JSON file of ``[[junit id, seconds], ...]``, the
-slowest tests of the last gate's suite (its record's ``slowest``). ``tests/conftest.py`` reorders only
-in a pytest-xdist worker with more than one worker and ``ENV`` set; every worker computes the same
-order from the same file, as xdist requires.
+slowest tests of the last gate's suite (its record's ``slowest``). ``reorder`` (``tests/conftest.py``'s
+hook) reorders only in a pytest-xdist worker with more than one worker and ``ENV`` set; every worker
+computes the same order from the same file, as xdist requires.
 
 ``simulate_worksteal`` replays worksteal's scheduling over known durations (the rules of
 pytest-xdist 3.x's ``WorkStealingScheduling``: shares split as ``shares`` splits them, a worker idle
@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import heapq
 import json
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Mapping, MutableSequence, Sequence
 from pathlib import Path
+from typing import Any
 
 ENV = "SLIDEKIT_SLOW_FIRST"
 MIN_PENDING = 2  # pytest-xdist's worksteal: a worker with fewer queued tests (the running one counted) is idle
@@ -79,6 +81,18 @@ def spread_slow_first(ids: Sequence[str], seconds: Mapping[str, float], workers:
     for head, size in zip(heads, sizes, strict=True):
         order += head + [next(rest) for _ in range(size - len(head))]
     return order
+
+
+def reorder(config: Any, items: MutableSequence[Any]) -> None:
+    """``tests/conftest.py``'s ``pytest_collection_modifyitems``: in a pytest-xdist worker of more than one
+    (``config.workerinput``) with ``ENV`` naming a file, ``items`` in ``spread_slow_first``'s order; else
+    as they are."""
+    path = os.environ.get(ENV)
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    if not path or workers < 2:
+        return
+    order = spread_slow_first([junit_id(i.nodeid) for i in items], read_seconds(Path(path)), workers)
+    items[:] = [items[i] for i in order]
 
 
 def simulate_worksteal(durations: Sequence[float], workers: int) -> float:

@@ -62,9 +62,7 @@ def test_the_replay_of_worksteal_and_what_the_spread_order_gains():
     assert spread < 1.1 * bound
 
 
-def test_the_conftest_reorders_only_under_the_gates_workers(tmp_path, monkeypatch):
-    import conftest
-
+def test_the_collection_is_reordered_only_under_the_gates_workers(tmp_path, monkeypatch):
     names = ["tests/test_a.py::test_quick", "tests/test_a.py::test_other", "tests/test_b.py::test_slow"]
     slow = tmp_path / "slow.json"
     slow.write_text(json.dumps([["tests.test_b::test_slow", 120.0]]))
@@ -72,7 +70,7 @@ def test_the_conftest_reorders_only_under_the_gates_workers(tmp_path, monkeypatc
     def collected(workers: int | None) -> list[str]:
         items = [SimpleNamespace(nodeid=n) for n in names]
         config = SimpleNamespace() if workers is None else SimpleNamespace(workerinput={"workercount": workers})
-        conftest.pytest_collection_modifyitems(config, items)
+        so.reorder(config, items)
         return [i.nodeid for i in items]
 
     monkeypatch.delenv(so.ENV, raising=False)
