@@ -488,8 +488,9 @@ def _read_record(path: Path) -> dict[str, Any]:
 
 
 def _last_suite(record: dict[str, Any]) -> dict[str, Any] | None:
-    """The latest suite a record knows (its ``seconds`` and ``of_commit``): its own, or for a record of the
-    runs alone (``--part runs``) the suite of the record it replaced, so the next deadline has one to go by."""
+    """The latest suite a record knows (its fields, and ``of_commit``: the gate that ran it): its own, or for a
+    record of the runs alone (``--part runs``) what it kept of the suite of the record it replaced, so the
+    next deadline and order have one to go by."""
     if isinstance(record.get("tests"), dict):
         return {**record["tests"], "of_commit": record.get("commit")}
     last = record.get("last_suite")
