@@ -567,12 +567,11 @@ def slow_first(order: str, last_suite: dict[str, Any]) -> list[Any]:
     return slow if waited else []
 
 
-def continued_runs(record_path: Path, digest: str) -> tuple[dict[str, Any] | None, str]:
-    """``--part tests``: the record whose runs the suite completes, or None and why not. The record at
-    ``record_path`` must hold runs of this tree's slidekit/ and plugins/ (``digest``): a suite completes
-    only the runs of the sources it tests. A suite the record had (a gate cut off, or failed by a test
-    mended since in tests/) is replaced."""
-    record = _read_record(record_path)
+def continued_runs(record: dict[str, Any], record_path: Path, digest: str) -> tuple[dict[str, Any] | None, str]:
+    """``--part tests``: the record whose runs the suite completes, or None and why not. ``record`` (read
+    from ``record_path``) must hold runs of this tree's slidekit/ and plugins/ (``digest``): a suite
+    completes only the runs of the sources it tests. A suite the record had (a gate cut off, or failed by a
+    test mended since in tests/) is replaced."""
     if not record.get("runs"):
         return None, f"the record at {record_path} holds no runs (or is not there, or not readable)"
     if record.get("source_digest") != digest:
@@ -601,9 +600,10 @@ def gate(args: argparse.Namespace) -> int:
         print(f"gpu_gate: not started: {short}", flush=True)
         return 2
     digest = source_digest()
+    previous = _read_record(args.record)  # read once, before this gate's record replaces it
     earlier: dict[str, Any] | None = None  # --part tests: the record of the runs it completes
     if args.part == "tests":
-        earlier, why_not = continued_runs(args.record, digest)
+        earlier, why_not = continued_runs(previous, args.record, digest)
         if earlier is None:
             print(
                 f"gpu_gate: not started: --part tests completes the runs of a record of this tree's sources, and "
@@ -611,7 +611,7 @@ def gate(args: argparse.Namespace) -> int:
                 flush=True,
             )
             return 2
-    last_suite = _last_suite(_read_record(args.record))  # read before this gate's record replaces it
+    last_suite = _last_suite(previous)
     matches = commit_matches_tree(commit, digest)
     if matches is False:
         print(

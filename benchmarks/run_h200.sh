@@ -18,6 +18,21 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/slidekit-off /tmp/slidekit-bench
 build_layer_adam() {  # compile slidekit's fused CPU optimizer kernels once, before the timed runs
   timeout 240 slidekit build > "$OUT/build_layer_adam.log" 2>&1
 }
+ab_rounds() {  # ab_rounds FILE OPTION "VALUES" "MODEL BATCH"...: per spec, REPEATS (default 1) rounds of one bench
+  # process per value of OPTION, in turn, 10 steps after 2 warm-up, the planner's residency; EXTRA: more options
+  local file=$1 option=$2 values=$3 spec r v; shift 3
+  for spec in "$@"; do
+    set -- $spec
+    for r in $(seq "${REPEATS:-1}"); do
+      for v in $values; do
+        # shellcheck disable=SC2086  # EXTRA: one word per option
+        timeout 280 python3 -m slidekit.tools.bench --model "$1" --batch "$2" --seq 1024 --resident auto --steps 10 \
+          --warmup 2 "$option" "$v" ${EXTRA:-} --out "$file" 2>&1 | tail -1 | cut -c1-300
+        echo "$1-b$2 ${option#--} $v round $r: at ${SECONDS}s"
+      done
+    done
+  done
+}
 python3 - <<'PY' | tee "$OUT/env.txt"
 import torch, triton, transformers, platform
 print(platform.python_version(), torch.__version__, triton.__version__, transformers.__version__,
@@ -230,35 +245,12 @@ case "${1:-tests}" in
     # bash benchmarks/run_h200.sh weights "MODEL BATCH"...; per spec, REPEATS (default 1) rounds of: the planner's
     # residency with --resident-weights keep, then auto, one process each, 10 steps after 2 warm-up, the host
     # updates in arrival order (as the planner's calibration); EXTRA="..." more bench options for every run
-    shift; build_layer_adam; B="$OUT/weights.jsonl"
-    for spec in "$@"; do
-      set -- $spec
-      for r in $(seq "${REPEATS:-1}"); do
-        for w in keep auto; do
-          TAG="$1-b$2-weights-$w"
-          # shellcheck disable=SC2086  # EXTRA: one word per option
-          timeout 280 python3 -m slidekit.tools.bench --model "$1" --batch "$2" --seq 1024 --resident auto --steps 10 \
-            --warmup 2 --update-order arrival --resident-weights "$w" ${EXTRA:-} --out "$B" 2>&1 | tail -1 | cut -c1-300
-          echo "$TAG round $r: at ${SECONDS}s"
-        done
-      done
-    done
+    shift; build_layer_adam; EXTRA="--update-order arrival ${EXTRA:-}" ab_rounds "$OUT/weights.jsonl" --resident-weights "keep auto" "$@"
     ;;
   window)  # the window's depth (NOTES 58): bash benchmarks/run_h200.sh window "MODEL BATCH"... with WINDOWS (default
     # "4 3") taking turns, REPEATS (default 1) rounds, one process each, 10 steps after 2 warm-up, the planner's
     # placement and update order unless EXTRA="..." names more bench options (e.g. --optimizer adamw_8bit)
-    shift; build_layer_adam; B="$OUT/window.jsonl"
-    for spec in "$@"; do
-      set -- $spec
-      for r in $(seq "${REPEATS:-1}"); do
-        for w in ${WINDOWS:-4 3}; do
-          # shellcheck disable=SC2086  # EXTRA: one word per option
-          timeout 280 python3 -m slidekit.tools.bench --model "$1" --batch "$2" --seq 1024 --resident auto --steps 10 \
-            --warmup 2 --window "$w" ${EXTRA:-} --out "$B" 2>&1 | tail -1 | cut -c1-300
-          echo "$1-b$2-window-$w round $r: at ${SECONDS}s"
-        done
-      done
-    done
+    shift; build_layer_adam; ab_rounds "$OUT/window.jsonl" --window "${WINDOWS:-4 3}" "$@"
     ;;
   suite)  # one suite of `slidekit bench` (issue 15): bash benchmarks/run_h200.sh suite NAME COMMIT [BENCH OPTIONS]
     # NAME: a preset of slidekit.tools.bench.suite_presets.SUITES; it builds its kernels itself, then runs what
